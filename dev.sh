@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine.
+#   ./dev.sh setup        create .venv (uv), install fleet with its test + transformers extras
+#   ./dev.sh demo [ARGS]  setup, then `fleet demo ARGS` (the main job on the embedded Prefect server)
+#   ./dev.sh test [ARGS]  setup, install openssh-server when missing, then run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${FLEET_VENV:-.venv}
+PY=${FLEET_PYTHON:-python3}
+
+setup() {
+  if ! command -v uv >/dev/null 2>&1; then
+    echo "dev.sh: installing uv (pip --user)" >&2
+    "$PY" -m pip install --quiet --user uv || "$PY" -m pip install --quiet uv
+    export PATH="$HOME/.local/bin:$PATH"
+  fi
+  local stamp="$VENV/.fleet-setup"
+  local want
+  want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  [ -x "$VENV/bin/python" ] || uv venv --quiet --python "$("$PY" -c 'import sys; print(sys.executable)')" "$VENV"
+  export VIRTUAL_ENV="$PWD/$VENV"
+  # torch: take a local CPU wheel when the machine has one (a plain 'torch' pulls a multi-GB CUDA build).
+  local links=()
+  for d in ${FLEET_WHEELS:-/opt/wheels}; do [ -d "$d" ] && links+=(--find-links "$d"); done
+  if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+    local cpu_torch
+    cpu_torch=$(ls ${FLEET_WHEELS:-/opt/wheels}/torch-*+cpu-*.whl 2>/dev/null | head -1 || true)
+    if [ -n "$cpu_torch" ]; then
+      uv pip install --quiet --compile-bytecode "${links[@]}" "$cpu_torch"
+    else
+      uv pip install --quiet --compile-bytecode --index-url https://download.pytorch.org/whl/cpu torch \
+        || uv pip install --quiet --compile-bytecode torch
+    fi
+  fi
+  uv pip install --quiet --compile-bytecode "${links[@]}" -e ".[transformers,test]"
+  echo "$want" > "$stamp"
+}
+
+need_sshd() {
+  [ -x /usr/sbin/sshd ] && return 0
+  echo "dev.sh: installing openssh-server (tests run a real sshd on 127.0.0.1)" >&2
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get install -y -qq openssh-server >/dev/null 2>&1 || {
+    $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq openssh-server >/dev/null
+  }
+}
+
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/fleet" demo "$@" ;;
+  test) setup; need_sshd; exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) sed -n '2,6p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,306 @@
+"""The fleet config: one pydantic-settings model, read from TOML and `FLEET_*` env vars.
+
+Precedence, highest first: `FLEET_<SECTION>__<KEY>` environment variables, then the TOML
+file given with `-c/--config`, then the defaults below. Unknown keys are errors: a typo
+must never silently fall back to a default on a machine billed by the hour.
+
+The same model is the Prefect flow's parameter type, so every field carries a
+description (it becomes the UI form and the README's schema table).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from fleet.errors import ConfigError
+
+EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class NodeConfig(_Section):
+    """One machine that runs servers."""
+
+    name: str = Field("local", min_length=1, pattern=r"^[a-z0-9][a-z0-9-]*$",
+                      description="Short name used in artifacts, logs and ports tables (a-z, 0-9, -).")
+    kind: Literal["local", "ssh"] = Field("local", description="'local': run on this machine (subprocess); 'ssh': over SSH.")
+    host: str | None = Field(None, description="SSH host name or address (kind='ssh').")
+    port: int = Field(22, ge=1, le=65535, description="SSH port.")
+    user: str | None = Field(None, description="SSH user (default: the local user name).")
+    key_file: Path | None = Field(None, description="Private key file for SSH auth.")
+    key_secret: str | None = Field(None, description="Name of a Prefect Secret block holding the private key (instead of key_file).")
+    block: str | None = Field(None, description="Name of a registered 'fleet-node' Prefect block that supplies host/port/user/key/host key.")
+    known_hosts: Path | None = Field(None, description="known_hosts file to verify the host key against (default ~/.ssh/known_hosts).")
+    host_key: str | None = Field(None, description="Pinned host key, 'ssh-ed25519 AAAA…' (takes precedence over known_hosts).")
+    trust_on_first_use: bool = Field(False, description="Accept an unknown host key once and record it in known_hosts. Off by default.")
+    connect_timeout_s: float = Field(15.0, gt=0, le=600, description="TCP + SSH handshake timeout.")
+    keepalive_s: int = Field(15, ge=0, le=3600, description="SSH keepalive interval (0 = off).")
+    workdir: str = Field("/tmp/fleet", description="Directory on the node for logs, pid files and manifests.")
+    ramdisk: str = Field("/dev/shm", description="RAM disk on the node where the model is staged.")
+    gpus: list[int] | None = Field(None, description="GPU indices to use on this node (default: all that nvidia-smi lists).")
+
+    @model_validator(mode="after")
+    def _ssh_needs_host(self) -> NodeConfig:
+        if self.kind == "ssh" and not (self.host or self.block):
+            raise ValueError("an ssh node needs 'host' (or 'block' naming a fleet-node block)")
+        if self.key_file and self.key_secret:
+            raise ValueError("give either 'key_file' or 'key_secret', not both")
+        return self
+
+
+class SimConfig(_Section):
+    """Behaviour of the simulated SGLang server (engine.kind = 'sim')."""
+
+    startup_s: float = Field(1.0, ge=0, le=3600, description="Seconds before the server is ready.")
+    first_request_delay_s: float = Field(0.0, ge=0, le=3600, description="Extra delay on the first request (CUDA graph / kernel warm-up).")
+    tokens_per_s: float = Field(2000.0, gt=0, description="Decode speed per request stream.")
+    max_running_requests: int = Field(64, ge=1, le=100000, description="Reported max running requests; excess requests queue.")
+    kv_cache_tokens: int = Field(500000, ge=1, description="Reported KV cache size in tokens.")
+    seed: int = Field(0, description="Seed: the same seed gives the same answers and faults.")
+
+
+class EngineConfig(_Section):
+    """Which inference engine to launch and how."""
+
+    kind: EngineKind = Field("sim", description="Engine: sglang, vllm, transformers or sim (simulated SGLang).")
+    packages: list[str] = Field(default_factory=list, description="Pinned packages for the node venv, e.g. ['sglang[all]==0.5.10'].")
+    import_check: str | None = Field(None, description="Module imported (and timed) to prove the venv works; default per engine.")
+    context_length: int | None = Field(None, ge=1, description="--context-length / --max-model-len.")
+    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization.")
+    trust_remote_code: bool = Field(False, description="--trust-remote-code.")
+    speculative_algorithm: str | None = Field(None, description="SGLang --speculative-algorithm (e.g. EAGLE, EAGLE3, NEXTN).")
+    speculative_num_steps: int | None = Field(None, ge=1, description="--speculative-num-steps.")
+    speculative_eagle_topk: int | None = Field(None, ge=1, description="--speculative-eagle-topk.")
+    speculative_num_draft_tokens: int | None = Field(None, ge=1, description="--speculative-num-draft-tokens.")
+    speculative_draft_model_path: str | None = Field(None, description="--speculative-draft-model-path.")
+    mamba_scheduler_strategy: str | None = Field(None, description="SGLang --mamba-scheduler-strategy (e.g. extra_buffer).")
+    device: str | None = Field(None, description="transformers serve --device (cpu, cuda); default cuda when GPUs exist, else cpu.")
+    continuous_batching: bool = Field(True, description="transformers serve --continuous-batching.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra argv appended to every server's command line.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every server.")
+    sim: SimConfig = Field(default_factory=SimConfig, description="Simulated server behaviour (kind='sim').")
+
+
+class ModelConfig(_Section):
+    """The model to serve."""
+
+    source: str = Field("", description="Model directory on the node (often a network filesystem).")
+    served_name: str | None = Field(None, description="Model name the API answers to (default: the directory name).")
+    stage: bool = Field(True, description="Copy the model to the node's RAM disk once and serve it from there.")
+    stage_margin_gb: float = Field(4.0, ge=0, description="Free space the RAM disk must keep beyond the model's size.")
+    verify: bool = Field(False, description="Verify staged files by content hash (slower) rather than size + mtime.")
+    copy_streams: int = Field(8, ge=1, le=64, description="Parallel copy streams while staging.")
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.source.rstrip("/")).name or "model"
+
+
+class VenvConfig(_Section):
+    """The engine's virtual environment on the node's local disk."""
+
+    path: str = Field("/opt/fleet/venv", description="Venv path on the node; must be on a local (not network) filesystem.")
+    python: str = Field("3.11", description="Python version uv creates the venv with.")
+    use_existing: bool = Field(False, description="Use the venv at 'path' as it is: no create, no install (only the import check).")
+    index_url: str | None = Field(None, description="Package index for uv (default: uv's default).")
+    find_links: list[str] = Field(default_factory=list, description="Extra local wheel directories for uv (--find-links).")
+    slow_import_s: float = Field(20.0, gt=0, description="An engine import slower than this is flagged (network filesystem symptom).")
+
+
+class ServersConfig(_Section):
+    """How many servers, where they listen."""
+
+    count: int | None = Field(None, ge=1, le=1024, description="Servers per node (default: one per GPU group; 1 on a node without GPUs).")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per server (tp size).")
+    base_port: int = Field(30000, ge=1024, le=65535, description="Port of server 0; server i listens on base_port + i.")
+    ports: list[int] | None = Field(None, description="Explicit ports, one per server (overrides base_port).")
+    host: str = Field("127.0.0.1", description="Bind address on the node. Anything but loopback requires api_key.")
+    api_key: SecretStr | None = Field(None, description="API key passed to the engine and sent by fleet's clients.")
+    forward_ports: bool = Field(True, description="Reach servers on an SSH node through forwarded local ports.")
+    ready_timeout_s: float = Field(900.0, gt=0, description="Longest wait for a server to become ready (death or fatal log lines fail at once).")
+    stop_grace_s: float = Field(20.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping a server.")
+    extra_args_by_index: dict[int, list[str]] = Field(default_factory=dict, description="Extra argv for single servers, keyed by server index.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServersConfig:
+        if self.ports is not None:
+            bad = [p for p in self.ports if not 1 <= p <= 65535]
+            if bad:
+                raise ValueError(f"ports out of range 1..65535: {bad}")
+            dup = sorted({p for p in self.ports if self.ports.count(p) > 1})
+            if dup:
+                raise ValueError(f"two servers on one port: {dup}; give each server its own port")
+            if self.count is not None and len(self.ports) != self.count:
+                raise ValueError(f"{len(self.ports)} ports for {self.count} servers")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and self.api_key is None:
+            raise ValueError(
+                f"host={self.host!r} exposes servers beyond loopback without an API key; "
+                "set servers.api_key (or FLEET_SERVERS__API_KEY), or bind 127.0.0.1 and use forwarded ports"
+            )
+        return self
+
+    def port_for(self, index: int) -> int:
+        if self.ports is not None:
+            return self.ports[index]
+        port = self.base_port + index
+        if port > 65535:
+            raise ConfigError(f"server {index} would listen on port {port} > 65535",
+                              remedy="lower servers.base_port or the server count")
+        return port
+
+
+class SmokeConfig(_Section):
+    """Proof that each server answers."""
+
+    prompt: str = Field("Say hello in five words.", description="User message of the smoke chat request.")
+    max_tokens: int = Field(16, ge=1, le=4096, description="max_tokens of the smoke request.")
+    first_timeout_s: float = Field(300.0, gt=0, description="Timeout of the first request (CUDA graph capture and kernel compilation happen here).")
+    timeout_s: float = Field(60.0, gt=0, description="Timeout of later smoke requests.")
+    attempts: int = Field(4, ge=1, le=50, description="Smoke attempts per server before it is declared failed.")
+    backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles each attempt.")
+    backoff_max_s: float = Field(60.0, ge=0, description="Cap on one retry delay.")
+    jitter: float = Field(0.25, ge=0, le=1, description="Random share added to each delay (0.25 = up to +25%).")
+    kv_cache_min_ratio: float = Field(0.8, gt=0, le=1, description="Flag a server whose KV cache is below this share of its peers' median.")
+
+
+class GenerationConfig(_Section):
+    """Defaults of the batch generation job."""
+
+    max_tokens: int = Field(4096, ge=1, description="Default max output tokens per row.")
+    temperature: float = Field(0.6, ge=0, le=5, description="Default sampling temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Default top_p.")
+    seed: int | None = Field(None, description="Default sampling seed.")
+    stop: list[str] | None = Field(None, description="Default stop strings.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Default chat_template_kwargs (e.g. enable_thinking).")
+    max_concurrency_per_server: int = Field(256, ge=1, le=100000, description="Cap on in-flight requests per server.")
+    request_timeout_s: float = Field(1800.0, gt=0, description="Timeout of one generation request.")
+    max_attempts: int = Field(6, ge=1, le=100, description="Attempts per row before it goes to the errors file.")
+    shard_rows: int = Field(10000, ge=1, description="Rows per committed Parquet shard.")
+    price_per_gpu_hour: float | None = Field(None, ge=0, description="GPU-hour price, to report measured $ per M tokens.")
+
+
+class FleetConfig(BaseSettings):
+    """A fleet: nodes, the engine, the model, and how to check and use the servers."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEET_", env_nested_delimiter="__", extra="forbid", validate_default=True,
+    )
+
+    name: str = Field("fleet", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Fleet name (a-z, 0-9, -); prefixes pid files, artifacts and flow run names.")
+    nodes: list[NodeConfig] = Field(default_factory=lambda: [NodeConfig()], min_length=1, description="Machines that run servers.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engine.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model to serve.")
+    venv: VenvConfig = Field(default_factory=VenvConfig, description="Engine venv on each node.")
+    servers: ServersConfig = Field(default_factory=ServersConfig, description="Servers per node and their ports.")
+    smoke: SmokeConfig = Field(default_factory=SmokeConfig, description="Smoke test of each server.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Batch generation defaults.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: FLEET_* overrides whatever the TOML file (passed as init kwargs) says.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _unique_nodes(self) -> FleetConfig:
+        names = [n.name for n in self.nodes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"node names must be unique; repeated: {dup}")
+        return self
+
+    def fingerprint(self) -> str:
+        """Stable short hash of the config (secrets excluded), for manifests and cache keys."""
+        data = self.model_dump(mode="json", exclude={"servers": {"api_key"}})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def api_key(self) -> str | None:
+        return self.servers.api_key.get_secret_value() if self.servers.api_key else None
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names allowed at `loc` (used to say what a typo should have been)."""
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        # unwrap list[X] / X | None
+        for arg in getattr(ann, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                ann = arg
+        current = ann
+    return sorted(getattr(current, "model_fields", {}).keys())
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(FleetConfig, loc)
+            lines.append(f"{source}: {key}: unknown key; allowed here: {', '.join(allowed)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        shown = "" if isinstance(given, dict | list) or given is None else f" (got {given!r})"
+        lines.append(f"{source}: {key}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig:
+    """Read a fleet config from TOML (if given) + FLEET_* env; raise ConfigError with every problem."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} not found",
+                              remedy="pass an existing file with -c; examples are in deployments/configs/") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}", remedy="fix the syntax at the line shown") from exc
+    data.update(overrides)
+    try:
+        return FleetConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source + " (or FLEET_* env)"
+                                                  if path is None else source)) from exc
+
+
+def config_from_param(value: FleetConfig | dict[str, Any] | str | None) -> FleetConfig:
+    """Accept what a flow parameter can carry: a config, its dict, or a TOML path."""
+    if isinstance(value, FleetConfig):
+        return value
+    if value is None or isinstance(value, str):
+        return load_config(value)
+    try:
+        return FleetConfig(**value)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "flow parameter 'config'")) from exc

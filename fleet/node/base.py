@@ -1,0 +1,236 @@
+"""The seam to a machine: everything fleet does on a node goes through `Node`.
+
+Implementations provide the transport primitives (`_exec`, `stream`, `put`, `get`,
+`forward_port`, `close`); detached processes, stopping them and reading files are built
+here once, on top of `run`, so both transports behave the same. Commands are argv lists;
+they are quoted exactly once, where they leave the process (`shlex.join` in the SSH
+implementation, `subprocess` argv in the local one).
+"""
+
+from __future__ import annotations
+
+import abc
+import shlex
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleet.errors import CommandFailed, CommandNotFound
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one command did on a node."""
+
+    host: str
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class Detached:
+    """A process started in its own session; it outlives the connection that started it."""
+
+    pid: int
+    log_path: str
+    pid_path: str
+
+    @property
+    def pgid(self) -> int:
+        # started with setsid: the process leads its own session and process group
+        return self.pid
+
+
+@dataclass
+class StopResult:
+    pid: int | None
+    was_running: bool
+    killed: bool  # needed SIGKILL after the grace period
+    seconds: float
+
+
+@dataclass
+class PortForward:
+    """A local port that reaches `remote_host:remote_port` on the node."""
+
+    local_port: int
+    remote_host: str
+    remote_port: int
+    _closer: object = field(default=None, repr=False)
+
+    def close(self) -> None:
+        closer = self._closer
+        if closer is not None and hasattr(closer, "close"):
+            closer.close()
+
+    def __enter__(self) -> PortForward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD [K=V ...] -- ARGV...
+# The shell writes its own pid (== the session and process group, thanks to setsid),
+# then execs the command with stdio on the log, so the pid file names the real process.
+_LAUNCH = r"""
+pidfile=$1; log=$2; cwd=$3; shift 3
+while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do export "$1"; shift; done
+shift
+mkdir -p "$(dirname "$pidfile")" "$(dirname "$log")"
+cd "$cwd" || exit 97
+echo $$ > "$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
+exec "$@" >>"$log" 2>&1 </dev/null
+"""
+
+# sh -c STOP fleet-stop PID GRACE_S: TERM the whole group, wait, then KILL.
+# Prints "absent", "stopped" or "killed".
+_STOP = r"""
+pg=$1; grace=$2
+if ! kill -0 -- "-$pg" 2>/dev/null && ! kill -0 "$pg" 2>/dev/null; then echo absent; exit 0; fi
+kill -TERM -- "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
+deadline=$(( $(date +%s) + ${grace%.*} ))
+while kill -0 -- "-$pg" 2>/dev/null; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then
+    kill -KILL -- "-$pg" 2>/dev/null; echo killed; exit 0
+  fi
+  sleep 0.1
+done
+echo stopped
+"""
+
+# sh -c ALIVE fleet-alive PID: 0 when the process exists and is not a zombie.
+_ALIVE = r"""
+[ -r "/proc/$1/stat" ] || exit 1
+state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
+[ "$state" != "Z" ] && [ "$state" != "X" ]
+"""
+
+
+class Node(abc.ABC):
+    """A machine fleet can run things on."""
+
+    name: str
+    host: str
+
+    # -- transport primitives (per implementation) ------------------------------------
+    @abc.abstractmethod
+    def _exec(self, argv: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
+              input: str | None) -> RunResult:
+        """Run argv and return its result. Never raise on a non-zero exit; raise CommandTimeout
+        past `timeout` (after killing the command), and transport errors as fleet errors."""
+
+    @abc.abstractmethod
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None,
+               env: Mapping[str, str] | None = None) -> Iterator[str]:
+        """Yield the command's merged stdout/stderr line by line; raise CommandFailed on non-zero exit."""
+
+    @abc.abstractmethod
+    def put(self, local: str | Path, remote: str) -> None:
+        """Copy a local file to the node (parent directories are created)."""
+
+    @abc.abstractmethod
+    def get(self, remote: str, local: str | Path) -> None:
+        """Copy a file from the node to a local path."""
+
+    @abc.abstractmethod
+    def forward_port(self, remote_port: int, remote_host: str = "127.0.0.1", local_port: int = 0) -> PortForward:
+        """Make `remote_host:remote_port` (as seen from the node) reachable on a local port."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections (detached processes keep running)."""
+
+    # -- shared behaviour ---------------------------------------------------------------
+    def run(self, argv: Sequence[str], *, timeout: float | None = 60.0, check: bool = True,
+            env: Mapping[str, str] | None = None, input: str | None = None) -> RunResult:
+        """Run `argv` on the node. With check=True a non-zero exit raises (127 → CommandNotFound)."""
+        argv = [str(a) for a in argv]
+        result = self._exec(argv, timeout=timeout, env=env, input=input)
+        if check:
+            self.raise_for(result)
+        return result
+
+    def raise_for(self, result: RunResult) -> None:
+        if result.exit_code == 0:
+            return
+        if result.exit_code == 127:
+            raise CommandNotFound(
+                f"command not found: {result.argv[0]}", host=self.host, command=result.argv,
+                exit_code=127, stderr=result.stderr,
+                remedy=f"install {result.argv[0]!r} on {self.host} or put it on the PATH of non-interactive shells",
+            )
+        raise CommandFailed(
+            f"command failed with exit code {result.exit_code}", host=self.host, command=result.argv,
+            exit_code=result.exit_code, stderr=result.stderr or result.stdout,
+            remedy="read the stderr above; fix the cause on the node and re-run",
+        )
+
+    def start_detached(self, argv: Sequence[str], *, log_path: str, pid_path: str,
+                       env: Mapping[str, str] | None = None, cwd: str = "/") -> Detached:
+        """Start argv in a new session with its own log and pid file; return once the pid is known."""
+        env_args = [f"{k}={v}" for k, v in (env or {}).items()]
+        launch = ["setsid", "--fork", "sh", "-c", _LAUNCH, "fleet-launch", pid_path, log_path, cwd,
+                  *env_args, "--", *[str(a) for a in argv]]
+        self.run(["rm", "-f", pid_path], timeout=30)
+        self.run(launch, timeout=30)
+        deadline = time.monotonic() + 10
+        while True:
+            pid = self.read_pid(pid_path)
+            if pid is not None:
+                return Detached(pid=pid, log_path=log_path, pid_path=pid_path)
+            if time.monotonic() > deadline:
+                raise CommandFailed("detached process wrote no pid file within 10 s", host=self.host,
+                                    command=argv, stderr=self.read_text(log_path, tail_bytes=4000),
+                                    remedy="check that 'setsid' (util-linux) exists and the workdir is writable")
+            time.sleep(0.05)
+
+    def read_pid(self, pid_path: str) -> int | None:
+        res = self.run(["cat", pid_path], check=False, timeout=30)
+        text = res.stdout.strip()
+        return int(text) if res.ok and text.isdigit() else None
+
+    def is_alive(self, pid: int) -> bool:
+        return self.run(["sh", "-c", _ALIVE, "fleet-alive", str(pid)], check=False, timeout=30).ok
+
+    def stop(self, pid: int, grace_s: float = 10.0) -> StopResult:
+        """TERM the process group, wait up to grace_s, then KILL it."""
+        t0 = time.monotonic()
+        res = self.run(["sh", "-c", _STOP, "fleet-stop", str(pid), str(max(1, int(round(grace_s))))],
+                       timeout=grace_s + 30)
+        word = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "absent"
+        return StopResult(pid=pid, was_running=word != "absent", killed=word == "killed",
+                          seconds=time.monotonic() - t0)
+
+    def read_text(self, path: str, *, tail_bytes: int | None = None) -> str:
+        """A text file on the node ('' when missing); only the last tail_bytes when given."""
+        argv = ["tail", "-c", str(tail_bytes), path] if tail_bytes else ["cat", path]
+        res = self.run(argv, check=False, timeout=60)
+        return res.stdout if res.ok else ""
+
+    def write_text(self, path: str, text: str) -> None:
+        """Write a file atomically on the node (temp file + rename)."""
+        self.run(["sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
+                  "fleet-write", path], input=text, timeout=60)
+
+    def exists(self, path: str) -> bool:
+        return self.run(["test", "-e", path], check=False, timeout=30).ok
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def describe(argv: Sequence[str]) -> str:
+    """The exact command as it would be typed (for logs)."""
+    return shlex.join(str(a) for a in argv)

@@ -1,0 +1,101 @@
+"""The local node: subprocess on this machine (when the flow runs on the GPU node itself)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from fleet.errors import CommandFailed, CommandNotFound, CommandTimeout
+from fleet.node.base import Node, PortForward, RunResult
+
+
+class LocalNode(Node):
+    def __init__(self, name: str = "local") -> None:
+        self.name = name
+        self.host = "localhost"
+
+    def _env(self, env: Mapping[str, str] | None) -> dict[str, str] | None:
+        return None if not env else {**os.environ, **env}
+
+    def _exec(self, argv: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
+              input: str | None) -> RunResult:
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env(env),
+                start_new_session=True,  # so a timeout kills the whole command, children included
+            )
+        except FileNotFoundError:
+            return RunResult(self.host, tuple(argv), 127, "", f"{argv[0]}: command not found", time.monotonic() - t0)
+        except PermissionError as exc:
+            return RunResult(self.host, tuple(argv), 126, "", str(exc), time.monotonic() - t0)
+        try:
+            out, err = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
+                                 stderr=err, remedy="raise the timeout or check why the command hangs") from None
+        return RunResult(self.host, tuple(argv), proc.returncode, out, err, time.monotonic() - t0)
+
+    def stream(self, argv: Sequence[str], *, timeout: float | None = None,
+               env: Mapping[str, str] | None = None) -> Iterator[str]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=self._env(env),
+                                    start_new_session=True, bufsize=1)
+        except FileNotFoundError:
+            raise CommandNotFound(f"command not found: {argv[0]}", host=self.host, command=argv,
+                                  exit_code=127, remedy=f"install {argv[0]!r} or fix PATH") from None
+        tail: list[str] = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host,
+                                         command=argv, stderr="".join(tail),
+                                         remedy="raise the timeout or check why the command hangs")
+                line = line.rstrip("\n")
+                tail = (tail + [line + "\n"])[-20:]
+                yield line
+            rc = proc.wait(timeout=None if deadline is None else max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
+                                 remedy="raise the timeout") from None
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        if rc != 0:
+            self.raise_for(RunResult(self.host, tuple(argv), rc, "", "".join(tail), 0.0))
+
+    def put(self, local: str | Path, remote: str) -> None:
+        try:
+            Path(remote).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, remote)
+        except OSError as exc:
+            raise CommandFailed(f"cannot copy {local} to {remote}: {exc.strerror}", host=self.host,
+                                remedy="check the paths and permissions") from exc
+
+    def get(self, remote: str, local: str | Path) -> None:
+        self.put(remote, str(local))
+
+    def forward_port(self, remote_port: int, remote_host: str = "127.0.0.1", local_port: int = 0) -> PortForward:
+        # The node's loopback is ours: nothing to forward.
+        return PortForward(local_port=remote_port, remote_host=remote_host, remote_port=remote_port)
+
+    def close(self) -> None:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
