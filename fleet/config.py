@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleet.errors import ConfigError
@@ -48,6 +48,11 @@ class NodeConfig(_Section):
     workdir: str = Field("/tmp/fleet", description="Directory on the node for logs, pid files and manifests.")
     ramdisk: str = Field("/dev/shm", description="RAM disk on the node where the model is staged.")
     gpus: list[int] | None = Field(None, description="GPU indices to use on this node (default: all that nvidia-smi lists).")
+
+    @field_validator("key_file", "known_hosts", mode="after")
+    @classmethod
+    def _expand_user(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
 
     @model_validator(mode="after")
     def _ssh_needs_host(self) -> NodeConfig:
@@ -110,7 +115,7 @@ class VenvConfig(_Section):
     """The engine's virtual environment on the node's local disk."""
 
     path: str = Field("/opt/fleet/venv", description="Venv path on the node; must be on a local (not network) filesystem.")
-    python: str = Field("3.11", description="Python version uv creates the venv with.")
+    python: str | None = Field(None, description="Python version or interpreter uv creates the venv with (default: uv's choice).")
     use_existing: bool = Field(False, description="Use the venv at 'path' as it is: no create, no install (only the import check).")
     index_url: str | None = Field(None, description="Package index for uv (default: uv's default).")
     find_links: list[str] = Field(default_factory=list, description="Extra local wheel directories for uv (--find-links).")

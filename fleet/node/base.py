@@ -115,6 +115,10 @@ state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
 """
 
 
+# sh -c WATCH fleet-watch PID FROM_BYTE LOG: "alive"/"dead" on line 1, then the log from FROM_BYTE.
+_WATCH = "if sh -c \"$0\" fleet-alive \"$1\"; then echo alive; else echo dead; fi; tail -c +\"$2\" \"$3\" 2>/dev/null"
+
+
 class Node(abc.ABC):
     """A machine fleet can run things on."""
 
@@ -209,6 +213,25 @@ class Node(abc.ABC):
         word = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "absent"
         return StopResult(pid=pid, was_running=word != "absent", killed=word == "killed",
                           seconds=time.monotonic() - t0)
+
+    def watch(self, pid: int, log_path: str, offset: int) -> tuple[bool, str]:
+        """One round trip: is the process alive, and what did its log gain since byte `offset`."""
+        res = self.run(["sh", "-c", _WATCH, _ALIVE, str(pid), str(offset + 1), log_path],
+                       check=False, timeout=60)
+        head, _, rest = res.stdout.partition("\n")
+        return head.strip() == "alive", rest
+
+    def local_url(self, port: int, remote_host: str = "127.0.0.1") -> str:
+        """http://127.0.0.1:P reaching remote_host:port on the node (a forward, opened once and kept)."""
+        cache: dict[tuple[str, int], PortForward] = self.__dict__.setdefault("_url_forwards", {})
+        fwd = cache.get((remote_host, port))
+        if fwd is None:
+            fwd = cache[(remote_host, port)] = self.forward_port(port, remote_host)
+        return f"http://127.0.0.1:{fwd.local_port}"
+
+    def close_forwards(self) -> None:
+        for fwd in self.__dict__.pop("_url_forwards", {}).values():
+            fwd.close()
 
     def read_text(self, path: str, *, tail_bytes: int | None = None) -> str:
         """A text file on the node ('' when missing); only the last tail_bytes when given."""

@@ -1,0 +1,268 @@
+"""`fleet …` — the command line. Each command is a thin layer over the core (or the flow).
+
+Errors fleet raises on purpose print as one clear line (config errors: one line per
+problem) and exit 2; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from fleet.errors import FleetError
+
+EXIT_FAILED = 1     # the command ran and found a problem (a failed check, a failed server)
+EXIT_ERROR = 2      # the command could not run (bad config, unreachable, bad input)
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", required=True, metavar="FILE",
+                   help="fleet config (TOML); FLEET_<SECTION>__<KEY> env vars override it. "
+                        "Examples: deployments/configs/")
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+    from fleet.node import connect
+    from fleet.preflight import gather, render
+
+    cfg = load_config(args.config)
+    reports = []
+    for node_cfg in cfg.nodes:
+        node = connect(node_cfg)
+        try:
+            reports.append(gather(node, cfg, node_cfg))
+        finally:
+            node.close()
+    if args.json:
+        print(json.dumps({"config": args.config, "ok": all(r.ok for r in reports),
+                          "nodes": [r.as_dict() for r in reports]}, indent=2))
+    else:
+        print(render(reports))
+    bad = [r for r in reports if not r.ok]
+    for r in bad:
+        why = r.error if not r.reachable else "; ".join(f"{c.name}: {c.detail}" for c in r.failures())
+        print(f"fleet preflight: node {r.node} {'unreachable' if not r.reachable else 'failed'}: {why}",
+              file=sys.stderr)
+    if any(not r.reachable for r in bad):
+        return EXIT_ERROR
+    return EXIT_FAILED if bad else 0
+
+
+def _print_rows(rows: list[dict], columns: list[str]) -> None:
+    def cell(v: object) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.2f}"
+        if isinstance(v, list):
+            return ",".join(str(x) for x in v) or "-"
+        return str(v)
+
+    table = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [min(60, max([len(c)] + [len(t[i]) for t in table])) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for t in table:
+        print("  ".join(v[:60].ljust(w) for v, w in zip(t, widths)))
+
+
+def _prefect_env() -> None:
+    import os
+
+    # Offline machines log telemetry errors otherwise; users can still opt in.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "fleet")
+
+
+def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped-def]
+    """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
+    _prefect_env()
+    from flows.fleet import SUMMARY_COLUMNS, fleet
+
+    state = fleet(config=cfg, action="bringup", return_state=True)
+    rows = state.data if isinstance(state.data, list) else []
+    _print_rows(rows, SUMMARY_COLUMNS)
+    return state.is_completed(), rows, state.message or ""
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+
+    ok, _, message = run_bringup(load_config(args.config))
+    print(("fleet up: " if ok else "fleet up: FAILED: ") + message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+    from fleet.node import connect
+    from fleet.servers import states
+
+    cfg = load_config(args.config)
+    rows = []
+    for node_cfg in cfg.nodes:
+        with connect(node_cfg) as node:
+            rows += [s.as_dict() for s in states(node, cfg, node_cfg)]
+    for r in rows:
+        smoke = r.get("last_smoke") or {}
+        r["last_smoke_ago_s"] = round(__import__("time").time() - smoke["at"], 1) if smoke.get("at") else None
+        r["up_s"] = round(r["up_s"], 1) if r.get("up_s") is not None else None
+    if args.json:
+        print(json.dumps({"fleet": cfg.name, "servers": rows}, indent=2))
+    elif rows:
+        _print_rows(rows, ["node", "index", "state", "pid", "port", "gpus", "up_s", "last_smoke_ago_s", "log"])
+    else:
+        print(f"no servers of fleet {cfg.name!r} recorded on any node")
+    return 0 if all(r["state"] == "running" for r in rows) else EXIT_FAILED
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+    from fleet.node import connect
+    from fleet.servers import stop_servers
+
+    cfg = load_config(args.config)
+    rows = []
+    for node_cfg in cfg.nodes:
+        with connect(node_cfg) as node:
+            rows += stop_servers(node, cfg, node_cfg)
+    if rows:
+        _print_rows(rows, ["node", "index", "port", "pid", "action", "seconds"])
+    else:
+        print(f"no servers of fleet {cfg.name!r} recorded on any node")
+    return EXIT_FAILED if any(str(r["action"]).startswith("error") for r in rows) else 0
+
+
+def cmd_inspect_log(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fleet.engines import inspect_log
+
+    try:
+        text = Path(args.file).read_bytes().decode("utf-8", "replace")
+    except OSError as exc:
+        print(f"fleet inspect-log: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERROR
+    verdict = inspect_log(text, args.engine)
+    if args.json:
+        print(json.dumps(verdict.as_dict(), indent=2))
+    else:
+        state = "FATAL" if verdict.fatal else ("ready" if verdict.ready else "not ready (no ready line yet)")
+        print(f"verdict: {state}")
+        for k, v in verdict.facts.items():
+            print(f"  {k:<28} {v}")
+        for line in verdict.fatal:
+            print(f"  fatal: {line}")
+        for line in verdict.warnings:
+            print(f"  warning: {line}")
+    return EXIT_FAILED if verdict.fatal else 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from fleet.sim.server import main as sim_main
+
+    return sim_main(args.sim_args)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fleet.tinymodel import build_tiny_model
+
+    out = build_tiny_model(Path(args.out))
+    print(out)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fleet.demo import run_demo
+
+    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleet",
+        description="Bring up a fleet of LLM inference servers (one per GPU) on nodes reached over SSH, "
+                    "prove each one works, and push batch-generation jobs through them — orchestrated by Prefect.",
+        epilog="Start here: `fleet demo` (the whole bring-up on this machine). `fleet COMMAND --help` for details.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("demo", help="run the bring-up flow on this machine (embedded Prefect, tiny local model)",
+                       description="Build a tiny random-weight model, bring up servers on this machine through the "
+                                   "full `fleet` flow (provision, venv, RAM-disk staging, launch, smoke) under "
+                                   "Prefect's embedded server, print the summary, then stop the servers.")
+    p.add_argument("--engine", choices=["transformers", "sim"], default="transformers",
+                   help="transformers: real `transformers serve` on CPU (2 servers); sim: simulated SGLang (4 servers)")
+    p.add_argument("--servers", type=int, default=None, help="number of servers (default 2 for transformers, 4 for sim)")
+    p.add_argument("--keep", action="store_true", help="leave the servers running (stop them with `fleet down`)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("preflight", help="inspect every node: GPUs, RAM, RAM disk, filesystems, ports",
+                       description="Inspect every node of a fleet config and run the hard checks of the provision "
+                                   "stage. Exit 0 when all pass, 1 when a node fails a hard check, 2 when a node is "
+                                   "unreachable or the config is invalid.")
+    _config_arg(p)
+    p.add_argument("--json", action="store_true", help="print JSON (schema in the README) instead of a table")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("up", help="run the bring-up flow for a config (same flow as the `bringup` deployment)",
+                       description="Provision, venv, stage, launch and smoke every server of the config. "
+                                   "Idempotent: what is already in place is adopted. Exit 1 when any server is not up.")
+    _config_arg(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke")
+    _config_arg(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("down", help="stop every server of the config (TERM, then KILL after servers.stop_grace_s)")
+    _config_arg(p)
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("inspect-log", help="classify a server log: facts, fatal lines, readiness verdict",
+                       description="Run fleet's log classifier on a server log, for diagnosing a server by hand. "
+                                   "Exit 1 when a fatal line is found.")
+    p.add_argument("file", help="log file")
+    p.add_argument("--engine", choices=["sglang", "vllm", "transformers", "sim"], default="sglang")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect_log)
+
+    p = sub.add_parser("sim", help="run the simulated SGLang server (see `fleet sim -- --help`)", add_help=False,
+                       description="The SGLang-compatible simulated server. All arguments go to it.")
+    p.add_argument("sim_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo")
+    p.add_argument("out", help="output directory")
+    p.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except FleetError as exc:
+        from fleet.errors import ConfigError
+
+        if isinstance(exc, ConfigError):
+            for line in str(exc.reason).splitlines():
+                print(f"fleet: config error: {line}", file=sys.stderr)
+            if exc.remedy:
+                print(f"fleet: remedy: {exc.remedy}", file=sys.stderr)
+        else:
+            print(f"fleet: error: {exc.one_line()}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("fleet: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

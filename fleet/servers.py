@@ -1,0 +1,293 @@
+"""Launch, adopt, watch and stop inference servers on a node.
+
+Each server is a detached process with three files in `<workdir>/servers/`:
+`<fleet>-<i>.log` (its output), `.pid`, and `.json` — the launch record: the command
+(secrets redacted), a hash of the full launch spec, port, GPUs, start time, and the last
+smoke result. A live server whose record has the same hash is adopted, not relaunched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleet.config import FleetConfig, NodeConfig
+from fleet.engines import LogVerdict, ServerSpec, get_profile
+from fleet.errors import FleetError, ServerFailed, ServerNotReady
+from fleet.node import Node, describe
+from fleet.preflight import parse_listening_ports, servers_on_node
+
+SIM_SCRIPT = Path(__file__).parent / "sim" / "server.py"
+REDACTED = "***"
+
+
+@dataclass(frozen=True)
+class ServerPaths:
+    log: str
+    pid: str
+    record: str
+
+
+def server_paths(workdir: str, fleet: str, index: int) -> ServerPaths:
+    base = f"{workdir.rstrip('/')}/servers/{fleet}-{index}"
+    return ServerPaths(log=f"{base}.log", pid=f"{base}.pid", record=f"{base}.json")
+
+
+def plan_servers(cfg: FleetConfig, node_cfg: NodeConfig, gpu_ids: list[int], *, model_path: str,
+                 python: str) -> list[ServerSpec]:
+    """One ServerSpec per server on this node: GPUs split in groups of tensor_parallel, ports from the base."""
+    tp = cfg.servers.tensor_parallel
+    count = servers_on_node(cfg, len(gpu_ids))
+    specs = []
+    for i in range(count):
+        gpus = tuple(gpu_ids[i * tp:(i + 1) * tp]) if gpu_ids else ()
+        specs.append(ServerSpec(
+            node=node_cfg.name, index=i, gpus=gpus, host=cfg.servers.host, port=cfg.servers.port_for(i),
+            model_path=model_path, served_name=cfg.model.name, python=python, workdir=node_cfg.workdir,
+            api_key=cfg.api_key(), extra_args=tuple(cfg.servers.extra_args_by_index.get(i, ())),
+        ))
+    return specs
+
+
+def redact(items: list[str], secrets: list[str | None]) -> list[str]:
+    """The argv with secret values replaced, for logs, records and artifacts."""
+    live = [s for s in secrets if s]
+    out = []
+    for item in items:
+        for s in live:
+            item = item.replace(s, REDACTED)
+        out.append(item)
+    return out
+
+
+def launch_hash(argv: list[str], env: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()[:16]
+
+
+@dataclass
+class LaunchResult:
+    node: str
+    index: int
+    port: int
+    gpus: list[int]
+    pid: int
+    adopted: bool
+    replaced_pid: int | None
+    command: str
+    log_path: str
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_record(node: Node, paths: ServerPaths) -> dict[str, Any]:
+    text = node.read_text(paths.record)
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def listening_ports(node: Node) -> set[int]:
+    res = node.run(["sh", "-c", "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null"], check=False, timeout=30)
+    return parse_listening_ports(res.stdout)
+
+
+def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
+    """Start the server for `spec`, or adopt the live one already started with the same spec."""
+    t0 = time.monotonic()
+    profile = get_profile(cfg.engine.kind)
+    argv = [str(a) for a in profile.argv(cfg, spec)]
+    env = dict(profile.env(cfg, spec))
+    key = launch_hash(argv, env)
+    paths = server_paths(spec.workdir, cfg.name, spec.index)
+    shown = describe(redact(argv, [spec.api_key]))
+
+    record = read_record(node, paths)
+    pid = node.read_pid(paths.pid)
+    replaced = None
+    if pid is not None and node.is_alive(pid):
+        if record.get("hash") == key:
+            return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), pid, True, None, shown,
+                                paths.log, time.monotonic() - t0)
+        # Same slot, different spec (config changed): replace it rather than run two on one GPU.
+        node.stop(pid, grace_s=cfg.servers.stop_grace_s)
+        replaced = pid
+
+    if spec.port in listening_ports(node):
+        raise ServerFailed(
+            f"server {spec.index}: port {spec.port} is already in use by another process", host=node.host,
+            remedy=f"stop what listens on {spec.port} (`ss -ltnp 'sport = :{spec.port}'` on the node) "
+                   "or change servers.base_port",
+        )
+    if cfg.engine.kind == "sim":
+        node.put(SIM_SCRIPT, f"{spec.workdir.rstrip('/')}/bin/fleet_sim.py")
+    # Keep the previous log for the post-mortem; the new one starts with the exact command.
+    node.run(["sh", "-c", 'mkdir -p "$(dirname "$1")"; [ -f "$1" ] && mv -f "$1" "$1.prev"; '
+              'printf "%s\\n" "$2" > "$1"', "fleet-log", paths.log, f"# fleet launch: {shown}"], timeout=30)
+    det = node.start_detached(argv, log_path=paths.log, pid_path=paths.pid, env=env, cwd=spec.workdir)
+    node.write_text(paths.record, json.dumps({
+        "fleet": cfg.name, "node": spec.node, "index": spec.index, "port": spec.port, "host": spec.host,
+        "gpus": list(spec.gpus), "pid": det.pid, "hash": key, "engine": cfg.engine.kind,
+        "command": redact(argv, [spec.api_key]), "env": env, "started_at": time.time(),
+        "log": paths.log, "model": spec.served_name,
+    }, indent=2))
+    return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), det.pid, False, replaced, shown,
+                        paths.log, time.monotonic() - t0)
+
+
+@dataclass
+class ReadyResult:
+    node: str
+    index: int
+    url: str
+    seconds: float
+    verdict: LogVerdict
+    log_excerpt: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.as_dict()
+        return d
+
+
+def excerpt(text: str, head: int = 15, tail: int = 40, secrets: list[str | None] | None = None) -> str:
+    """Head and tail of a log, secrets redacted: enough to diagnose, small enough for an artifact."""
+    lines = text.splitlines()
+    if len(lines) > head + tail:
+        lines = lines[:head] + [f"… ({len(lines) - head - tail} lines omitted) …"] + lines[-tail:]
+    return "\n".join(redact(lines, secrets or []))
+
+
+def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
+               timeout: float | None = None, poll_s: float = 0.5) -> ReadyResult:
+    """Poll readiness while watching the process and its log; a death or a fatal line fails at once."""
+    t0 = time.monotonic()
+    profile = get_profile(cfg.engine.kind)
+    paths = server_paths(spec.workdir, cfg.name, spec.index)
+    url = node.local_url(spec.port, "127.0.0.1" if spec.host in ("0.0.0.0", "::", "localhost") else spec.host)
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    deadline = t0 + (timeout or cfg.servers.ready_timeout_s)
+    text = ""
+    last_http = "no answer yet"
+    with httpx.Client(timeout=5.0, headers=headers) as client:
+        while True:
+            alive, new = node.watch(pid, paths.log, len(text.encode()))
+            text += new
+            verdict = profile.classify(text)
+            if verdict.fatal:
+                raise ServerFailed(
+                    f"server {spec.index} on port {spec.port}: fatal log line after "
+                    f"{time.monotonic() - t0:.1f} s: {verdict.fatal[0].splitlines()[0][:300]}",
+                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key]),
+                    remedy=f"read {paths.log} on the node; fix the cause (memory fraction, port, GPU) and re-run",
+                )
+            if not alive:
+                raise ServerFailed(
+                    f"server {spec.index} on port {spec.port}: process {pid} exited after "
+                    f"{time.monotonic() - t0:.1f} s before becoming ready",
+                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key]),
+                    remedy=f"read {paths.log} on the node for the cause",
+                )
+            try:
+                r = client.get(url + profile.ready_path)
+                if r.status_code == 200:
+                    return ReadyResult(spec.node, spec.index, url, time.monotonic() - t0, verdict,
+                                       excerpt(text, secrets=[spec.api_key]))
+                last_http = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last_http = type(exc).__name__
+            if time.monotonic() > deadline:
+                raise ServerNotReady(
+                    f"server {spec.index} on port {spec.port}: alive but not ready after "
+                    f"{time.monotonic() - t0:.0f} s ({profile.ready_path}: {last_http})",
+                    host=node.host, stderr=excerpt(text, 5, 15, [spec.api_key]),
+                    remedy="raise servers.ready_timeout_s if the model is large, or read the log for a stall",
+                )
+            time.sleep(poll_s)
+
+
+@dataclass
+class ServerState:
+    node: str
+    index: int
+    port: int
+    pid: int | None
+    state: str            # running | dead | stopped
+    up_s: float | None
+    gpus: list[int] = field(default_factory=list)
+    last_smoke: dict[str, Any] | None = None
+    log: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_LIST_RECORDS = r"""
+for f in "$1"/servers/"$2"-*.json; do [ -f "$f" ] || continue; echo "@@$f"; cat "$f"; echo; done
+"""
+
+
+def records(node: Node, workdir: str, fleet: str) -> list[dict[str, Any]]:
+    """Every launch record of this fleet on the node (one round trip)."""
+    from fleet.preflight import split_sections
+
+    res = node.run(["sh", "-c", _LIST_RECORDS, "fleet-records", workdir.rstrip("/"), fleet], check=False, timeout=60)
+    out = []
+    for _, body in sorted(split_sections(res.stdout).items()):
+        try:
+            out.append(json.loads(body))
+        except json.JSONDecodeError:
+            continue
+    return sorted(out, key=lambda r: r.get("index", 0))
+
+
+def states(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[ServerState]:
+    out = []
+    now = time.time()
+    for rec in records(node, node_cfg.workdir, cfg.name):
+        paths = server_paths(node_cfg.workdir, cfg.name, int(rec.get("index", 0)))
+        pid = node.read_pid(paths.pid)
+        alive = pid is not None and node.is_alive(pid)
+        state = "running" if alive else ("stopped" if pid is None else "dead")
+        out.append(ServerState(node_cfg.name, int(rec.get("index", 0)), int(rec.get("port", 0)), pid, state,
+                               (now - rec["started_at"]) if alive and rec.get("started_at") else None,
+                               list(rec.get("gpus", [])), rec.get("smoke"), paths.log))
+    return out
+
+
+def record_smoke(node: Node, cfg: FleetConfig, spec: ServerSpec, smoke: dict[str, Any]) -> None:
+    paths = server_paths(spec.workdir, cfg.name, spec.index)
+    rec = read_record(node, paths)
+    if rec:
+        rec["smoke"] = smoke
+        node.write_text(paths.record, json.dumps(rec, indent=2))
+
+
+def stop_servers(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dict[str, Any]]:
+    """Stop every server of this fleet on the node (whole process groups); idempotent."""
+    out = []
+    for rec in records(node, node_cfg.workdir, cfg.name):
+        paths = server_paths(node_cfg.workdir, cfg.name, int(rec.get("index", 0)))
+        pid = node.read_pid(paths.pid)
+        result: dict[str, Any] = {"node": node_cfg.name, "index": rec.get("index"), "port": rec.get("port"),
+                                  "pid": pid, "action": "none"}
+        if pid is not None:
+            try:
+                st = node.stop(pid, grace_s=cfg.servers.stop_grace_s)
+                result["action"] = "killed" if st.killed else ("stopped" if st.was_running else "already gone")
+                result["seconds"] = round(st.seconds, 2)
+            except FleetError as exc:
+                result["action"] = f"error: {exc.one_line()}"
+                out.append(result)
+                continue
+            node.run(["rm", "-f", paths.pid], check=False, timeout=30)
+        out.append(result)
+    return out

@@ -1,0 +1,150 @@
+"""Thin Prefect tasks over the core: call it, retry what is transient, write the artifacts.
+
+No task caching: re-runs are cheap because every stage adopts what is already in place
+(venv hash stamp, staging manifest, live server with the same launch hash).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from fleet.config import FleetConfig
+from fleet.engines import ServerSpec, get_profile
+from fleet.errors import FleetError, PreflightFailed, is_transient
+from fleet.preflight import gather
+from fleet.servers import excerpt, launch, record_smoke, wait_ready
+from fleet.smoke import fetch_server_info, max_running_requests, smoke
+from fleet.staging import stage_model
+from fleet.venv import ensure_venv
+from tasks.audit import write_stage
+from tasks.nodes import node_for
+
+
+def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except Exception as exc:  # the task's own exception
+        return is_transient(exc)
+    return False
+
+
+TASK_OPTS: dict[str, Any] = dict(
+    retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
+    retry_condition_fn=_retry_transient, cache_policy=NO_CACHE, persist_result=False,
+)
+
+
+def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,
+             body: Callable[[], tuple[dict[str, Any], str | None]]) -> dict[str, Any]:
+    """Run a stage; write its artifact whether it succeeds or fails."""
+    logger = get_run_logger()
+    t0 = time.monotonic()
+    try:
+        result, log = body()
+    except FleetError as exc:
+        seconds = time.monotonic() - t0
+        write_stage(cfg, key_parts, title, ok=False, seconds=seconds, error=str(exc))
+        logger.error("%s failed after %.1f s: %s", title, seconds, exc)
+        raise
+    seconds = time.monotonic() - t0
+    result["seconds"] = round(seconds, 3)
+    write_stage(cfg, key_parts, title, ok=True, seconds=seconds, result=result, log=log)
+    logger.info("%s: done in %.2f s%s", title, seconds, " (adopted what was in place)" if result.get("adopted") else "")
+    return result
+
+
+@task(name="provision", task_run_name="provision-{node_name}", **TASK_OPTS)
+def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
+    """Preflight the node; hard failures stop this node here, with the reason."""
+    def body() -> tuple[dict[str, Any], str | None]:
+        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        report = gather(node_for(cfg, node_name), cfg, node_cfg)
+        if not report.reachable:
+            from fleet.errors import NodeUnreachable
+            raise NodeUnreachable(f"node {node_name} unreachable: {report.error}", host=report.host)
+        failures = report.failures()
+        if failures:
+            raise PreflightFailed("; ".join(f"{c.name}: {c.detail}" for c in failures), host=report.host,
+                                  remedy=" / ".join(c.remedy for c in failures if c.remedy))
+        d = report.as_dict()
+        d["gpu_ids"] = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
+        venv = report.path("venv")
+        d["venv_network_fs"] = bool(venv and venv.network)
+        return d, None
+    return _audited(cfg, (node_name, "provision"), f"provision {node_name}", body)
+
+
+@task(name="venv", task_run_name="venv-{node_name}", **TASK_OPTS)
+def venv(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
+    """Create or adopt the engine venv on local disk; time the engine import."""
+    def body() -> tuple[dict[str, Any], str | None]:
+        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        module = cfg.engine.import_check or get_profile(cfg.engine.kind).default_import
+        res = ensure_venv(node_for(cfg, node_name), cfg, node_cfg, module,
+                          network_fs=provisioned.get("venv_network_fs", False))
+        if res.slow_import:
+            get_run_logger().warning("import of %s took %.1f s (> %.0f s): is the venv on a slow disk?",
+                                     module, res.import_seconds, cfg.venv.slow_import_s)
+        return res.as_dict(), None
+    return _audited(cfg, (node_name, "venv"), f"venv {node_name}", body)
+
+
+@task(name="stage", task_run_name="stage-{node_name}", **TASK_OPTS)
+def stage(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
+    """Copy the model once to the node's RAM disk (or serve it from its source when staging is off)."""
+    def body() -> tuple[dict[str, Any], str | None]:
+        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        if not cfg.model.stage or not cfg.model.source:
+            return {"model_path": cfg.model.source, "staged": False, "adopted": True}, None
+        res = stage_model(node_for(cfg, node_name), source=cfg.model.source, ramdisk=node_cfg.ramdisk,
+                          workdir=node_cfg.workdir, streams=cfg.model.copy_streams, verify=cfg.model.verify,
+                          margin_bytes=int(cfg.model.stage_margin_gb * 1e9))
+        d = dict(res.__dict__)
+        d["model_path"] = res.dst
+        d["staged"] = True
+        return d, None
+    return _audited(cfg, (node_name, "stage"), f"stage {node_name}", body)
+
+
+@task(name="launch", task_run_name="launch-{spec.node}-{spec.index}", **TASK_OPTS)
+def launch_server(cfg: FleetConfig, spec: ServerSpec) -> dict[str, Any]:
+    """Start (or adopt) one server and wait until it is ready, failing at once on death or a fatal line."""
+    def body() -> tuple[dict[str, Any], str | None]:
+        node = node_for(cfg, spec.node)
+        started = launch(node, cfg, spec)
+        ready = wait_ready(node, cfg, spec, started.pid)
+        d = started.as_dict()
+        d.update(url=ready.url, ready_s=round(ready.seconds, 3), facts=ready.verdict.facts,
+                 warnings=ready.verdict.warnings)
+        return d, ready.log_excerpt
+    return _audited(cfg, (spec.node, "server", spec.index, "launch"), f"launch {spec.node} server {spec.index}", body)
+
+
+@task(name="smoke", task_run_name="smoke-{spec.node}-{spec.index}", **TASK_OPTS)
+def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion (first-request timeout, backoff with jitter), then the server's own info."""
+    def body() -> tuple[dict[str, Any], str | None]:
+        node = node_for(cfg, spec.node)
+        url = launched["url"]
+        res = smoke(url, cfg.model.name, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key)
+        info = fetch_server_info(url, spec.api_key)
+        d = res.as_dict()
+        d["max_running_requests"] = max_running_requests(info, launched.get("facts", {}))
+        d["server_info"] = info
+        record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s})
+        return d, None
+    return _audited(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}", body)
+
+
+def log_excerpt_of(cfg: FleetConfig, spec: ServerSpec) -> str:
+    from fleet.servers import server_paths
+
+    node = node_for(cfg, spec.node)
+    return excerpt(node.read_text(server_paths(spec.workdir, cfg.name, spec.index).log, tail_bytes=200_000),
+                   secrets=[spec.api_key])

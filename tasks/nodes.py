@@ -1,0 +1,29 @@
+"""One Node per fleet node per process, shared by the tasks of a run (one SSH connection, its forwards)."""
+
+from __future__ import annotations
+
+import threading
+
+from fleet.config import FleetConfig
+from fleet.node import Node, connect
+
+_lock = threading.Lock()
+_nodes: dict[tuple[str, str], Node] = {}
+
+
+def node_for(cfg: FleetConfig, name: str) -> Node:
+    key = (cfg.fingerprint(), name)
+    with _lock:
+        node = _nodes.get(key)
+        if node is None:
+            node_cfg = next(n for n in cfg.nodes if n.name == name)
+            node = _nodes[key] = connect(node_cfg)
+        return node
+
+
+def close_all() -> None:
+    with _lock:
+        for node in _nodes.values():
+            node.close_forwards()
+            node.close()
+        _nodes.clear()
