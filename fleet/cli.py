@@ -82,7 +82,10 @@ def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped
     from flows.fleet import SUMMARY_COLUMNS, fleet
 
     state = fleet(config=cfg, action="bringup", return_state=True)
-    rows = state.data if isinstance(state.data, list) else []
+    data = state.result(raise_on_failure=False)
+    rows = data if isinstance(data, list) else []
+    if isinstance(data, BaseException) and not isinstance(data, FleetError):
+        raise data  # a bug, not a failed server: show the traceback
     _print_rows(rows, SUMMARY_COLUMNS)
     return state.is_completed(), rows, state.message or ""
 

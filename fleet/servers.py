@@ -185,7 +185,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
             if verdict.fatal:
                 raise ServerFailed(
                     f"server {spec.index} on port {spec.port}: fatal log line after "
-                    f"{time.monotonic() - t0:.1f} s: {verdict.fatal[0].splitlines()[0][:300]}",
+                    f"{time.monotonic() - t0:.1f} s: {(verdict.reason or '')[:300]}",
                     host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key]),
                     remedy=f"read {paths.log} on the node; fix the cause (memory fraction, port, GPU) and re-run",
                 )

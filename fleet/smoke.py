@@ -73,13 +73,17 @@ def check_answer(body: Any) -> tuple[str, int | None, int | None, str | None]:
 
 
 def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int = 0,
-          api_key: str | None = None, seed: int | None = None,
+          api_key: str | None = None, seed: int | None = None, temperature: float = 0.0,
           sleep: Callable[[float], None] = time.sleep) -> SmokeResult:
-    """Smoke one server; raise ServerFailed with the attempt timeline when every attempt failed."""
+    """Smoke one server; raise ServerFailed with the attempt timeline when every attempt failed.
+
+    `temperature` should be the job's: `transformers serve --continuous-batching` fixes its
+    sampling settings from the first request it sees.
+    """
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     payload = {"model": model, "messages": [{"role": "user", "content": cfg.prompt}],
-               "max_tokens": cfg.max_tokens, "temperature": 0}
+               "max_tokens": cfg.max_tokens, "temperature": temperature}
     result = SmokeResult(node, index, url, False, None, "", None, None, None)
     t0 = time.monotonic()
     with httpx.Client(headers=headers) as client:

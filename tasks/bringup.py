@@ -132,7 +132,9 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -
     def body() -> tuple[dict[str, Any], str | None]:
         node = node_for(cfg, spec.node)
         url = launched["url"]
-        res = smoke(url, cfg.model.name, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key)
+        model = get_profile(cfg.engine.kind).request_model(spec)
+        res = smoke(url, model, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key,
+                    temperature=cfg.generation.temperature)
         info = fetch_server_info(url, spec.api_key)
         d = res.as_dict()
         d["max_running_requests"] = max_running_requests(info, launched.get("facts", {}))

@@ -93,14 +93,25 @@ exec "$@" >>"$log" 2>&1 </dev/null
 
 # sh -c STOP fleet-stop PID GRACE_S: TERM the whole group, wait, then KILL.
 # Prints "absent", "stopped" or "killed".
+# No `kill --`: dash (Ubuntu's /bin/sh) rejects it, which silently spared the group.
+# `running` scans /proc rather than `kill -0`: zombies do not count, because where pid 1
+# does not reap orphans (many containers) a dead leader stays a zombie forever.
 _STOP = r"""
 pg=$1; grace=$2
-if ! kill -0 -- "-$pg" 2>/dev/null && ! kill -0 "$pg" 2>/dev/null; then echo absent; exit 0; fi
-kill -TERM -- "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
+running() {
+  for f in /proc/[0-9]*/stat; do
+    { read -r s < "$f"; } 2>/dev/null || continue
+    p=${s%% *}; set -- ${s##*) }
+    [ "$1" != Z ] && { [ "$3" = "$pg" ] || [ "$p" = "$pg" ]; } && return 0
+  done
+  return 1
+}
+if ! running; then echo absent; exit 0; fi
+kill -TERM "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
 deadline=$(( $(date +%s) + ${grace%.*} ))
-while kill -0 -- "-$pg" 2>/dev/null; do
+while running; do
   if [ "$(date +%s)" -ge "$deadline" ]; then
-    kill -KILL -- "-$pg" 2>/dev/null; echo killed; exit 0
+    kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; echo killed; exit 0
   fi
   sleep 0.1
 done

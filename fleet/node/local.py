@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -76,10 +77,16 @@ class LocalNode(Node):
             self.raise_for(RunResult(self.host, tuple(argv), rc, "", "".join(tail), 0.0))
 
     def put(self, local: str | Path, remote: str) -> None:
+        # Temp file + rename: a reader (a server starting from an uploaded script, a
+        # concurrent upload of the same file) never sees a half-written file.
+        tmp = f"{remote}.fleet-put-{os.getpid()}-{threading.get_ident()}"
         try:
             Path(remote).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, remote)
+            shutil.copyfile(local, tmp)
+            shutil.copymode(local, tmp)
+            os.replace(tmp, remote)
         except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
             raise CommandFailed(f"cannot copy {local} to {remote}: {exc.strerror}", host=self.host,
                                 remedy="check the paths and permissions") from exc
 

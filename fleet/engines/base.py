@@ -1,0 +1,329 @@
+"""What every engine profile shares: the launch spec, the log verdict, and the log scanner.
+
+An engine profile is pure: it turns a config and a `ServerSpec` into an argv list and an
+environment, and turns log text into a `LogVerdict`. It never touches a machine; the
+launch stage runs what it builds (through `fleet.node`) and feeds the log back in.
+
+Log classification is line by line, with compiled regexes matched loosely (`search`, not
+`match`): every engine wraps its lines in prefixes that change between versions and
+deployments (`[2025-11-30 12:50:10 TP0] `, `(EngineCore_DP0 pid=441) INFO 11-24 … `,
+another program's logger, CI prefixes, colour codes), and appends fields over time. So a
+rule keys on the stable words of one message and reads each number with its own regex,
+never on the layout of a whole line. A cheap substring test (`needle`) runs before each
+regex so that scanning a multi-day log stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from fleet.config import FleetConfig
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+# Facts that are whole numbers; every other numeric fact is a float.
+INT_FACTS = frozenset({
+    "kv_cache_tokens", "mamba_cache_size", "max_running_capped_by_mamba", "max_total_num_tokens",
+    "chunked_prefill_size", "max_prefill_tokens", "max_running_requests", "context_len",
+    "running_req", "queue_req",
+})
+
+# fleet writes the launch command as the log's first line (fleet.servers.launch); it names
+# flags such as --mem-fraction-static and must never be read as engine output.
+_FLEET_HEADER = "# fleet"
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Labels that say a process died, not why; `LogVerdict.reason` prefers any other label.
+GENERIC_FATAL_LABELS = frozenset({"scheduler-crash", "process-crash", "child-died", "engine-crash",
+                                  "startup-error"})
+_MAX_LINE = 400       # characters kept of one line in a verdict
+_CONTEXT_BEFORE = 1   # lines of context kept around a fatal line
+_CONTEXT_AFTER = 3
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server on one node, as the launch stage planned it."""
+
+    node: str                      # node name (NodeConfig.name)
+    index: int                     # server index on the node (0..)
+    gpus: tuple[int, ...]          # GPU indices for CUDA_VISIBLE_DEVICES (empty on CPU)
+    host: str                      # bind address on the node
+    port: int                      # listen port
+    model_path: str                # path on the node (RAM-disk copy or source)
+    served_name: str               # model name the API answers to (where the engine lets us choose)
+    python: str                    # the node venv's python executable (absolute path)
+    workdir: str                   # node workdir; the sim script lives at f"{workdir}/bin/fleet_sim.py"
+    api_key: str | None = None     # API key the engine enforces (None: no auth)
+    extra_args: tuple[str, ...] = ()   # per-server extra argv (servers.extra_args_by_index)
+
+
+@dataclass
+class LogVerdict:
+    """What one engine log says: ready or not, fatal lines, parsed numbers, warnings.
+
+    `fatal[i]` is one string per failure kind, first occurrence only (a TP8 server prints
+    the same OOM eight times): its first line is `"<label>: <log line>"`, the next few
+    lines (indented) are the log lines around it. `fatal_labels[i]` is the label alone.
+    """
+
+    ready: bool = False                                   # the engine's ready line was seen
+    fatal: list[str] = field(default_factory=list)        # fatal lines with a little context, in order
+    facts: dict[str, float | int | str] = field(default_factory=dict)  # numbers parsed from the log
+    warnings: list[str] = field(default_factory=list)     # "<label>: <log line>", first occurrence each
+    fatal_labels: list[str] = field(default_factory=list)  # "oom", "port-in-use", … parallel to `fatal`
+
+    @property
+    def ok(self) -> bool:
+        """Ready and nothing fatal: the only state in which a server should take work."""
+        return self.ready and not self.fatal
+
+    @property
+    def state(self) -> Literal["failed", "ready", "starting"]:
+        return "failed" if self.fatal else ("ready" if self.ready else "starting")
+
+    @property
+    def reason(self) -> str | None:
+        """One line for an error message: the most telling fatal line, or None.
+
+        The log order puts "Scheduler hit an exception: Traceback …" before the OOM that
+        caused it; this skips such generic crash reports when a specific cause follows.
+        """
+        if not self.fatal:
+            return None
+        for entry, label in zip(self.fatal, self.fatal_labels, strict=False):
+            if label not in GENERIC_FATAL_LABELS:
+                return entry.splitlines()[0]
+        return self.fatal[0].splitlines()[0]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "ready": self.ready,
+            "fatal": list(self.fatal),
+            "fatal_labels": list(self.fatal_labels),
+            "facts": dict(self.facts),
+            "warnings": list(self.warnings),
+        }
+
+
+@runtime_checkable
+class EngineProfile(Protocol):
+    """One inference engine: how to start it, how to know it is ready, how to read its log."""
+
+    name: str            # "sglang" | "vllm" | "transformers" | "sim"
+    ready_path: str      # HTTP GET path that answers 200 once the server can take requests
+    default_import: str  # module the venv stage imports to prove the install
+
+    def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]: ...
+
+    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]: ...
+
+    def classify(self, log_text: str) -> LogVerdict: ...
+
+    def request_model(self, spec: ServerSpec) -> str: ...
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """A line that means the server is dead or will not come up."""
+
+    label: str
+    pattern: re.Pattern[str]
+    needle: str | None = None          # substring that must be present (fast pre-filter)
+    before_ready_only: bool = False    # only fatal while starting (e.g. a bare top-level exception)
+
+
+@dataclass(frozen=True)
+class Warn:
+    """A line worth surfacing that does not stop the server."""
+
+    label: str
+    pattern: re.Pattern[str]
+    needle: str | None = None
+
+
+@dataclass(frozen=True)
+class Fact:
+    """Numbers read from one kind of line; each named group is a fact key."""
+
+    pattern: re.Pattern[str]
+    needle: str | None = None
+    keep: Literal["first", "last"] = "first"   # startup facts: first; running gauges: last
+
+
+def rx(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    return re.compile(pattern, flags)
+
+
+def to_number(key: str, raw: str) -> int | float:
+    raw = raw.replace(",", "")
+    return int(float(raw)) if key in INT_FACTS else float(raw)
+
+
+def _clip(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= _MAX_LINE else line[:_MAX_LINE] + "…"
+
+
+def _lines(text: str | bytes | None) -> list[str]:
+    if not text:
+        return []
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text).decode("utf-8", "replace")
+    if not isinstance(text, str):
+        return []
+    return text.splitlines()
+
+
+@dataclass(frozen=True)
+class LogRules:
+    """The rules of one engine, and the scan that applies them to a log."""
+
+    ready: tuple[re.Pattern[str], ...]
+    fatal: tuple[Fatal, ...]
+    facts: tuple[Fact, ...]
+    warnings: tuple[Warn, ...] = ()
+    # Checks on the finished verdict (e.g. "KV cache smaller than one request").
+    finish: tuple[Callable[[LogVerdict], None], ...] = ()
+
+    def classify(self, text: str | bytes | None) -> LogVerdict:
+        lines = _lines(text)
+        verdict = LogVerdict()
+        seen_fatal: set[str] = set()
+        seen_warn: set[str] = set()
+        for i, raw in enumerate(lines):
+            line = _ANSI.sub("", raw) if "\x1b" in raw else raw
+            if not line or line.startswith(_FLEET_HEADER):
+                continue
+            if not verdict.ready and any(p.search(line) for p in self.ready):
+                verdict.ready = True
+                continue
+            # The first rule that matches owns the line, even when its label was already
+            # reported: a chained traceback repeats its message, and that repeat must not
+            # fall through to a vaguer rule further down.
+            for rule in self.fatal:
+                if rule.before_ready_only and verdict.ready:
+                    continue
+                if rule.needle is not None and rule.needle not in line:
+                    continue
+                if rule.pattern.search(line):
+                    if rule.label not in seen_fatal:
+                        seen_fatal.add(rule.label)
+                        verdict.fatal.append(_fatal_entry(rule.label, lines, i))
+                        verdict.fatal_labels.append(rule.label)
+                    break
+            for warn in self.warnings:
+                if warn.label in seen_warn or (warn.needle is not None and warn.needle not in line):
+                    continue
+                if warn.pattern.search(line):
+                    seen_warn.add(warn.label)
+                    verdict.warnings.append(f"{warn.label}: {_clip(line)}")
+            for fact in self.facts:
+                if fact.needle is not None and fact.needle not in line:
+                    continue
+                m = fact.pattern.search(line)
+                if not m:
+                    continue
+                for key, raw in m.groupdict().items():
+                    if raw is None or (fact.keep == "first" and key in verdict.facts):
+                        continue
+                    try:
+                        verdict.facts[key] = to_number(key, raw)
+                    except ValueError:
+                        continue
+        for check in self.finish:
+            check(verdict)
+        return verdict
+
+
+def _fatal_entry(label: str, lines: list[str], i: int) -> str:
+    before = [ln for ln in lines[max(0, i - _CONTEXT_BEFORE):i] if ln.strip()]
+    after = [ln for ln in lines[i + 1:i + 1 + _CONTEXT_AFTER] if ln.strip()]
+    head = f"{label}: {_clip(_ANSI.sub('', lines[i]))}"
+    context = [_clip(_ANSI.sub("", ln)) for ln in before + after]
+    return "\n".join([head, *("    " + c for c in context)])
+
+
+# --------------------------------------------------------------------------- argv/env helpers
+
+
+def gpu_env(cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
+    """The server's environment additions: unbuffered output, the user's env, its GPUs.
+
+    PYTHONUNBUFFERED: vLLM logs to stdout, which Python block-buffers when it is a file;
+    without it the log (and so the classifier) lags the server by kilobytes. The user's
+    `engine.env` may override it. CUDA_VISIBLE_DEVICES comes last and wins: fleet assigns
+    GPUs per server, and one global value would put every server on the same GPUs.
+    """
+    env = {"PYTHONUNBUFFERED": "1"}
+    env.update({str(k): str(v) for k, v in cfg.engine.env.items()})
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    return env
+
+
+def opt(flag: str, value: Any) -> list[str]:
+    """`[flag, str(value)]` when value is set, else nothing."""
+    return [] if value is None else [flag, str(value)]
+
+
+def switch(flag: str, on: bool) -> list[str]:
+    return [flag] if on else []
+
+
+def extras(cfg: FleetConfig, spec: ServerSpec) -> list[str]:
+    """Config-wide extra argv, then the per-server ones (later flags win in argparse)."""
+    return [str(a) for a in cfg.engine.extra_args] + [str(a) for a in spec.extra_args]
+
+
+def check_gpu_count(cfg: FleetConfig, spec: ServerSpec, engine: str) -> None:
+    """A server given GPUs must get exactly tensor_parallel of them."""
+    from fleet.errors import ConfigError
+
+    tp = cfg.servers.tensor_parallel
+    if spec.gpus and len(spec.gpus) != tp:
+        raise ConfigError(
+            f"{engine} server {spec.index} on {spec.node} got GPUs {list(spec.gpus)} "
+            f"but servers.tensor_parallel is {tp}",
+            remedy="give each server exactly tensor_parallel GPUs (check nodes[].gpus and servers.count)",
+        )
+
+
+# --------------------------------------------------------------------------- shared fatal rules
+
+# Failures that read the same in every Python engine (they come from torch, CUDA, the
+# socket layer or the Hub client, not from the engine), in the order they are tried.
+COMMON_FATAL: tuple[Fatal, ...] = (
+    # torch.OutOfMemoryError (torch >= 2.5) / torch.cuda.OutOfMemoryError (older): an
+    # allocation failed, while loading weights, capturing graphs or serving.
+    Fatal("oom", rx(r"OutOfMemoryError"), "OutOfMemoryError"),
+    # The message itself, for engines that catch the exception and log only its text.
+    Fatal("oom", rx(r"CUDA out of memory|CUDA error: out of memory"), "out of memory"),
+    # Our port (uvicorn: "[Errno 98] error while attempting to bind on address … address
+    # already in use"; vLLM binds before loading: "OSError: [Errno 98] Address already in
+    # use"), SGLang's ZMQ ports ("zmq.error.ZMQError: Address already in use") or torch's
+    # rendezvous store ("EADDRINUSE … address already in use"): a leftover server or two
+    # servers given one port.
+    Fatal("port-in-use", rx(r"[Aa]ddress already in use"), "lready in use"),
+    # The first words of every NCCL failure ("RuntimeError: NCCL error", "DistBackendError:
+    # NCCL error in: …"); NCCL's own INFO/WARN chatter never contains them.
+    Fatal("nccl", rx(r"NCCL error"), "NCCL error"),
+    # A CPU-only torch or no usable driver: the venv got the wrong torch build.
+    Fatal("no-gpu", rx(r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|No CUDA GPUs are available"),
+          None),
+    # Any other CUDA runtime error (illegal memory access, no kernel image for this GPU, …).
+    Fatal("cuda-error", rx(r"CUDA error: (?!out of memory)"), "CUDA error: "),
+    # The model path does not exist or holds no model: Hub clients then take the path for a
+    # repo id ("Repo id must be in the form …") or fail to find config.json.
+    Fatal("model-not-found", rx(r"Repo id must be in the form|is not a local folder and is not a valid model "
+                                r"identifier|does not appear to have a file named config\.json|"
+                                r"Can't load the configuration of"), None),
+)

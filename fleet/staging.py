@@ -1,0 +1,259 @@
+"""Stage the model into the node's RAM disk: once per node, shared by every server on it.
+
+Reading weights from a network filesystem made each server load for minutes (28 s per
+shard with seven servers competing); a RAM-disk copy makes every load a memory read.
+The copy itself runs on the node (`fleet/remote/stage.py`, standard library only, uploaded
+to WORKDIR/bin/fleet_stage.py), so bytes never travel through the machine running the
+flow. This module only drives it through the `Node` seam:
+
+    upload the script (when changed) -> plan (sizes, what is already staged)
+    -> room check against `df` BEFORE anything is copied -> copy -> parse its JSON report
+
+Idempotent: a finished, unchanged copy is adopted (nothing copied; see
+`StageResult.adopted`), a changed source file is copied again alone, and a copy that was
+killed half-way is resumed and finished, never served: the manifest
+DST/.fleet-stage.json says ``"complete": true`` only once every file is in place
+(`is_staged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.errors import CommandFailed, ConfigError, PreflightFailed
+from fleet.node.base import Node, describe
+
+__all__ = ["StageResult", "stage_model", "staged_path", "is_staged", "read_manifest", "stage_argv",
+           "STAGE_SCRIPT", "MANIFEST_NAME"]
+
+log = logging.getLogger("fleet.staging")
+
+STAGE_SCRIPT = Path(__file__).parent / "remote" / "stage.py"
+MANIFEST_NAME = ".fleet-stage.json"
+
+# exit codes of stage.py
+_EXIT_USAGE = 2
+_EXIT_NOSPACE = 3
+_EXIT_IO = 4
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What staging did on one node."""
+
+    src: str  # the model directory on the node (as given)
+    dst: str  # the staged copy in the RAM disk: serve the model from here
+    files: int  # files in the model directory (symlinks resolved)
+    copied_files: int  # files copied this time
+    skipped_files: int  # files already staged and unchanged
+    bytes_total: int  # size of the model
+    bytes_copied: int  # bytes copied this time
+    seconds: float  # wall time of the whole stage, upload and room check included
+    mb_per_s: float  # copy rate of the copy phase (0 when nothing was copied)
+    adopted: bool  # nothing needed copying: an existing complete copy was reused
+    verified: bool  # staged files were compared by SHA-256, not only by size and mtime
+    node: str = ""  # the node's name
+    removed_files: int = 0  # stale files and leftovers removed from the copy
+    ignored: tuple[str, ...] = field(default_factory=tuple)  # not staged: "path (reason)", e.g. broken symlinks
+
+
+def staged_path(source: str, ramdisk: str) -> str:
+    """Where `source` is staged: RAMDISK/<last path component of source>."""
+    name = posixpath.basename(source.rstrip("/"))
+    if not name or name in (".", ".."):
+        raise ConfigError(f"model.source {source!r} has no directory name to stage under",
+                          remedy="set model.source to the model directory itself, e.g. /data/models/Qwen3-8B")
+    return posixpath.join(ramdisk.rstrip("/") or "/", name)
+
+
+def stage_argv(python: str, script: str, *, source: str, dst: str, streams: int = 8,
+               verify: bool = False, plan_only: bool = False) -> list[str]:
+    """The command that runs the stage script on the node."""
+    argv = [python, script, "--src", source, "--dst", dst, "--streams", str(streams)]
+    if verify:
+        argv.append("--verify")
+    if plan_only:
+        argv.append("--plan-only")
+    return argv
+
+
+def parse_report(text: str) -> dict[str, Any] | None:
+    """The stage script's JSON object: the last output line that is one."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def parse_df_avail(text: str) -> int:
+    """Bytes free from `df -B1 --output=avail PATH` (a header line, then the number)."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.isdigit():
+            return int(line)
+    raise ValueError(f"no byte count in df output: {text!r}")
+
+
+def read_manifest(node: Node, dst: str) -> dict[str, Any] | None:
+    """The staging manifest of `dst` on the node, or None when absent or unreadable."""
+    text = node.read_text(posixpath.join(dst, MANIFEST_NAME))
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_staged(node: Node, dst: str) -> bool:
+    """True when `dst` holds a finished copy (its manifest says complete)."""
+    manifest = read_manifest(node, dst)
+    return bool(manifest) and manifest.get("complete") is True
+
+
+def _script_sha() -> str:
+    return hashlib.sha256(STAGE_SCRIPT.read_bytes()).hexdigest()
+
+
+def ensure_script(node: Node, workdir: str) -> str:
+    """Upload stage.py to WORKDIR/bin/fleet_stage.py unless the node has this very version."""
+    remote = posixpath.join(workdir, "bin", "fleet_stage.py")
+    res = node.run(["sha256sum", remote], check=False, timeout=60)
+    if res.ok and res.stdout.split()[:1] == [_script_sha()]:
+        return remote
+    # upload beside it, then rename: a stager starting meanwhile never reads half a script
+    tmp = f"{remote}.{uuid.uuid4().hex[:8]}.tmp"
+    node.put(STAGE_SCRIPT, tmp)
+    node.run(["mv", "-f", tmp, remote], timeout=60)
+    return remote
+
+
+def _error_line(stderr: str) -> str:
+    for line in reversed(stderr.splitlines()):
+        if "error:" in line:
+            return line.split("error:", 1)[1].strip()
+    return ""
+
+
+def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], stderr: str,
+            source: str, dst: str, ramdisk: str) -> CommandFailed:
+    """Turn the stage script's exit code into an error that says what to do."""
+    code = exc_or_code if isinstance(exc_or_code, int) else exc_or_code.exit_code
+    why = _error_line(stderr)
+    if code == _EXIT_USAGE:
+        reason = f"cannot stage {source} on {node.name}: {why or 'bad source'}"
+        remedy = ("set model.stage=false to serve the model from where it is" if "same directory" in why else
+                  f"set model.source to an existing model directory as seen from {node.name} "
+                  "(paths are on the node, not where the flow runs)")
+    elif code == _EXIT_NOSPACE:
+        reason = f"RAM disk {ramdisk} on {node.name} ran out of space while staging {source}: {why}"
+        remedy = (f"free {ramdisk} (old models: ls -la {ramdisk}), use a node with more RAM, or set "
+                  "model.stage=false; the partial copy is marked incomplete and a re-run resumes it")
+    elif code == _EXIT_IO:
+        reason = f"I/O error while staging {source} to {dst} on {node.name}: {why}"
+        remedy = ("check that the source is readable and nobody is writing to it, then re-run: "
+                  "files already staged are kept")
+    else:
+        reason = f"staging {source} to {dst} on {node.name} failed with exit code {code}"
+        remedy = "read the stderr above; a re-run resumes the copy (files already staged are kept)"
+    return CommandFailed(reason, host=node.host, command=argv, exit_code=code, stderr=stderr, remedy=remedy)
+
+
+def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: str = "python3",
+                streams: int = 8, verify: bool = False, margin_bytes: int = 4 * GiB,
+                timeout: float = 6 * 3600) -> StageResult:
+    """Copy the model directory `source` into `ramdisk` on `node` once; adopt a finished copy.
+
+    Raises PreflightFailed before copying anything when the RAM disk cannot hold what is
+    left to copy plus `margin_bytes`; CommandFailed (with a remedy) when the copy fails;
+    CommandTimeout past `timeout` (transient: a retry resumes where the copy stopped).
+    """
+    t0 = time.monotonic()
+    dst = staged_path(source, ramdisk)
+    script = ensure_script(node, workdir)
+
+    argv = stage_argv(python, script, source=source, dst=dst, streams=streams, plan_only=True)
+    log.info("[%s] %s", node.name, describe(argv))
+    res = node.run(argv, check=False, timeout=min(timeout, 1800.0))
+    if res.exit_code == 127:
+        node.raise_for(res)  # CommandNotFound: no python on the node
+    if not res.ok:
+        raise _failed(node, res.exit_code, argv=argv, stderr=res.stderr, source=source, dst=dst, ramdisk=ramdisk)
+    plan = parse_report(res.stdout)
+    if plan is None:
+        raise CommandFailed("the stage script printed no plan", host=node.host, command=argv,
+                            exit_code=res.exit_code, stderr=res.stderr or res.stdout,
+                            remedy=f"run the command by hand on {node.name} and check its output")
+    for item in plan.get("ignored", []):
+        log.warning("[%s] not staged: %s/%s (%s)", node.name, source, item.get("path"), item.get("reason"))
+
+    # Room check before the first byte moves. Old copies of changed files and stale files
+    # are deleted before copying, so they count as room. With nothing to copy there is
+    # nothing to refuse: adopting a finished copy takes no space.
+    df_argv = ["df", "-B1", "--output=avail", ramdisk]
+    free = parse_df_avail(node.run(df_argv, timeout=60).stdout)
+    needed = int(plan["bytes_total"]) - int(plan["already_staged_bytes"])
+    room = free + int(plan.get("reclaimable_bytes", 0))
+    if needed > 0 and needed + margin_bytes > room:
+        raise PreflightFailed(
+            f"RAM disk {ramdisk} on node {node.name} is too small to stage {source}: "
+            f"{needed / GiB:.2f} GiB to copy + {margin_bytes / GiB:.2f} GiB margin needed, "
+            f"{room / GiB:.2f} GiB free ({needed + margin_bytes} > {room} bytes)",
+            host=node.host, command=df_argv,
+            remedy=(f"free {ramdisk} on {node.name} (old models: ls -la {ramdisk}), use a node with more RAM, "
+                    "lower model.stage_margin_gb, or set model.stage=false to serve from the source"),
+        )
+
+    argv = stage_argv(python, script, source=source, dst=dst, streams=streams, verify=verify)
+    log.info("[%s] %s", node.name, describe(argv))
+    lines: list[str] = []
+    try:
+        for line in node.stream(argv, timeout=timeout):
+            lines.append(line)
+            if line.startswith("fleet-stage: "):
+                log.info("[%s] %s", node.name, line.removeprefix("fleet-stage: "))
+    except CommandFailed as exc:
+        raise _failed(node, exc, argv=argv, stderr="\n".join(lines[-40:]) or exc.stderr_tail,
+                      source=source, dst=dst, ramdisk=ramdisk) from exc
+    report = parse_report("\n".join(lines))
+    if report is None or report.get("complete") is not True:
+        raise CommandFailed("the stage script finished without a report", host=node.host, command=argv,
+                            exit_code=0, stderr="\n".join(lines[-40:]),
+                            remedy=f"run the command by hand on {node.name} and check its output")
+    result = StageResult(
+        src=source,
+        dst=dst,
+        files=int(report["files"]),
+        copied_files=int(report["copied_files"]),
+        skipped_files=int(report["skipped_files"]),
+        bytes_total=int(report["bytes_total"]),
+        bytes_copied=int(report["bytes_copied"]),
+        seconds=round(time.monotonic() - t0, 3),
+        mb_per_s=float(report["mb_per_s"]),
+        adopted=int(report["copied_files"]) == 0,
+        verified=bool(report["verified"]),
+        node=node.name,
+        removed_files=int(report.get("removed_files", 0)),
+        ignored=tuple(f"{i.get('path')} ({i.get('reason')})" for i in report.get("ignored", [])),
+    )
+    log.info("[%s] staged %s -> %s: %d/%d files copied, %.2f GiB at %.0f MB/s, %.1f s%s", node.name, source,
+             dst, result.copied_files, result.files, result.bytes_copied / GiB, result.mb_per_s, result.seconds,
+             " (adopted)" if result.adopted else "")
+    return result

@@ -1,0 +1,210 @@
+"""Shared fixtures: an isolated Prefect home, a real throwaway OpenSSH server, and `node`
+(one connected Node per transport, so one behaviour suite covers both)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports Prefect (its settings are read at import): tests must never
+# touch the developer's ~/.prefect, results or telemetry.
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="fleet-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-results")
+
+from fleet.config import NodeConfig  # noqa: E402
+from fleet.node import LocalNode, Node  # noqa: E402
+
+SSHD = "/usr/sbin/sshd"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+def wait_until(check, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    """Poll `check` until it returns a truthy value (returned) or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    comm: str
+    argv: list[str]
+
+
+def processes() -> list[Proc]:
+    """This machine's processes from /proc (no psutil: it is not a test dependency)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue  # exited meanwhile
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        out.append(Proc(int(entry), ppid, comm, [a.decode(errors="replace") for a in argv]))
+    return out
+
+
+def descendants(pid: int) -> list[Proc]:
+    procs = processes()
+    found, frontier = [], {pid}
+    while frontier:
+        kids = [p for p in procs if p.ppid in frontier]
+        found += kids
+        frontier = {p.pid for p in kids}
+    return found
+
+
+def _keygen(path: Path, kind: str = "ed25519") -> str:
+    """A new unencrypted key pair; returns the public key line."""
+    extra = ["-b", "2048"] if kind == "rsa" else []
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, *extra, "-N", "", "-C", f"fleet-test-{kind}", "-f", str(path)],
+                   check=True, capture_output=True)
+    return Path(f"{path}.pub").read_text().strip()
+
+
+@dataclass
+class Sshd:
+    """A running throwaway sshd and the keys to use it."""
+
+    host: str
+    port: int
+    user: str
+    key_file: Path  # authorized ed25519 client key
+    host_key: str  # 'ssh-ed25519 AAAA…' of the server
+    dir: Path
+    pid: int
+    extra_keys: dict[str, Path]  # other authorized client keys by type: 'ecdsa', 'rsa'
+    unauthorized_key: Path
+
+    def node_config(self, **overrides) -> NodeConfig:
+        fields = dict(name="ssh-test", kind="ssh", host=self.host, port=self.port, user=self.user,
+                      key_file=self.key_file, host_key=self.host_key, workdir=str(self.dir / "work"),
+                      connect_timeout_s=5.0)
+        fields.update(overrides)
+        return NodeConfig(**fields)
+
+    def session_pids(self) -> set[int]:
+        """Pids of the sshd processes serving connections (children of the listener)."""
+        return {p.pid for p in processes() if p.ppid == self.pid}
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
+    if not os.path.exists(SSHD):
+        pytest.fail(f"{SSHD} is missing: install openssh-server (apt-get install -y openssh-server); "
+                    "the SSH tests need a real sshd")
+    d = tmp_path_factory.mktemp("sshd")
+    host_key_file, client_key = d / "host_ed25519", d / "client_ed25519"
+    host_pub = _keygen(host_key_file)
+    authorized = [_keygen(client_key)]
+    extra = {}
+    for kind in ("ecdsa", "rsa"):
+        extra[kind] = d / f"client_{kind}"
+        authorized.append(_keygen(extra[kind], kind))
+    unauthorized = d / "stranger_ed25519"
+    _keygen(unauthorized)
+    (d / "authorized_keys").write_text("\n".join(authorized) + "\n")
+    port = free_port()
+    config = d / "sshd_config"
+    config.write_text("\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {host_key_file}",
+        f"PidFile {d / 'sshd.pid'}",
+        f"AuthorizedKeysFile {d / 'authorized_keys'}",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",  # keys under /tmp would be refused otherwise
+        "PermitRootLogin prohibit-password",
+        "Subsystem sftp internal-sftp",
+        "AllowTcpForwarding yes",
+        "MaxStartups 100",
+        "LogLevel VERBOSE",
+    ]) + "\n")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
+    log = d / "sshd.log"
+    proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            pytest.fail(f"sshd exited with {proc.returncode}: {err}\n{log.read_text() if log.exists() else ''}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
+    wait_until(listening, timeout=10, what=f"sshd on 127.0.0.1:{port}")
+    import getpass
+
+    try:
+        yield Sshd(host="127.0.0.1", port=port, user=getpass.getuser(), key_file=client_key, host_key=host_pub,
+                   dir=d, pid=proc.pid, extra_keys=extra, unauthorized_key=unauthorized)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """A throwaway Prefect API for the whole session (slow to start: ~10-20 s here), shared
+    by every test that needs real blocks, flows or artifacts."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+def node(request: pytest.FixtureRequest) -> Iterator[Node]:
+    """A connected Node of each kind; closed after the test."""
+    if request.param == "local":
+        n: Node = LocalNode("local")
+    else:
+        from fleet.node.ssh import SSHNode
+
+        sshd = request.getfixturevalue("sshd")
+        n = SSHNode.from_config(sshd.node_config())
+        n.connect()
+    try:
+        yield n
+    finally:
+        n.close()

@@ -1,0 +1,235 @@
+"""The `fleet` flow end to end with simulated SGLang servers, over the local node and over SSH.
+
+Real parts: the Prefect test server, the sim server processes, the real sshd fixture.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.config import FleetConfig
+from fleet.node import LocalNode
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def sim_config(tmp_path: Path, base_port: int, *, node: dict | None = None, n: int = 3, **kw: Any) -> FleetConfig:
+    model = tmp_path / "src" / "sim-model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "weights.bin").write_bytes(b"w" * 100_000)
+    data: dict[str, Any] = {
+        "name": "t",
+        "nodes": [node or {"name": "local", "workdir": str(tmp_path / "work")}],
+        "engine": {"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 5000}},
+        "model": {"source": str(model), "stage_margin_gb": 0.0},
+        "venv": {"path": str(tmp_path / "venv")},
+        "servers": {"count": n, "base_port": base_port, "ready_timeout_s": 60, "stop_grace_s": 2},
+        "smoke": {"first_timeout_s": 10, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
+    }
+    for k, v in kw.items():
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
+    return FleetConfig(**data)
+
+
+def port_block(n: int) -> int:
+    from fleet.demo import free_port_block
+
+    import random
+    return free_port_block(n, start=random.randrange(20000, 50000, 100))
+
+
+def run(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
+    from flows.fleet import fleet
+
+    state = fleet(config=cfg, action="bringup", return_state=True)
+    rows = state.result(raise_on_failure=False)
+    assert isinstance(rows, list), rows
+    return state.is_completed(), rows, state.message or ""
+
+
+@pytest.fixture
+def teardown_after():
+    cfgs: list[FleetConfig] = []
+    yield cfgs.append
+    from fleet.node import connect
+    from fleet.servers import stop_servers
+
+    for cfg in cfgs:
+        for n in cfg.nodes:
+            with connect(n) as node:
+                stop_servers(node, cfg, n)
+
+
+def by_server(rows: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    return {r["server"]: r for r in rows}
+
+
+def read_artifacts(keys: list[str]) -> dict[str, Any]:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def go():
+        async with get_client() as client:
+            arts = await client.read_latest_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+            return {a.key: a for a in arts}
+
+    return asyncio.run(go())
+
+
+def test_all_healthy_local_with_artifacts(tmp_path: Path, teardown_after) -> None:
+    cfg = sim_config(tmp_path, port_block(3))
+    teardown_after(cfg)
+    ok, rows, msg = run(cfg)
+    assert ok, rows
+    assert [r["state"] for r in rows] == ["up"] * 3
+    assert all(r["kv_cache_tokens"] == 500000 and r["max_running_requests"] == 64 for r in rows)
+    assert all(r["smoke_latency_s"] > 0 and r["ready_s"] > 0 for r in rows)
+    keys = ["t-summary", "t-local-provision", "t-local-venv", "t-local-stage", "t-local-server-0-launch",
+            "t-local-server-2-smoke"]
+    arts = read_artifacts(keys)
+    assert set(arts) == set(keys)
+    assert "Load weight end" in arts["t-local-server-0-launch"].data  # log excerpt
+    assert "OK in" in arts["t-local-stage"].data
+    # a second run adopts everything: same pids, and says so
+    ok2, rows2, _ = run(cfg)
+    assert ok2 and [r["state"] for r in rows2] == ["adopted"] * 3
+    assert [r["pid"] for r in rows2] == [r["pid"] for r in rows]
+
+
+def test_one_server_crashing_at_start_fails_fast_peers_stay_up(tmp_path: Path, teardown_after) -> None:
+    """A server that logs an OOM and exits fails within seconds with the log line; its peers are up;
+    a re-run (fault fixed) relaunches only it."""
+    base = port_block(3)
+    cfg = sim_config(tmp_path, base, servers={"extra_args_by_index": {1: ["--oom-at-start"], 2: ["--startup-s", "30"]}})
+    cfg = sim_config(tmp_path, base, servers={"extra_args_by_index": {1: ["--oom-at-start"]}})
+    teardown_after(cfg)
+    t0 = time.monotonic()
+    ok, rows, msg = run(cfg)
+    assert not ok
+    r = by_server(rows)
+    assert r[0]["state"] == "up" and r[2]["state"] == "up"
+    assert r[1]["state"] == "launch failed" and "Not enough memory" in r[1]["error"]
+    assert "server 1" in msg
+    assert time.monotonic() - t0 < 30
+    pids = {i: r[i]["pid"] for i in (0, 2)}
+    fixed = sim_config(tmp_path, base)
+    ok, rows, _ = run(fixed)
+    r = by_server(rows)
+    assert ok and r[1]["state"] == "up"
+    assert {i: r[i]["pid"] for i in (0, 2)} == pids and r[0]["state"] == "adopted"
+
+
+def test_crash_detected_within_seconds_not_after_timeout(tmp_path: Path, teardown_after) -> None:
+    """A process that dies while starting fails its launch task at once, with a 600 s ready timeout."""
+    cfg = sim_config(tmp_path, port_block(1), n=1,
+                     engine={"sim": {"startup_s": 1.0}},
+                     servers={"ready_timeout_s": 600, "extra_args_by_index": {0: ["--oom-at-start", "weights"]}})
+    teardown_after(cfg)
+    t0 = time.monotonic()
+    ok, rows, _ = run(cfg)
+    assert not ok and rows[0]["state"] == "launch failed"
+    assert "out of memory" in rows[0]["error"].lower()
+    assert time.monotonic() - t0 < 20
+
+
+def test_first_request_hangs_backoff_then_clear_failure(tmp_path: Path, teardown_after) -> None:
+    cfg = sim_config(tmp_path, port_block(2), n=2,
+                     servers={"extra_args_by_index": {1: ["--hang-requests"]}},
+                     smoke={"first_timeout_s": 1.5, "timeout_s": 0.5, "attempts": 3, "backoff_s": 0.2})
+    teardown_after(cfg)
+    ok, rows, msg = run(cfg)
+    r = by_server(rows)
+    assert not ok and r[0]["state"] == "up" and r[1]["state"] == "smoke failed"
+    err = r[1]["error"]
+    assert "smoke failed after 3 attempts" in err
+    assert "#1 at 0.0s: timeout" in err and "(timeout 1.5s)" in err and "(timeout 0.5s)" in err
+
+
+def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:
+    base = port_block(2)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", base + 1))
+    squatter.listen()
+    try:
+        cfg = sim_config(tmp_path, base, n=2)
+        teardown_after(cfg)
+        ok, rows, _ = run(cfg)
+    finally:
+        squatter.close()
+    r = by_server(rows)
+    assert not ok and r[0]["state"] == "up"
+    assert r[1]["state"] == "launch failed" and f"port {base + 1} is already in use" in r[1]["error"]
+
+
+def test_ramdisk_too_small_refused_before_copying(tmp_path: Path, teardown_after) -> None:
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(ram)],
+                             capture_output=True).returncode == 0
+    try:
+        cfg = sim_config(tmp_path, port_block(1), n=1,
+                         node={"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": str(ram)},
+                         model={"stage_margin_gb": 0.0 if mounted else 1e6})
+        teardown_after(cfg)
+        ok, rows, _ = run(cfg)
+        assert not ok and rows[0]["state"] == "provision failed" and "ramdisk-room" in rows[0]["error"]
+        assert list(ram.iterdir()) == []  # nothing copied
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ram)])
+
+
+@pytest.mark.ssh
+def test_all_healthy_over_ssh_with_forwarded_ports(tmp_path: Path, sshd, teardown_after) -> None:
+    node = sshd.node_config(name="remote", workdir=str(tmp_path / "rwork"))
+    cfg = sim_config(tmp_path, port_block(2), n=2, node=node.model_dump(mode="json"))
+    teardown_after(cfg)
+    ok, rows, _ = run(cfg)
+    assert ok, rows
+    assert [r["state"] for r in rows] == ["up", "up"] and rows[0]["node"] == "remote"
+    # the servers run detached on the "node" and survive the flow's SSH connection
+    local = LocalNode()
+    assert all(local.is_alive(r["pid"]) for r in rows)
+
+
+@pytest.mark.ssh
+def test_one_server_crashing_over_ssh(tmp_path: Path, sshd, teardown_after) -> None:
+    node = sshd.node_config(name="remote", workdir=str(tmp_path / "rwork"))
+    cfg = sim_config(tmp_path, port_block(2), n=2, node=node.model_dump(mode="json"),
+                     servers={"extra_args_by_index": {0: ["--crash-after", "1"]}})
+    teardown_after(cfg)
+    ok, rows, _ = run(cfg)
+    r = by_server(rows)
+    assert not ok and r[1]["state"] == "up" and r[0]["state"] == "smoke failed"
+
+
+@pytest.mark.ssh
+def test_venv_on_network_filesystem_refused(tmp_path: Path, sshd, teardown_after) -> None:
+    """A venv on a network filesystem (a real sshfs mount here) makes imports hang: refused, with the remedy."""
+    mnt = tmp_path / "netfs"
+    mnt.mkdir()
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    r = subprocess.run(["sshfs", "-p", str(sshd.port), "-o", f"IdentityFile={sshd.key_file}",
+                        "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                        f"{sshd.user}@127.0.0.1:{exported}", str(mnt)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, f"sshfs mount failed: {r.stderr}"
+    try:
+        cfg = sim_config(tmp_path, port_block(1), n=1, venv={"path": str(mnt / "venv")})
+        teardown_after(cfg)
+        ok, rows, _ = run(cfg)
+        assert not ok and rows[0]["state"] == "provision failed"
+        assert "fuse.sshfs" in rows[0]["error"] and "venv" in rows[0]["error"]
+    finally:
+        subprocess.run(["fusermount", "-u", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -1,0 +1,299 @@
+"""SSH-only faults against a real sshd: each test is named for the fault it injects and
+checks the error class (transient vs fatal), the message and the recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Sshd, descendants, free_port, processes, wait_until
+from fleet.config import NodeConfig
+from fleet.errors import (
+    AuthFailed,
+    CommandFailed,
+    ConfigError,
+    ConnectionLost,
+    FleetError,
+    HostKeyError,
+    NodeUnreachable,
+    is_transient,
+)
+from fleet.node.ssh import SSHNode, fingerprint, load_private_key, remote_argv
+
+pytestmark = pytest.mark.ssh
+
+
+def _node(sshd: Sshd, **overrides) -> SSHNode:
+    return SSHNode.from_config(sshd.node_config(**overrides))
+
+
+def _ssh_keygen_fingerprint(pub_line: str, tmp_path: Path) -> str:
+    f = tmp_path / "k.pub"
+    f.write_text(pub_line + "\n")
+    return subprocess.run(["ssh-keygen", "-lf", str(f)], capture_output=True, text=True, check=True).stdout.split()[1]
+
+
+# -- host keys ------------------------------------------------------------------------------
+
+def test_wrong_pinned_host_key(sshd: Sshd, tmp_path: Path) -> None:
+    """A pinned key that differs from the server's is refused, never accepted; the message
+    says it does not match, shows both fingerprints (as ssh-keygen prints them) and the fix."""
+    wrong = Path(f"{sshd.unauthorized_key}.pub").read_text().strip()
+    node = _node(sshd, host_key=wrong)
+    with pytest.raises(HostKeyError) as info:
+        node.run(["true"])
+    text = str(info.value)
+    assert "does not match" in text and not info.value.transient
+    assert _ssh_keygen_fingerprint(wrong, tmp_path) in text
+    assert _ssh_keygen_fingerprint(sshd.host_key, tmp_path) in text
+    assert "remedy:" in text and "host_key" in text
+    assert not node.connected
+
+
+def test_changed_host_key_in_known_hosts(sshd: Sshd, tmp_path: Path) -> None:
+    """known_hosts holds another key for [host]:port (a reinstalled node, or an attacker)."""
+    wrong = Path(f"{sshd.unauthorized_key}.pub").read_text().split()[:2]
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[{sshd.host}]:{sshd.port} {' '.join(wrong)}\n")
+    with pytest.raises(HostKeyError) as info:
+        _node(sshd, host_key=None, known_hosts=kh).connect()
+    text = str(info.value)
+    assert "does not match" in text and f"ssh-keygen -R '[{sshd.host}]:{sshd.port}'" in text
+
+
+def test_unknown_host_without_tofu(sshd: Sshd, tmp_path: Path) -> None:
+    """No pinned key, no known_hosts entry, TOFU off: refuse, and write nothing."""
+    kh = tmp_path / "ssh" / "known_hosts"
+    with pytest.raises(HostKeyError) as info:
+        _node(sshd, host_key=None, known_hosts=kh).connect()
+    assert "unknown" in str(info.value) and "trust_on_first_use" in str(info.value)
+    assert not kh.exists()
+
+
+def test_unknown_host_with_tofu_records_key_then_verifies_it(sshd: Sshd, tmp_path: Path) -> None:
+    """TOFU accepts the first key, records it under '[host]:port'; later connections verify it."""
+    kh = tmp_path / "new-dir" / "known_hosts"
+    with _node(sshd, host_key=None, known_hosts=kh, trust_on_first_use=True) as first:
+        assert first.run(["echo", "hi"]).stdout == "hi\n"
+    key_type, b64 = sshd.host_key.split()[:2]
+    assert kh.read_text() == f"[{sshd.host}]:{sshd.port} {key_type} {b64}\n"
+    with _node(sshd, host_key=None, known_hosts=kh, trust_on_first_use=False) as second:
+        assert second.run(["true"]).ok
+    assert kh.read_text().count("\n") == 1  # known key: nothing appended
+
+
+# -- authentication -----------------------------------------------------------------------
+
+def test_wrong_client_key(sshd: Sshd) -> None:
+    """A key the server does not know: fatal, and the remedy names the key and the user."""
+    with pytest.raises(AuthFailed) as info:
+        _node(sshd, key_file=sshd.unauthorized_key).run(["true"])
+    text = str(info.value)
+    assert not is_transient(info.value)
+    assert str(sshd.unauthorized_key) in text and sshd.user in text and "authorized_keys" in text
+
+
+@pytest.mark.parametrize("kind", ["ecdsa", "rsa"])
+def test_other_key_types_authenticate(sshd: Sshd, kind: str) -> None:
+    with _node(sshd, key_file=sshd.extra_keys[kind]) as node:
+        assert node.run(["echo", kind]).stdout == f"{kind}\n"
+
+
+def test_unparseable_key_text_is_a_config_error() -> None:
+    """Garbage key text fails before any connection, and the message never echoes the key."""
+    with pytest.raises(ConfigError) as info:
+        load_private_key("-----BEGIN OPENSSH PRIVATE KEY-----\nnot-a-key-SECRET\n", source="test")
+    assert "SECRET" not in str(info.value)
+
+
+def test_key_text_with_literal_backslash_n_parses(sshd: Sshd) -> None:
+    """Keys pasted into env vars or UI fields often arrive as one line with literal \\n."""
+    text = sshd.key_file.read_text().replace("\n", "\\n")
+    assert load_private_key(text, source="test").get_name() == "ssh-ed25519"
+
+
+# -- network -------------------------------------------------------------------------------
+
+def test_no_sshd_on_port(sshd: Sshd) -> None:
+    """Connection refused: transient, and it gives up fast (a couple of quick retries)."""
+    node = _node(sshd, port=free_port())
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnreachable) as info:
+        node.run(["true"])
+    assert time.monotonic() - t0 < 3
+    assert info.value.transient and is_transient(info.value)
+    assert "remedy:" in str(info.value)
+
+
+def test_unresolvable_host(sshd: Sshd) -> None:
+    with pytest.raises(NodeUnreachable) as info:
+        _node(sshd, host="fleet-no-such-host.invalid").run(["true"])
+    assert "resolve" in str(info.value)
+
+
+def test_tcp_nodelay_is_set(sshd: Sshd) -> None:
+    """Without TCP_NODELAY each command waits ~40 ms on delayed ACKs."""
+    with _node(sshd) as node:
+        node.connect()
+        assert node._sock is not None
+        assert node._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def _run_in_thread(node: SSHNode, argv: list[str]) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            node.run(argv, timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def _remote_sleep(duration: str) -> int | None:
+    return next((p.pid for p in processes() if p.argv == ["sleep", duration]), None)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_sshd_session_killed_mid_command(sshd: Sshd) -> None:
+    """The server side of the connection dies while `sleep` runs: ConnectionLost (transient)
+    within seconds, and the next call reconnects by itself."""
+    before = sshd.session_pids()
+    node = _node(sshd)
+    node.connect()
+    ours = wait_until(lambda: sshd.session_pids() - before, what="the sshd process serving our connection")
+    thread, errors = _run_in_thread(node, ["sleep", "31.5"])
+    sleeper = wait_until(lambda: _remote_sleep("31.5"), what="the remote sleep to start")
+    t0 = time.monotonic()
+    for pid in ours:  # the per-connection sshd and its privilege-separated child
+        for p in [pid, *(d.pid for d in descendants(pid) if d.comm.startswith("sshd"))]:
+            _kill(p)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - t0 < 5
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionLost), errors
+    assert errors[0].transient and "sleep 31.5" in str(errors[0])
+    assert node.run(["echo", "back"]).stdout == "back\n"  # transparently reconnected
+    _kill(sleeper)
+    node.close()
+
+
+def test_connection_dropped_under_the_client_mid_command(sshd: Sshd) -> None:
+    """The client's socket dies (network drop) while a command runs: ConnectionLost, then reconnect."""
+    node = _node(sshd)
+    node.connect()
+    thread, errors = _run_in_thread(node, ["sleep", "32.5"])
+    sleeper = wait_until(lambda: _remote_sleep("32.5"), what="the remote sleep to start")
+    assert node._sock is not None
+    node._sock.shutdown(socket.SHUT_RDWR)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionLost), errors
+    assert node.run(["true"]).ok
+    _kill(sleeper)
+    node.close()
+
+
+def test_command_killed_by_signal_reports_128_plus_signal(sshd: Sshd) -> None:
+    """sshd reports a signal death as 'exit-signal', which paramiko drops; it must not look
+    like a lost connection, and the code is the shell's 128+N."""
+    with _node(sshd) as node:
+        res = node.run(["sh", "-c", "kill -KILL $$"], check=False, timeout=None)
+        assert res.exit_code == 128 + signal.SIGKILL
+        with pytest.raises(CommandFailed):
+            node.run(["sh", "-c", "kill -TERM $$"])
+
+
+def test_put_of_missing_local_file(sshd: Sshd, tmp_path: Path) -> None:
+    with _node(sshd) as node, pytest.raises(CommandFailed) as info:
+        node.put(tmp_path / "absent.bin", str(tmp_path / "x"))
+    assert "no such local file" in str(info.value)
+
+
+def test_get_of_missing_remote_file(sshd: Sshd, tmp_path: Path) -> None:
+    with _node(sshd) as node, pytest.raises(CommandFailed) as info:
+        node.get(str(tmp_path / "absent.bin"), tmp_path / "x")
+    assert not (tmp_path / "x").exists() and "absent.bin" in str(info.value)
+
+
+def test_forward_to_a_closed_remote_port(sshd: Sshd) -> None:
+    """The node cannot reach the target: the local client sees the connection close; the
+    forward keeps listening for the next one."""
+    with _node(sshd) as node, node.forward_port(free_port()) as fwd:
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", fwd.local_port), timeout=5) as s:
+                s.settimeout(5)
+                assert s.recv(1) == b""
+
+
+# -- config sources: fleet-node block, Prefect Secret ----------------------------------------
+
+def test_block_supplies_the_connection(sshd: Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the block names the connection: host, port, user, key, pinned host key and
+    workdir all come from it; a field set in the config overrides the block's."""
+    from blocks.node import FleetNode
+
+    block = FleetNode(host=sshd.host, port=sshd.port, user=sshd.user, private_key=sshd.key_file.read_text(),
+                      host_key=sshd.host_key, workdir="/tmp/fleet-block")
+    loaded: list[str] = []
+    monkeypatch.setattr(FleetNode, "load", classmethod(lambda cls, name, **kw: loaded.append(name) or block))
+    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="gpu-1", connect_timeout_s=5)) as node:
+        assert (node.target.port, node.workdir, loaded) == (sshd.port, "/tmp/fleet-block", ["gpu-1"])
+        assert node.run(["echo", "block"]).stdout == "block\n"
+    override = NodeConfig(name="from-block", kind="ssh", block="gpu-1", port=2222, workdir="/w")
+    node = SSHNode.from_config(override)
+    assert (node.target.port, node.workdir) == (2222, "/w")
+
+
+@pytest.mark.prefect
+def test_block_and_secret_round_trip_through_prefect(sshd: Sshd, prefect_api: None) -> None:
+    """Saved to a real Prefect server and loaded back by name: the FleetNode block (its key a
+    SecretStr) and a Secret block holding a key both reach the node."""
+    from prefect.blocks.system import Secret
+
+    from blocks.node import FleetNode
+
+    FleetNode(host=sshd.host, port=sshd.port, user=sshd.user, private_key=sshd.key_file.read_text(),
+              host_key=sshd.host_key).save("test-node", overwrite=True)
+    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="test-node")) as node:
+        assert node.run(["echo", "block"]).stdout == "block\n"
+
+    Secret(value=sshd.extra_keys["ecdsa"].read_text()).save("test-node-key", overwrite=True)
+    with SSHNode.from_config(sshd.node_config(key_file=None, key_secret="test-node-key")) as node:
+        assert node.run(["echo", "secret"]).stdout == "secret\n"
+
+    with pytest.raises(ConfigError) as info:
+        SSHNode.from_config(sshd.node_config(block="no-such-node"))
+    assert "no-such-node" in str(info.value) and "remedy:" in str(info.value)
+
+
+# -- pure builders -------------------------------------------------------------------------
+
+def test_remote_argv_wraps_env_and_timeout() -> None:
+    assert remote_argv(["sleep", "1"]) == ["sleep", "1"]
+    assert remote_argv(["x"], timeout=2.5, env={"A": "1 2"}) == [
+        "env", "A=1 2", "timeout", "--kill-after=5", "2.5", "x"]
+    assert remote_argv(["x"], timeout=0)[2] == "0.001"  # `timeout 0` would mean no limit
+    with pytest.raises(FleetError):
+        remote_argv(["x"], env={"BAD-NAME": "1"})
+
+
+def test_fingerprint_matches_ssh_keygen(sshd: Sshd, tmp_path: Path) -> None:
+    key = load_private_key(sshd.key_file.read_text(), source="test")
+    pub = Path(f"{sshd.key_file}.pub").read_text().strip()
+    assert fingerprint(key) == _ssh_keygen_fingerprint(pub, tmp_path)
