@@ -163,12 +163,6 @@ def cmd_inspect_log(args: argparse.Namespace) -> int:
     return EXIT_FAILED if verdict.fatal else 0
 
 
-def cmd_sim(args: argparse.Namespace) -> int:
-    from fleet.sim.server import main as sim_main
-
-    return sim_main(args.sim_args)
-
-
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -235,18 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect_log)
 
-    p = sub.add_parser("sim", help="run the simulated SGLang server (see `fleet sim -- --help`)", add_help=False,
+    p = sub.add_parser("sim", help="run the simulated SGLang server (`fleet sim --help` lists its flags and faults)", add_help=False,
                        description="The SGLang-compatible simulated server. All arguments go to it.")
-    p.add_argument("sim_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_sim)
 
-    p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo")
-    p.add_argument("out", help="output directory")
+    p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
+                       description="Build a tiny random-weight Qwen2-style chat model (byte-level BPE tokenizer "
+                                   "trained locally, ChatML template) in a few seconds, with no download. "
+                                   "Idempotent: an existing complete build is reused.")
+    p.add_argument("out", help="output directory (created; must be empty or a previous build)")
     p.set_defaults(func=cmd_tiny_model)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        # every argument belongs to the simulator, --help included
+        from fleet.sim.server import main as sim_main
+
+        return sim_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -81,7 +81,7 @@ def demo_config(engine: str, servers: int | None, state: Path) -> dict[str, Any]
     n = servers or (2 if engine == "transformers" else 4)
     work = state / "work"
     common: dict[str, Any] = {
-        "name": "demo",
+        "name": f"demo-{engine}",
         "nodes": [{"name": "local", "kind": "local", "workdir": str(work)}],
         "servers": {"count": n, "base_port": free_port_block(n), "ready_timeout_s": 300.0},
     }
@@ -134,7 +134,7 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
     print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
     print("See the artifacts (summary table, per-stage results, log excerpts):\n"
           "  .venv/bin/prefect artifact ls\n"
-          "  .venv/bin/prefect artifact inspect demo-summary\n"
+          f"  .venv/bin/prefect artifact inspect {cfg.name}-summary\n"
           "or the UI: .venv/bin/prefect server start, then open http://127.0.0.1:4200/runs")
     if keep:
         print(f"Servers left running: .venv/bin/fleet status -c {cfg_path}; stop: .venv/bin/fleet down -c {cfg_path}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,7 @@ class LocalNode(Node):
             out, err = proc.communicate()
             raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
                                  stderr=err, remedy="raise the timeout or check why the command hangs") from None
-        return RunResult(self.host, tuple(argv), proc.returncode, out, err, time.monotonic() - t0)
+        return RunResult(self.host, tuple(argv), _shell_code(proc.returncode), out, err, time.monotonic() - t0)
 
     def stream(self, argv: Sequence[str], *, timeout: float | None = None,
                env: Mapping[str, str] | None = None) -> Iterator[str]:
@@ -56,25 +57,32 @@ class LocalNode(Node):
             raise CommandNotFound(f"command not found: {argv[0]}", host=self.host, command=argv,
                                   exit_code=127, remedy=f"install {argv[0]!r} or fix PATH") from None
         tail: list[str] = []
+        assert proc.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+        # A reader thread, so the deadline holds even while the command prints nothing.
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if deadline is not None and time.monotonic() > deadline:
+            while True:
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
                     raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host,
                                          command=argv, stderr="".join(tail),
                                          remedy="raise the timeout or check why the command hangs")
+                try:
+                    line = lines.get(timeout=wait)
+                except queue.Empty:
+                    continue
+                if line is None:
+                    break
                 line = line.rstrip("\n")
                 tail = (tail + [line + "\n"])[-20:]
                 yield line
-            rc = proc.wait(timeout=None if deadline is None else max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
-                                 remedy="raise the timeout") from None
+            rc = proc.wait()
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
         if rc != 0:
-            self.raise_for(RunResult(self.host, tuple(argv), rc, "", "".join(tail), 0.0))
+            self.raise_for(RunResult(self.host, tuple(argv), _shell_code(rc), "", "".join(tail), 0.0))
 
     def put(self, local: str | Path, remote: str) -> None:
         # Temp file + rename: a reader (a server starting from an uploaded script, a
@@ -99,6 +107,17 @@ class LocalNode(Node):
 
     def close(self) -> None:
         pass
+
+
+def _pump(stream: object, out: queue.Queue[str | None]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        out.put(line)
+    out.put(None)
+
+
+def _shell_code(rc: int) -> int:
+    """subprocess says -N for a signal; a shell (and the SSH node) says 128 + N."""
+    return 128 - rc if rc < 0 else rc
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
