@@ -278,3 +278,36 @@ def test_demo_command_from_readme(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fleet demo: OK: 2 server(s) up" in r.stdout
     assert "stopped 2 server(s)" in r.stdout
+
+
+def test_cli_up_status_down(tmp_path: Path) -> None:
+    """`fleet up`, `fleet status --json` and `fleet down` on a config file, as an operator runs them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fleet.demo import to_toml
+
+    cfg = sim_config(tmp_path, port_block(2), n=2)
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+
+    def fleet_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fleet.cli", *args, "-c", str(path)], capture_output=True,
+                              text=True, timeout=240, env=os.environ.copy())
+
+    try:
+        up = fleet_cli("up")
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        st = fleet_cli("status", "--json")
+        assert st.returncode == 0, st.stderr
+        servers = json.loads(st.stdout)["servers"]
+        assert [s["state"] for s in servers] == ["running", "running"]
+        assert all(s["pid"] and s["up_s"] >= 0 and s["last_smoke"]["ok"] for s in servers)
+    finally:
+        down = fleet_cli("down")
+    assert down.returncode == 0 and down.stdout.count("stopped") == 2, down.stdout
+    assert not any(LocalNode().is_alive(s["pid"]) for s in servers)
+    st = fleet_cli("status", "--json")
+    assert [s["state"] for s in json.loads(st.stdout)["servers"]] == ["stopped", "stopped"] and st.returncode == 1
