@@ -2,7 +2,7 @@
 # One entry point for a fresh machine.
 #   ./dev.sh setup        create .venv (uv), install fleet with its test + transformers extras
 #   ./dev.sh demo [ARGS]  setup, then `fleet demo ARGS` (the main job on the embedded Prefect server)
-#   ./dev.sh test [ARGS]  setup, install openssh-server when missing, then run the whole test suite
+#   ./dev.sh test [ARGS]  setup, install openssh-server and sshfs when missing, then run the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${FLEET_VENV:-.venv}
@@ -37,13 +37,17 @@ setup() {
   echo "$want" > "$stamp"
 }
 
-need_sshd() {
-  [ -x /usr/sbin/sshd ] && return 0
-  echo "dev.sh: installing openssh-server (tests run a real sshd on 127.0.0.1)" >&2
+need_test_tools() {
+  # a real sshd on 127.0.0.1 for the SSH tests; sshfs for a real network filesystem
+  local missing=()
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v sshfs >/dev/null 2>&1 || missing+=(sshfs)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "dev.sh: installing ${missing[*]} (the tests use them for real)" >&2
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
-  $sudo apt-get install -y -qq openssh-server >/dev/null 2>&1 || {
-    $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq openssh-server >/dev/null
+  $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 || {
+    $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
   }
 }
 
@@ -51,6 +55,6 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/fleet" demo "$@" ;;
-  test) setup; need_sshd; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) setup; need_test_tools; exec "$VENV/bin/python" -m pytest "$@" ;;
   *) sed -n '2,6p' "$0"; exit 2 ;;
 esac
