@@ -46,6 +46,14 @@ def test_parse_nvidia_smi_h200() -> None:
     assert gpus[1].memory_used_mib == 81234 and gpus[1].driver_version == "580.159.04"
 
 
+def test_parse_real_nvidia_smi_from_the_lent_h200() -> None:
+    """The exact bytes nvidia-smi printed on the lent H200 machine (bench/gpu_bench.py saved them)."""
+    text = (Path(__file__).parent / "data" / "nvidia_smi_h200.csv").read_text()
+    (gpu,) = parse_nvidia_smi(text)
+    assert (gpu.index, gpu.name, gpu.memory_total_mib, gpu.driver_version) == (0, "NVIDIA H200", 143771, "580.159.04")
+    assert gpu.uuid.startswith("GPU-") and gpu.memory_used_mib + gpu.memory_free_mib <= gpu.memory_total_mib
+
+
 def test_parse_nvidia_smi_na_values_and_garbage() -> None:
     gpus = parse_nvidia_smi(MIG_CSV + "No devices were found\n\x00\x01junk\n")
     assert len(gpus) == 1 and gpus[0].memory_total_mib == -1
