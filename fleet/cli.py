@@ -173,6 +173,33 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fleet.generation.plan import format_plan, plan
+
+    try:
+        d = plan(completions=args.completions, avg_output_tokens=args.avg_output_tokens,
+                 tokens_per_s=args.tokens_per_s, price_per_gpu_hour=args.price_per_gpu_hour, gpus=args.gpus,
+                 tokens_per_s_is_per_gpu=not args.fleet_rate)
+    except ValueError as exc:
+        print(f"fleet plan: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(json.dumps(d, indent=2) if args.json else format_plan(d))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from fleet.generation.export import export
+
+    dest = args.dest or f"{args.dir.rstrip('/')}/export.{args.format}.jsonl"
+    try:
+        n = export(args.dir, args.format, dest)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fleet export: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"wrote {n} rows to {dest}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fleet.demo import run_demo
 
@@ -231,6 +258,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sim", help="run the simulated SGLang server (`fleet sim --help` lists its flags and faults)", add_help=False,
                        description="The SGLang-compatible simulated server. All arguments go to it.")
+
+    p = sub.add_parser("plan", help="wall time and $ per M tokens of a generation job (the seed job's arithmetic)",
+                       description="How long N completions take and what they cost. The rate is per GPU (what one "
+                                   "server on one GPU generates) unless --fleet-rate.")
+    p.add_argument("--completions", type=int, required=True, help="rows to generate, e.g. 902087")
+    p.add_argument("--avg-output-tokens", type=float, required=True, help="mean completion tokens per row")
+    p.add_argument("--tokens-per-s", type=float, required=True, help="decode rate per GPU (tok/s)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (servers × tp) working on the job")
+    p.add_argument("--price-per-gpu-hour", type=float, default=None, help="$ per GPU-hour")
+    p.add_argument("--fleet-rate", action="store_true", help="--tokens-per-s is the whole fleet's rate")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("export", help="write a generation output DIR as openai-batch, jsonl or sharegpt",
+                       description="Stream the Parquet shards of a generation output directory into an interchange "
+                                   "format (atomic write; a .gz destination is compressed).")
+    p.add_argument("dir", help="the generation output directory (holds shards/)")
+    p.add_argument("--format", choices=["openai-batch", "jsonl", "sharegpt"], required=True)
+    p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.FORMAT.jsonl)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
                        description="Build a tiny random-weight Qwen2-style chat model (byte-level BPE tokenizer "

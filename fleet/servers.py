@@ -23,7 +23,6 @@ from fleet.errors import FleetError, ServerFailed, ServerNotReady
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
 
-SIM_SCRIPT = Path(__file__).parent / "sim" / "server.py"
 REDACTED = "***"
 
 
@@ -68,6 +67,20 @@ def redact(items: list[str], secrets: list[str | None]) -> list[str]:
 
 def launch_hash(argv: list[str], env: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps([argv, sorted(env.items())]).encode()).hexdigest()[:16]
+
+
+def upload_sim_script(node: Node, workdir: str) -> None:
+    """Put the simulator (one stdlib-only file) on the node. Read through pkgutil, not a path:
+    the runner on an SSH node imports fleet from a zip file."""
+    import pkgutil
+    import tempfile
+
+    data = pkgutil.get_data("fleet.sim", "server.py")
+    assert data is not None
+    with tempfile.NamedTemporaryFile(suffix=".py") as tmp:
+        tmp.write(data)
+        tmp.flush()
+        node.put(tmp.name, f"{workdir.rstrip('/')}/bin/fleet_sim.py")
 
 
 @dataclass
@@ -128,7 +141,7 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
                    "or change servers.base_port",
         )
     if cfg.engine.kind == "sim":
-        node.put(SIM_SCRIPT, f"{spec.workdir.rstrip('/')}/bin/fleet_sim.py")
+        upload_sim_script(node, spec.workdir)
     # Keep the previous log for the post-mortem; the new one starts with the exact command.
     node.run(["sh", "-c", 'mkdir -p "$(dirname "$1")"; [ -f "$1" ] && mv -f "$1" "$1.prev"; '
               'printf "%s\\n" "$2" > "$1"', "fleet-log", paths.log, f"# fleet launch: {shown}"], timeout=30)

@@ -13,7 +13,7 @@ with orjson when it is importable (Prefect depends on it) and the stdlib otherwi
 | --- | --- | --- |
 | ok | HTTP 200 with a usable completion | store the result |
 | permanent | other 4xx (400: prompt longer than the context, bad parameter) | errors file at once |
-| transient | HTTP 408/409/425/429/5xx, an unusable 200 body | retry with backoff |
+| transient | HTTP 408/409/425/429/5xx, an unusable 200 body, finish_reason "abort" | retry with backoff |
 | connection | refused, reset, disconnected, a truncated body | retry; counts toward "server down" |
 | timeout | no answer within the request timeout | retry; counts toward "server down" |
 | unusable | 401/403/404: wrong key, wrong model, wrong URL | the *server* is wrong, not the row: take it out |
@@ -185,6 +185,11 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
                 parse_completion(loads(raw), out)
             except ValueError as exc:  # orjson.JSONDecodeError and json's are ValueErrors
                 out.kind, out.error = "transient", f"unusable answer: {exc}"[:500]
+            else:
+                if out.finish_reason == "abort":
+                    # SGLang answers 200 with finish_reason "abort" when it drops a request
+                    # (shutdown, retraction, a scheduler error): not a completion to keep.
+                    out.kind, out.error = "transient", "the server aborted the request (finish_reason 'abort')"
         else:
             out.kind, out.error = classify_status(out.status), _error_message(raw, out.status)
     out.latency_s = time.perf_counter() - t0

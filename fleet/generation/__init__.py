@@ -1,0 +1,18 @@
+"""Batch generation across the fleet.
+
+Data layer (no network, no orchestrator):
+
+    inputs.py   stream JSONL / JSONL.gz / Parquet rows -> Request | Reject (ids, defaults, duplicates)
+    store.py    ResultStore: exactly-once results keyed by id, atomic Parquet shards, resume
+    export.py   openai-batch / jsonl / sharegpt files from a job's output directory
+    checks.py   data checks for drafter training sets; the exactly-once accounting
+    plan.py     wall time and $ per M tokens of a job, before it runs
+
+Hot path (the data plane's runner):
+
+    client.py   one chat completion over aiohttp
+    dispatch.py one queue, every healthy server pulls from it
+    runner.py   the detached process that ties input, dispatcher and store together
+
+Nothing is imported here: `import fleet.generation.inputs` must not pay for pyarrow or aiohttp.
+"""

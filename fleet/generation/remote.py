@@ -1,0 +1,170 @@
+"""Start, watch, re-attach to and fetch a generation job on a node (Prefect-free).
+
+The runner (`fleet.generation.runner`) runs ON the node, detached like the servers, so
+the job outlives the flow and the SSH connection. On an SSH node it runs from a small
+venv of its own (`<workdir>/runner-venv`: pydantic, pydantic-settings, httpx, aiohttp,
+pyarrow — no Prefect, no engine) and fleet's code shipped as one zip file
+(`<workdir>/bin/fleet-runner.pyz`); on the local node it is this interpreter.
+
+One job per output directory: a live runner (its pid file) is re-attached to, never
+doubled, and the store's lock refuses a second writer even if someone tries by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import posixpath
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.config import FleetConfig, NodeConfig
+from fleet.engines import ServerSpec, get_profile
+from fleet.errors import CommandFailed
+from fleet.node import LocalNode, Node
+
+RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
+FLEET_ROOT = Path(__file__).resolve().parent.parent  # the fleet package directory
+
+
+@dataclass
+class JobHandle:
+    node: str
+    job_dir: str
+    output: str
+    pid: int
+    attached: bool          # True: a runner was already running for this output; we watch it
+    log: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def job_dir(node_cfg: NodeConfig, cfg: FleetConfig, output: str) -> str:
+    """One job directory per (fleet, output dir) on the node: job.json, runner.log, runner.pid."""
+    key = hashlib.sha256(output.encode()).hexdigest()[:10]
+    return f"{node_cfg.workdir.rstrip('/')}/jobs/{cfg.name}-{key}"
+
+
+def build_pyz() -> bytes:
+    """fleet's source as a zip that `python fleet-runner.pyz --job …` runs (deterministic bytes)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(FLEET_ROOT.rglob("*.py")):
+            info = zipfile.ZipInfo(str(path.relative_to(FLEET_ROOT.parent)), date_time=(2020, 1, 1, 0, 0, 0))
+            zf.writestr(info, path.read_bytes())
+        zf.writestr(zipfile.ZipInfo("__main__.py", date_time=(2020, 1, 1, 0, 0, 0)),
+                    "import sys\nfrom fleet.generation.runner import main\nsys.exit(main())\n")
+    return buf.getvalue()
+
+
+def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[str]:
+    """The argv prefix that runs the runner on this node, installing it there when needed."""
+    if isinstance(node, LocalNode):
+        return [sys.executable, "-m", "fleet.generation.runner"]
+    from fleet.venv import ensure_venv
+
+    runner_cfg = cfg.model_copy(deep=True)
+    runner_cfg.venv.path = f"{node_cfg.workdir.rstrip('/')}/runner-venv"
+    runner_cfg.venv.use_existing = False
+    runner_cfg.engine.packages = list(RUNNER_PACKAGES)
+    venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
+    pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".pyz") as tmp:
+        tmp.write(build_pyz())
+        tmp.flush()
+        node.put(tmp.name, pyz)
+    return [venv.python, pyz]
+
+
+def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, dict[str, Any]] | None = None
+                   ) -> list[dict[str, Any]]:
+    """The runner's view of the servers: URLs as the node sees them, the model id each expects."""
+    profile = get_profile(cfg.engine.kind)
+    out = []
+    for spec in specs:
+        host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "localhost") else spec.host
+        fields = {k: v for k, v in dataclasses.asdict(spec).items() if k != "api_key"}
+        out.append({"node": spec.node, "index": spec.index, "url": f"http://{host}:{spec.port}",
+                    "model": profile.request_model(spec), "gpus": list(spec.gpus),
+                    "max_running_requests": (facts or {}).get(spec.index, {}).get("max_running_requests"),
+                    "spec": fields})
+    return out
+
+
+def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
+              specs: list[ServerSpec], retry_errors: bool = False,
+              facts: dict[int, dict[str, Any]] | None = None) -> JobHandle:
+    """Start the runner detached on the node, or re-attach to the one already running for `output`."""
+    jdir = job_dir(node_cfg, cfg, output)
+    pid_path, log_path = f"{jdir}/runner.pid", f"{jdir}/runner.log"
+    pid = node.read_pid(pid_path)
+    if pid is not None and node.is_alive(pid):
+        return JobHandle(node_cfg.name, jdir, output, pid, True, log_path)
+    if not node.exists(input_path):
+        raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
+                            remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
+    prefix = runner_command(node, cfg, node_cfg)
+    job = {
+        "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
+        "input": input_path, "output": output, "servers": server_entries(cfg, specs, facts),
+        "retry_errors": retry_errors, "relaunch": True,
+    }
+    node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
+    env = {"FLEET_API_KEY": cfg.api_key()} if cfg.api_key() else {}
+    env["PYTHONUNBUFFERED"] = "1"
+    det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
+                              env=env, cwd=jdir)
+    return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
+
+
+def read_progress(node: Node, output: str) -> dict[str, Any] | None:
+    text = node.read_text(f"{output.rstrip('/')}/progress.json")
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return None  # written atomically, so only a file from something else
+
+
+def watch_job(node: Node, handle: JobHandle, *, poll_s: float = 5.0,
+              on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Follow progress.json until the runner exits; return the last progress (with the exit state)."""
+    last: dict[str, Any] = {}
+    while True:
+        prog = read_progress(node, handle.output)
+        if prog:
+            last = prog
+            if on_progress:
+                on_progress(prog)
+        if not node.is_alive(handle.pid):
+            prog = read_progress(node, handle.output) or last
+            if on_progress and prog:
+                on_progress(prog)
+            prog = dict(prog or {})
+            prog["runner_exited"] = True
+            prog["log_tail"] = node.read_text(handle.log, tail_bytes=4000)
+            return prog
+        time.sleep(poll_s)
+
+
+def fetch(node: Node, remote_output: str, local_dir: str | Path) -> list[str]:
+    """Copy a job's output (shards, errors, rejects, manifest, progress) from the node."""
+    remote_output = remote_output.rstrip("/")
+    res = node.run(["find", remote_output, "-type", "f", "!", "-name", "*.tmp", "!", "-name", ".lock"], timeout=120)
+    copied = []
+    for path in sorted(ln for ln in res.stdout.splitlines() if ln.strip()):
+        rel = posixpath.relpath(path, remote_output)
+        dest = Path(local_dir) / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        node.get(path, dest)
+        copied.append(rel)
+    return copied

@@ -1,0 +1,551 @@
+"""The generation runner: the data-plane process that pushes one job through the servers.
+
+    python -m fleet.generation.runner --job JOB.json
+
+It runs next to the servers (on the GPU node), started detached like them, so it keeps
+going when the controlling flow or the SSH connection dies. It owns the output directory
+(the store's lock), skips ids already done, streams the rest of the input through the
+`Dispatcher`, commits shards every `flush_interval_s`, and rewrites `<out>/progress.json`
+every `progress_interval_s` for whoever watches (the flow's task, `fleet status`, a human
+with `cat`). SIGTERM/SIGINT: stop taking rows, let the in-flight ones finish (bounded by
+`stop_grace_s`), commit, write the manifest, exit 0. SIGKILL is the crash case: whatever
+was committed stays, resume sends the rest again.
+
+JOB.json (`JobSpec`):
+
+    {
+      "config": {...},                 # FleetConfig as a dict (servers.api_key left out)
+      "input": "/data/prompts.jsonl",
+      "output": "/data/out",
+      "servers": [                     # one per server, see `ServerEntry`
+        {"node": "gpu1", "index": 0, "url": "http://127.0.0.1:30000", "model": "qwen",
+         "api_key_env": "FLEET_API_KEY", "gpus": [0], "max_running_requests": 64,
+         "spec": {...ServerSpec fields but api_key...}}      # spec: only to relaunch it
+      ],
+      "retry_errors": false,
+      "relaunch": true,                # relaunch a dead server with its spec (else: wait for it)
+      "flush_interval_s": 30, "progress_interval_s": 2, "console_interval_s": 5,
+      "stop_grace_s": 60,
+      "dispatch": {"down_after": 3, "backoff_s": 1.0}   # optional Dispatcher options
+    }
+
+The API key is never in the file: it comes from the environment variable each server
+entry names (default FLEET_API_KEY).
+
+Exit codes: 0 every row fed ended in results/errors/rejects, or a clean stop on a
+signal; 1 the job failed (a store that cannot write, an unreadable input, every row
+refused alike); 2 it could not start (bad job file, output locked by another runner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.config import FleetConfig
+from fleet.generation.dispatch import Dispatcher, Endpoint, Summary
+
+log = logging.getLogger("fleet.generation")
+
+__all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
+
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass
+class ServerEntry:
+    """One server of the job, as JOB.json lists it."""
+
+    node: str
+    index: int
+    url: str                                   # base URL as seen from the runner (on the node)
+    model: str                                 # the "model" requests carry (engines.get_profile(kind).request_model(spec))
+    api_key_env: str = "FLEET_API_KEY"         # environment variable that holds the API key
+    gpus: list[int] = field(default_factory=list)
+    max_running_requests: int | None = None    # from the launch log, when /server_info does not say
+    spec: dict[str, Any] | None = None         # ServerSpec fields except api_key: enables relaunch
+
+    @property
+    def name(self) -> str:
+        return f"{self.node}/{self.index}"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ServerEntry:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass
+class JobSpec:
+    config: dict[str, Any]
+    input: str
+    output: str
+    servers: list[ServerEntry]
+    retry_errors: bool = False
+    relaunch: bool = True
+    flush_interval_s: float = 30.0
+    progress_interval_s: float = 2.0
+    console_interval_s: float = 5.0
+    stop_grace_s: float = 60.0
+    dispatch: dict[str, Any] = field(default_factory=dict)   # Dispatcher keyword options (backoff_s, down_after, ...)
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        d = json.loads(Path(path).read_text())
+        d["servers"] = [ServerEntry.from_dict(s) for s in d.get("servers") or []]
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fleet_config(data: dict[str, Any]) -> FleetConfig:
+    """The job's config, with the API key put back from the environment (never from the file)."""
+    data = json.loads(json.dumps(data))
+    servers = data.setdefault("servers", {})
+    servers.pop("api_key", None)
+    key = os.environ.get("FLEET_API_KEY")
+    if key:
+        servers["api_key"] = key
+    return FleetConfig(**data)
+
+
+# ---------------------------------------------------------------------------- the node side
+
+
+async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """Run blocking `fn` in a daemon thread: unlike asyncio.to_thread, a stop never waits for it
+    (a relaunch can sit in wait_ready for minutes; the server it starts is detached anyway)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target() -> None:
+        try:
+            res = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            try:
+                loop.call_soon_threadsafe(settle, False, exc)
+            except RuntimeError:   # the loop is gone: nobody is waiting any more
+                pass
+            return
+        try:
+            loop.call_soon_threadsafe(settle, True, res)
+        except RuntimeError:
+            pass
+
+    threading.Thread(target=target, daemon=True, name=f"fleet-{getattr(fn, '__name__', 'call')}").start()
+    return await fut
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
+
+
+class _Servers:
+    """Liveness and relaunch of the job's servers, on this node (the runner runs on it)."""
+
+    def __init__(self, cfg: FleetConfig, entries: list[ServerEntry], relaunch: bool) -> None:
+        self.cfg = cfg
+        self.entries = {e.name: e for e in entries}
+        self.relaunch = relaunch
+
+    def _pid_path(self, e: ServerEntry) -> Path | None:
+        if not e.spec or "workdir" not in e.spec:
+            return None
+        from fleet.servers import server_paths
+
+        return Path(server_paths(e.spec["workdir"], self.cfg.name, e.index).pid)
+
+    def is_alive(self, ep: Endpoint) -> bool | None:
+        e = self.entries[ep.name]
+        path = self._pid_path(e)
+        if path is None:
+            return None
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            return None   # no pid file: cannot tell (stopped by hand, or not launched by fleet)
+        return _pid_alive(int(text)) if text.isdigit() else None
+
+    async def on_down(self, ep: Endpoint) -> bool:
+        e = self.entries[ep.name]
+        if not self.relaunch or not e.spec:
+            return await _in_daemon_thread(self._healthy_and_smoked, ep)
+        return await _in_daemon_thread(self._relaunch, ep, e)
+
+    def _healthy_and_smoked(self, ep: Endpoint) -> bool:
+        import httpx
+
+        from fleet.errors import FleetError
+        from fleet.smoke import smoke
+
+        try:
+            if httpx.get(ep.url + "/health", timeout=10).status_code != 200:
+                return False
+        except httpx.HTTPError:
+            return False
+        try:
+            smoke(ep.url, ep.model, self.cfg.smoke, node=ep.name, api_key=ep.api_key,
+                  temperature=self.cfg.generation.temperature)
+        except FleetError as exc:
+            log.warning("server %s answers /health but fails its smoke: %s", ep.name, exc.one_line())
+            return False
+        return True
+
+    def _relaunch(self, ep: Endpoint, e: ServerEntry) -> bool:
+        """Same launch spec, same GPU: stop what is left, launch, wait ready, smoke."""
+        from fleet.engines import ServerSpec
+        from fleet.node import LocalNode
+        from fleet.servers import launch, record_smoke, server_paths, wait_ready
+        from fleet.smoke import smoke
+
+        assert e.spec is not None
+        spec_fields = {k: v for k, v in e.spec.items() if k in ServerSpec.__dataclass_fields__}
+        spec_fields["gpus"] = tuple(spec_fields.get("gpus") or ())
+        spec_fields["extra_args"] = tuple(spec_fields.get("extra_args") or ())
+        spec = ServerSpec(**{**spec_fields, "api_key": ep.api_key})
+        node = LocalNode(spec.node)
+        paths = server_paths(spec.workdir, self.cfg.name, spec.index)
+        pid = node.read_pid(paths.pid)
+        if pid is not None and node.is_alive(pid):
+            # Alive but taken out (hung, or answering garbage): is it fine after all?
+            if self._healthy_and_smoked(ep):
+                log.info("server %s is healthy again without a relaunch", ep.name)
+                return True
+            log.warning("server %s: process %d alive but not serving: stopping it", ep.name, pid)
+            node.stop(pid, grace_s=self.cfg.servers.stop_grace_s)
+        log.warning("relaunching server %s on GPUs %s", ep.name, list(spec.gpus))
+        res = launch(node, self.cfg, spec)
+        wait_ready(node, self.cfg, spec, res.pid)
+        result = smoke(ep.url, ep.model, self.cfg.smoke, node=spec.node, index=spec.index, api_key=ep.api_key,
+                       temperature=self.cfg.generation.temperature)
+        record_smoke(node, self.cfg, spec, result.as_dict())
+        log.warning("server %s relaunched (pid %d) and smoked in %.1f s", ep.name, res.pid,
+                    res.seconds + (result.latency_s or 0))
+        return True
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+class _Progress:
+    """progress.json and the console line, from the dispatcher's counters and the store's."""
+
+    def __init__(self, job: JobSpec, store: Any, started_at: float) -> None:
+        self.job = job
+        self.store = store
+        self.rows_total: int | None = None
+        self.started_at = started_at
+        self.path = Path(job.output) / PROGRESS_FILE
+
+    def build(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
+        snap = disp.snapshot()
+        counts = self.store.counts()   # the truth, across every run into this directory
+        completed, errors, rejects = counts["completed"], counts["errors"], counts["rejects"]
+        done = completed + errors + rejects
+        total = self.rows_total
+        remaining = None if total is None else max(0, total - done)
+        rows_per_s = snap["completed"] + snap["errors"]
+        rows_per_s = rows_per_s / snap["elapsed_s"] if snap["elapsed_s"] > 0 else 0.0
+        eta = remaining / rows_per_s if remaining is not None and rows_per_s > 0 else None
+        st = state or snap["state"]
+        return {
+            "state": st.split(":")[0] if not st.startswith("paused") else "paused",
+            "detail": st, "reason": snap["reason"],
+            "pid": os.getpid(), "started_at": self.started_at, "updated_at": time.time(),
+            "elapsed_s": snap["elapsed_s"],
+            "input": self.job.input, "output": self.job.output,
+            "rows_total": total, "rows_done": done, "completed": completed, "errors": errors,
+            "rejects": rejects, "committed": counts.get("committed"), "shards": counts.get("shards"),
+            "percent": round(100 * done / total, 2) if total else None,
+            "this_run": {k: snap[k] for k in ("fed", "completed", "errors", "rejects", "retries", "requeues")},
+            "in_flight": snap["in_flight"], "queued": snap["queued"],
+            "tok_s": snap["tok_s"], "tok_s_avg": snap["tok_s_avg"],
+            "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta) if eta is not None else None,
+            "prompt_tokens": snap["prompt_tokens"], "completion_tokens": snap["completion_tokens"],
+            "servers_up": snap["servers_up"], "servers": snap["servers"],
+        }
+
+    def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
+        data = self.build(disp, state)
+        write_json_atomic(self.path, data)
+        return data
+
+    @staticmethod
+    def line(p: dict[str, Any]) -> str:
+        total = p["rows_total"]
+        pct = f" ({p['percent']:.1f}%)" if p["percent"] is not None else ""
+        return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
+                f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
+            f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,} | in flight {p['in_flight']}"
+            f" | {p['tok_s']:,.0f} tok/s | ETA {_fmt_s(p['eta_s'])}"
+            f" | servers up {p['servers_up']}/{len(p['servers'])}")
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+def _server_facts(info: dict[str, Any]) -> dict[str, Any]:
+    keep = ("version", "model_path", "served_model_name", "context_length", "max_total_num_tokens",
+            "max_running_requests", "max_req_input_len", "speculative_algorithm", "speculative_num_steps",
+            "tp_size", "mem_fraction_static")
+    return {k: info[k] for k in keep if k in info}
+
+
+def _cost(cfg: FleetConfig, wall_s: float, gpus: int, completion_tokens: int, prompt_tokens: int) -> dict[str, Any]:
+    gpu_hours = wall_s / 3600 * gpus
+    out: dict[str, Any] = {"gpus": gpus, "gpu_hours": round(gpu_hours, 4),
+                           "price_per_gpu_hour": cfg.generation.price_per_gpu_hour}
+    price = cfg.generation.price_per_gpu_hour
+    if price is not None and completion_tokens:
+        usd = gpu_hours * price
+        out["usd"] = round(usd, 4)
+        out["usd_per_m_completion_tokens"] = round(usd / (completion_tokens / 1e6), 4)
+        out["usd_per_m_total_tokens"] = round(usd / ((completion_tokens + prompt_tokens) / 1e6), 4)
+    return out
+
+
+async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool = True) -> int:
+    """Run one job to its end (or a stop); return the process exit code."""
+    from fleet.generation.checks import data_checks
+    from fleet.generation.inputs import count_rows, input_fingerprint, iter_input
+    from fleet.generation.store import ResultStore, write_manifest
+
+    cfg = _fleet_config(job.config)
+    gen = cfg.generation
+    out = Path(job.output)
+    out.mkdir(parents=True, exist_ok=True)
+    started_at = time.time()
+    t0 = time.monotonic()
+    fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
+    store = ResultStore(out, shard_rows=gen.shard_rows, input_fingerprint=fingerprint)
+    try:
+        if job.retry_errors:
+            # errors.jsonl is set aside (kept for the audit) and its ids are no longer done
+            retried = store.retry_errors()
+            log.info("retrying %d rows from the errors file", len(retried))
+        done = store.done_ids()   # live: grows as rows end, read by the input thread
+        if len(done):
+            log.info("resuming: %d ids already done are skipped", len(done))
+
+        endpoints = []
+        for e in job.servers:
+            key = os.environ.get(e.api_key_env) if e.api_key_env else None
+            endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
+                                      max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
+                                      extra={"entry": e}))
+        servers = _Servers(cfg, job.servers, job.relaunch)
+        disp = Dispatcher(endpoints, store, gen, on_server_down=servers.on_down, is_alive=servers.is_alive,
+                          **job.dispatch)
+        progress = _Progress(job, store, started_at)
+
+        async def count() -> None:
+            progress.rows_total = await asyncio.to_thread(count_rows, job.input)
+
+        counter = asyncio.ensure_future(count())
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal(signame: str) -> None:
+            nonlocal signals
+            signals += 1
+            grace = job.stop_grace_s if signals == 1 else 0.0
+            log.warning("%s: stopping (grace %.0f s; in flight %d)", signame, grace, disp.in_flight)
+            disp.request_stop(grace, reason=f"stopped by {signame}")   # a second one: no more grace
+
+        if install_signals:
+            for signame in ("SIGTERM", "SIGINT"):
+                loop.add_signal_handler(getattr(signal, signame), on_signal, signame)
+
+        async def tick() -> None:
+            last_flush = last_console = time.monotonic()
+            while True:
+                await asyncio.sleep(job.progress_interval_s)
+                now = time.monotonic()
+                if now - last_flush >= job.flush_interval_s:
+                    await asyncio.to_thread(store.flush)   # the store is thread-safe; the loop keeps serving
+                    last_flush = now
+                p = progress.write(disp)
+                if console and now - last_console >= job.console_interval_s:
+                    print(_Progress.line(p), flush=True)
+                    last_console = now
+
+        progress.write(disp, "starting")   # at once: never leave a previous run's state for the watcher
+        ticker = asyncio.ensure_future(tick())
+        items = iter_input(job.input, gen, skip_ids=done.__contains__)
+        try:
+            summary: Summary = await disp.run(items)
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+            if install_signals:
+                for signame in ("SIGTERM", "SIGINT"):
+                    loop.remove_signal_handler(getattr(signal, signame))
+        await counter
+        store.flush()
+        counts = dict(store.counts())
+        wall = time.monotonic() - t0
+        final = progress.build(disp, summary.state)
+        if summary.state == "failed":
+            final["detail"] = f"failed: {summary.reason}"
+
+        gpus = sum(ep.gpus for ep in endpoints)
+        this_run = {
+            "started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
+            "dispatch_s": round(summary.wall_s, 3), "state": summary.state, "gpus": gpus,
+            "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
+            **{k: getattr(summary, k) for k in ("fed", "completed", "errors", "rejects", "unfinished", "retries",
+                                                 "requeues")},
+        }
+        # A long job is often several runs (kills, resumes): keep each, and sum them.
+        from fleet.generation.store import read_manifest
+
+        try:
+            runs = list((read_manifest(out) or {}).get("runs") or [])
+        except (OSError, ValueError):
+            runs = []
+        runs.append(this_run)
+        all_s = sum(r.get("dispatch_s", 0) for r in runs)
+        all_ct = sum(r.get("completion_tokens", 0) for r in runs)
+        all_pt = sum(r.get("prompt_tokens", 0) for r in runs)
+        gpu_s = sum(r.get("dispatch_s", 0) * r.get("gpus", gpus) for r in runs)
+        manifest = {
+            "state": summary.state, "reason": summary.reason, "complete": summary.complete,
+            "input": {"path": str(job.input), "fingerprint": fingerprint, "rows": progress.rows_total},
+            "output": str(out),
+            "counts": counts,
+            "accounted": sum(counts.get(k, 0) for k in ("completed", "errors", "rejects")),
+            "this_run": this_run,
+            "config_fingerprint": cfg.fingerprint(),
+            "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
+            "servers": [{"name": ep.name, "url": ep.url, "model": ep.model, "gpus": ep.gpus,
+                         "info": _server_facts(srv.info), **stats}
+                        for ep, srv, stats in zip(endpoints, disp.servers, summary.servers)],
+            "timings": {"started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
+                        "dispatch_s": round(summary.wall_s, 3)},
+            "throughput": {
+                "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
+                "completion_tok_s": round(summary.completion_tokens / summary.wall_s, 2) if summary.wall_s else None,
+                "total_tok_s": round((summary.completion_tokens + summary.prompt_tokens) / summary.wall_s, 2)
+                if summary.wall_s else None,
+                "rows_per_s": round(summary.completed / summary.wall_s, 3) if summary.wall_s else None,
+            },
+            "cost": _cost(cfg, summary.wall_s, gpus, summary.completion_tokens, summary.prompt_tokens),
+            "overall": {   # every run into this directory
+                "runs": len(runs), "dispatch_s": round(all_s, 3), "completion_tokens": all_ct,
+                "prompt_tokens": all_pt, "completion_tok_s": round(all_ct / all_s, 2) if all_s else None,
+                "cost": {k: v for k, v in _cost(cfg, gpu_s, 1, all_ct, all_pt).items() if k != "gpus"},
+            },
+            "runs": runs,
+            "runner": {"pid": os.getpid(), "retry_errors": job.retry_errors, "python": sys.version.split()[0]},
+        }
+        try:
+            manifest["checks"] = await asyncio.to_thread(data_checks, out)
+        except Exception as exc:  # checks must never cost the job its manifest
+            manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+        write_manifest(out, manifest)
+        # last: a watcher that sees the final state finds the manifest already there
+        final["manifest"] = str(out / "manifest.json")
+        write_json_atomic(progress.path, final)
+        if console:
+            print(_Progress.line(final), flush=True)
+    finally:
+        store.close()
+    if summary.state == "failed":
+        log.error("job failed: %s", summary.reason)
+        return 1
+    return 0
+
+
+def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],
+              *, retry_errors: bool = False, relaunch: bool = True, flush_interval_s: float = 30.0,
+              progress_interval_s: float = 2.0, console_interval_s: float = 5.0, stop_grace_s: float = 60.0,
+              install_signals: bool = False, console: bool = False, dispatch: dict[str, Any] | None = None) -> int:
+    """Run a job in this process (tests, `fleet generate` on a local node without detaching)."""
+    job = JobSpec(
+        config=cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), input=str(input), output=str(output),
+        servers=[s if isinstance(s, ServerEntry) else ServerEntry.from_dict(s) for s in servers],
+        retry_errors=retry_errors, relaunch=relaunch, flush_interval_s=flush_interval_s,
+        progress_interval_s=progress_interval_s, console_interval_s=console_interval_s, stop_grace_s=stop_grace_s,
+        dispatch=dict(dispatch or {}),
+    )
+    key = cfg.api_key()
+    env_set = key is not None and os.environ.get("FLEET_API_KEY") != key
+    if env_set:
+        os.environ["FLEET_API_KEY"] = key  # type: ignore[assignment]
+    try:
+        return asyncio.run(run_job(job, install_signals=install_signals, console=console))
+    finally:
+        if env_set:
+            os.environ.pop("FLEET_API_KEY", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fleet.generation.runner",
+                                description="Run one fleet generation job (the data-plane process).")
+    p.add_argument("--job", required=True, help="JOB.json: config, input, output, servers")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from fleet.errors import FleetError
+
+    try:
+        job = JobSpec.load(args.job)
+        if not job.servers:
+            raise ValueError("the job lists no servers")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"fleet runner: cannot read the job file {args.job}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_job(job))
+    except FleetError as exc:   # a locked output, an unreadable input, a bad config
+        print(f"fleet runner: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            print(f"fleet runner: the job's config is invalid: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

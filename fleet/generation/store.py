@@ -1,0 +1,719 @@
+"""The result store: exactly-once, crash-safe results of a generation job, keyed by id.
+
+Layout of an output directory::
+
+    DIR/.lock                    fcntl lock held by the one runner writing here (JSON: pid, host, since)
+    DIR/job.json                 the input's SHA-256: a different input into the same DIR is refused
+    DIR/shards/part-000001.parquet   committed results, RESULT_SCHEMA, one row per id
+    DIR/errors.jsonl             rows that failed for good (last error, attempts, line, server, status)
+    DIR/errors-<ts>.retried.jsonl    errors files set aside by `--retry-errors` (audit trail)
+    DIR/rejects.jsonl            input rows that cannot be generated (line, id, reason, raw)
+    DIR/manifest.json            written by the runner (`write_manifest`)
+
+Invariants, whatever is killed and when:
+
+- A shard is written to `part-N.parquet.tmp`, fsync'd, renamed, and the directory fsync'd:
+  a kill leaves the whole shard or none of it (leftover `.tmp` files are deleted on open).
+- An id is recorded once: `add_result` / `add_error` refuse an id that is already done
+  (completed, errored or rejected), so no id is in two shards, or both completed and in errors.
+- A crash loses at most the uncommitted buffer (results since the last `flush`); those ids
+  are simply not done and are generated again on resume.
+- Errors are appended and fsync'd one by one (they are rare); a torn last line from a kill is
+  cut off on open. Rejects are appended (fsync'd on `flush`) and recorded once per input line,
+  so a resume, which reads every reject again, never writes one twice.
+
+`done_ids()` is an `IdSet`: 8-byte digests in a sorted `array('Q')` plus a small set of
+recent additions, ~8-10 bytes per id, loaded from the shards' id column alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from fleet.errors import FatalError
+from fleet.generation.inputs import DUPLICATE_REASON, Reject, digest
+
+try:
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+__all__ = [
+    "RESULT_COLUMNS", "RESULT_SCHEMA", "IdSet", "ResultStore", "read_results", "iter_results",
+    "shard_paths", "read_errors", "read_rejects", "write_manifest", "read_manifest",
+]
+
+log = logging.getLogger("fleet.generation.store")
+
+RESULT_SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("messages", pa.string()),  # the request's messages, JSON
+    pa.field("completion", pa.string()),
+    pa.field("reasoning_content", pa.string()),  # when the server separates reasoning
+    pa.field("tool_calls", pa.string()),  # JSON list, null when none
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("server", pa.string()),
+    pa.field("attempts", pa.int32()),
+    pa.field("latency_s", pa.float64()),
+    pa.field("started_at", pa.float64()),  # epoch seconds
+    pa.field("finished_at", pa.float64()),
+    # Optional (callers may omit it): the request params as sent, JSON. A training set of
+    # tool-calling rows needs `tools` (and chat_template_kwargs) to render the chat template.
+    pa.field("params", pa.string()),
+])
+RESULT_COLUMNS = RESULT_SCHEMA.names
+_COLUMNS = frozenset(RESULT_COLUMNS)
+_JSON_COLUMNS = frozenset({"messages", "tool_calls", "params"})
+_INT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "attempts"})
+_FLOAT_COLUMNS = frozenset({"latency_s", "started_at", "finished_at"})
+_SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+
+
+# ---------------------------------------------------------------------------- id set
+
+
+def _sorted_unique_u64(values: array) -> array:
+    """Sort and deduplicate an array('Q') in C (pyarrow), never as a list of Python ints.
+
+    The system allocator, not pyarrow's default pool: mimalloc keeps the freed scratch
+    memory (~20 MB per million ids) for the life of the process.
+    """
+    if len(values) < 2:
+        return array("Q", values)
+    pool = pa.system_memory_pool()
+    arr = pa.Array.from_buffers(pa.uint64(), len(values), [None, pa.py_buffer(values)])
+    arr = pc.take(arr, pc.sort_indices(arr, memory_pool=pool), memory_pool=pool)
+    same = pc.equal(arr.slice(1), arr.slice(0, len(arr) - 1), memory_pool=pool)
+    if pc.any(same).as_py():  # only a store written behind ResultStore's back has repeats
+        keep = pa.concat_arrays([pa.array([True]), pc.invert(same, memory_pool=pool)])
+        arr = pc.filter(arr, keep, memory_pool=pool)
+    out = array("Q")
+    out.frombytes(memoryview(arr.buffers()[1])[8 * arr.offset: 8 * (arr.offset + len(arr))])
+    return out
+
+
+class IdSet:
+    """A compact set of ids: `id in s`, `len(s)`, `add`, `discard`.
+
+    Stores 64-bit digests (`inputs.digest`), not strings: a sorted array('Q') searched by
+    bisection, plus a set of recent additions merged into the array when it grows past a
+    quarter of it. Safe to read from one thread (the input reader's `skip_ids`) while
+    another adds: readers look at the additions first and merges publish the new array
+    before they clear the additions.
+    """
+
+    __slots__ = ("_base", "_extra", "_removed")
+
+    def __init__(self, digests: array | Iterable[int] = ()) -> None:
+        self._base = _sorted_unique_u64(digests if isinstance(digests, array) else array("Q", digests))
+        self._extra: set[int] = set()
+        self._removed: set[int] = set()  # digests in _base that were discarded
+
+    def _in_base(self, d: int) -> bool:
+        base = self._base
+        i = bisect_left(base, d)
+        return i < len(base) and base[i] == d
+
+    def has_digest(self, d: int) -> bool:
+        if d in self._extra:
+            return True
+        if d in self._removed:
+            return False
+        return self._in_base(d)
+
+    def __contains__(self, id: object) -> bool:
+        return isinstance(id, str) and self.has_digest(digest(id))
+
+    def __len__(self) -> int:
+        return len(self._base) - len(self._removed) + len(self._extra)
+
+    def add(self, id: str) -> bool:
+        """Add `id`; False when it was already there."""
+        d = digest(id)
+        if self.has_digest(d):
+            return False
+        if d in self._removed:
+            self._removed.discard(d)
+        else:
+            self._extra.add(d)
+            if len(self._extra) > max(1 << 16, len(self._base) >> 2):
+                self._merge()
+        return True
+
+    def discard(self, id: str) -> None:
+        d = digest(id)
+        if d in self._extra:
+            self._extra.discard(d)
+        elif self._in_base(d):
+            self._removed.add(d)
+
+    def _merge(self) -> None:
+        merged = array("Q", (x for x in self._base if x not in self._removed)) if self._removed else array("Q", self._base)
+        merged.extend(self._extra)
+        self._base = _sorted_unique_u64(merged)  # publish first: see the class docstring
+        self._extra = set()
+        self._removed = set()
+
+
+# ---------------------------------------------------------------------------- file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _repair_jsonl(path: Path) -> int:
+    """Cut a torn last line (a kill mid-append); return the bytes removed."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos, keep = size, 0
+        while pos > 0:
+            step = min(65536, pos)
+            pos -= step
+            f.seek(pos)
+            nl = f.read(step).rfind(b"\n")
+            if nl >= 0:
+                keep = pos + nl + 1
+                break
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning("%s: removed a torn last line (%d bytes) left by a killed writer", path, size - keep)
+    return size - keep
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = _loads(line)
+            except ValueError:
+                log.warning("%s:%d: unreadable line skipped", path, n)
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def shard_paths(out_dir: str | Path) -> list[Path]:
+    """Committed shards, in commit order (temp files are never listed)."""
+    d = Path(out_dir) / "shards"
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _SHARD_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def read_errors(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of errors.jsonl: id, error, attempts, line, server, status, at."""
+    return _read_jsonl(Path(out_dir) / "errors.jsonl")
+
+
+def read_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of rejects.jsonl: line, id, reason, duplicate, raw, at."""
+    return _read_jsonl(Path(out_dir) / "rejects.jsonl")
+
+
+def write_manifest(out_dir: str | Path, data: dict[str, Any]) -> None:
+    """Write DIR/manifest.json atomically (temp file, fsync, rename, directory fsync)."""
+    text = json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"
+    _atomic_write(Path(out_dir) / "manifest.json", text.encode())
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(out_dir) / "manifest.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------- reading results
+
+
+def _shard_batches(path: Path, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    pf = pq.ParquetFile(path)
+    have = set(pf.schema_arrow.names)
+    present = [c for c in columns if c in have]
+    schema = pa.schema([RESULT_SCHEMA.field(c) for c in columns])
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=present):
+        if len(present) == len(columns):
+            yield batch
+            continue
+        # A shard from before a column existed: the column reads as nulls.
+        arrays = [batch.column(c) if c in have else pa.nulls(batch.num_rows, RESULT_SCHEMA.field(c).type)
+                  for c in columns]
+        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def iter_results(out_dir: str | Path, columns: list[str] | None = None,
+                 batch_rows: int = 8192) -> Iterator[pa.RecordBatch]:
+    """Stream committed results as record batches (one shard in memory at most per batch)."""
+    cols = list(columns) if columns is not None else list(RESULT_COLUMNS)
+    unknown = [c for c in cols if c not in _COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown result column(s) {unknown}; columns: {', '.join(RESULT_COLUMNS)}")
+    for path in shard_paths(out_dir):
+        yield from _shard_batches(path, cols, batch_rows)
+
+
+def read_results(out_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """Every committed result as one table (small jobs and tests; stream with iter_results)."""
+    cols = list(columns) if columns is not None else list(RESULT_COLUMNS)
+    schema = pa.schema([RESULT_SCHEMA.field(c) for c in cols])
+    return pa.Table.from_batches(list(iter_results(out_dir, cols)), schema=schema)
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+def _conv_json(name: str):
+    def conv(v: Any) -> str | None:
+        if v is None or isinstance(v, str):
+            return v
+        if name == "tool_calls" and not v:
+            return None
+        return _dumps(v).decode()
+    return conv
+
+
+def _conv_str(name: str):
+    def conv(v: Any) -> str | None:
+        if v is None or isinstance(v, str):
+            return v
+        raise TypeError(f"result field {name!r} must be a string or None, got {type(v).__name__}")
+    return conv
+
+
+def _conv_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _conv_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+_CONVERTERS = [
+    _conv_json(c) if c in _JSON_COLUMNS else _conv_int if c in _INT_COLUMNS
+    else _conv_float if c in _FLOAT_COLUMNS else _conv_str(c)
+    for c in RESULT_COLUMNS
+]
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])) if "since" in info else "?"
+        return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, since {since}"
+    except (OSError, ValueError, TypeError):
+        return "pid unknown"
+
+
+class ResultStore:
+    """Results, errors and rejects of one job in one output directory; see the module docstring.
+
+    Thread-safe: the runner may call `flush` from a worker thread while the event loop adds
+    results. Use as a context manager or call `close()`.
+    """
+
+    def __init__(self, out_dir: str | Path, *, shard_rows: int = 10000,
+                 input_fingerprint: str | None = None) -> None:
+        if shard_rows < 1:
+            raise ValueError("shard_rows must be >= 1")
+        self.dir = Path(out_dir)
+        self.shard_rows = shard_rows
+        self.shards_dir = self.dir / "shards"
+        self.errors_path = self.dir / "errors.jsonl"
+        self.rejects_path = self.dir / "rejects.jsonl"
+        try:
+            self.shards_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FatalError(f"cannot create output directory {self.dir}: {exc.strerror}",
+                             remedy="pass an --output directory you can write to") from exc
+        self._lock = threading.RLock()  # buffer, counters, files, the id set
+        self._commit_lock = threading.Lock()  # one shard write at a time
+        self._lock_fd: int | None = self._acquire_lock()
+        try:
+            self._open(input_fingerprint)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    # -- opening
+
+    def _acquire_lock(self) -> int:
+        path = self.dir / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise FatalError(f"cannot open {path}: {exc.strerror}",
+                             remedy="pass an --output directory you can write to") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise FatalError(
+                f"output directory {self.dir} is in use by another generation runner ({holder})",
+                remedy="wait for that runner to finish, or stop it first; two runners writing one "
+                       "directory would duplicate rows. To run a second job, give it its own --output.",
+            ) from None
+        except OSError as exc:  # ENOLCK: a filesystem without locks (some network filesystems)
+            os.close(fd)
+            raise FatalError(f"cannot lock output directory {self.dir}: {exc.strerror}",
+                             remedy="put --output on a local filesystem: results are fsync'd shard by "
+                                    "shard and the lock is what keeps a second runner out") from exc
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        return fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def _open(self, fingerprint: str | None) -> None:
+        # Under the lock, any temp file is a dead writer's: a shard never renamed, a
+        # manifest half written. Deleting them makes "whole shard or nothing" visible.
+        for d in (self.dir, self.shards_dir):
+            for tmp in d.glob("*.tmp"):
+                log.warning("removing %s left by a killed writer", tmp)
+                tmp.unlink(missing_ok=True)
+        self._check_job(fingerprint)
+        _repair_jsonl(self.errors_path)
+        _repair_jsonl(self.rejects_path)
+
+        shards = shard_paths(self.dir)
+        self._next_seq = (int(_SHARD_RE.match(shards[-1].name).group(1)) + 1) if shards else 1
+        self._shards = len(shards)
+        self._committed = 0
+        for p in shards:
+            try:
+                self._committed += pq.ParquetFile(p).metadata.num_rows
+            except (OSError, pa.ArrowException) as exc:
+                raise FatalError(f"result shard {p} is unreadable: {exc}",
+                                 remedy="move that file aside and resume: its rows are generated again") from exc
+        self._error_ids: list[str] = [r["id"] for r in read_errors(self.dir) if isinstance(r.get("id"), str)]
+        self._reject_lines: set[int] = set()
+        self._reject_done: list[str] = []  # ids of non-duplicate rejects: they count as done
+        for r in read_rejects(self.dir):
+            if isinstance(r.get("line"), int):
+                self._reject_lines.add(r["line"])
+            rid = r.get("id")
+            if isinstance(rid, str) and not r.get("duplicate"):
+                self._reject_done.append(rid)
+        self._rejects = len(self._reject_lines)
+        self._errors = len(self._error_ids)
+        self._buffer: list[tuple[Any, ...]] = []
+        self._done: IdSet | None = None
+        self._dropped = 0
+        self._errors_f = open(self.errors_path, "ab")
+        self._rejects_f = open(self.rejects_path, "ab")
+        self._closed = False
+
+    def _check_job(self, fingerprint: str | None) -> None:
+        path = self.dir / "job.json"
+        try:
+            job = json.loads(path.read_text())
+        except FileNotFoundError:
+            job = {}
+        except ValueError as exc:
+            raise FatalError(f"{path} is not valid JSON ({exc})",
+                             remedy=f"restore it, or delete it to accept the current input into {self.dir}") from exc
+        recorded = job.get("input_fingerprint")
+        if fingerprint is not None and recorded is not None and recorded != fingerprint:
+            raise FatalError(
+                f"output directory {self.dir} holds results of a different input "
+                f"(recorded sha256 {recorded[:12]}…, this input {fingerprint[:12]}…)",
+                remedy="pass the input this directory was started with, or give the new input its own "
+                       "--output directory (mixing two inputs in one directory would corrupt resume)",
+            )
+        if fingerprint is not None and recorded is None:
+            job.update(input_fingerprint=fingerprint, created_at=job.get("created_at", time.time()))
+            _atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
+
+    # -- ids
+
+    def _done_set(self) -> IdSet:
+        if self._done is None:
+            t0 = time.perf_counter()
+            digests = array("Q")
+            for p in shard_paths(self.dir):
+                # ParquetFile, not read_table: read_table goes through pyarrow.dataset (+40 MB RSS).
+                col = pq.ParquetFile(p).read(columns=["id"], use_threads=False).column("id")
+                for chunk in col.chunks:
+                    digests.extend(map(digest, chunk.to_pylist()))
+            shard_ids = len(digests)
+            digests.extend(map(digest, self._error_ids))
+            digests.extend(map(digest, self._reject_done))
+            self._done = IdSet(digests)
+            repeated = len(digests) - len(self._done)
+            if repeated:
+                log.warning("%s: %d ids recorded more than once (shards %d ids, errors %d, rejects %d): "
+                            "the store was written by something other than ResultStore",
+                            self.dir, repeated, shard_ids, len(self._error_ids), len(self._reject_done))
+            log.info("%s: %d done ids loaded in %.2f s", self.dir, len(self._done), time.perf_counter() - t0)
+        return self._done
+
+    def done_ids(self) -> IdSet:
+        """Ids already completed, errored (final) or rejected, for `iter_input(skip_ids=...)`.
+
+        The live set: it grows as results come in. Duplicate-id rejects are not in it (their
+        id belongs to the first row, which still has to be generated).
+        """
+        with self._lock:
+            return self._done_set()
+
+    # -- writing
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"ResultStore({self.dir}) is closed")
+
+    def add_result(self, row: dict[str, Any]) -> bool:
+        """Buffer one completed row (keys: RESULT_COLUMNS; missing ones are null).
+
+        Returns False, and records nothing, when the id is already done. Commits a shard when
+        `shard_rows` rows are buffered.
+        """
+        rid = row.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"a result row needs a non-empty string 'id', got {rid!r}")
+        if not _COLUMNS.issuperset(row):
+            unknown = sorted(set(row) - _COLUMNS)
+            raise ValueError(f"unknown result field(s) {unknown}; allowed: {', '.join(RESULT_COLUMNS)}")
+        values = tuple(conv(row.get(c)) for c, conv in zip(RESULT_COLUMNS, _CONVERTERS))
+        with self._lock:
+            self._check_open()
+            if not self._done_set().add(rid):
+                self._dropped += 1
+                log.warning("result for %r dropped: the id is already done", rid)
+                return False
+            self._buffer.append(values)
+            if len(self._buffer) < self.shard_rows:
+                return True
+            rows, self._buffer = self._buffer, []
+        self._commit(rows)
+        return True
+
+    def add_error(self, id: str, *, error: str, attempts: int, line: int | None = None,
+                  server: str | None = None, status: int | None = None) -> bool:
+        """Record a row that failed for good (appended, flushed and fsync'd at once).
+
+        Returns False, and records nothing, when the id is already done.
+        """
+        rec = {"id": id, "error": error, "attempts": attempts, "line": line, "server": server,
+               "status": status, "at": time.time()}
+        data = _dumps(rec) + b"\n"
+        with self._lock:
+            self._check_open()
+            done = self._done_set()
+            if not done.add(id):
+                self._dropped += 1
+                log.warning("error for %r dropped: the id is already done", id)
+                return False
+            try:
+                self._errors_f.write(data)
+                self._errors_f.flush()
+                os.fsync(self._errors_f.fileno())
+            except OSError as exc:
+                done.discard(id)
+                raise FatalError(f"cannot append to {self.errors_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume") from exc
+            self._error_ids.append(id)
+            self._errors += 1
+        return True
+
+    def add_reject(self, reject: Reject) -> bool:
+        """Record an input row that cannot be generated; False when its line is already recorded."""
+        dup = reject.reason.startswith(DUPLICATE_REASON)
+        rec = {"line": reject.line, "id": reject.id, "reason": reject.reason, "duplicate": dup,
+               "raw": reject.raw[:2000], "at": time.time()}
+        data = _dumps(rec) + b"\n"
+        with self._lock:
+            self._check_open()
+            if reject.line in self._reject_lines:
+                return False
+            try:
+                self._rejects_f.write(data)
+                self._rejects_f.flush()
+            except OSError as exc:
+                raise FatalError(f"cannot append to {self.rejects_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume") from exc
+            self._reject_lines.add(reject.line)
+            self._rejects += 1
+            if reject.id and not dup:
+                self._reject_done.append(reject.id)
+                if self._done is not None:
+                    self._done.add(reject.id)
+        return True
+
+    def _commit(self, rows: list[tuple[Any, ...]]) -> None:
+        with self._commit_lock:
+            seq = self._next_seq
+            final = self.shards_dir / f"part-{seq:06d}.parquet"
+            tmp = final.with_name(final.name + ".tmp")
+            renamed = False
+            try:
+                cols = list(zip(*rows))
+                table = pa.Table.from_arrays(
+                    [pa.array(col, type=f.type) for col, f in zip(cols, RESULT_SCHEMA)], schema=RESULT_SCHEMA)
+                pq.write_table(table, tmp, compression="zstd", use_dictionary=["finish_reason", "server", "params"])
+                _fsync_file(tmp)
+                os.rename(tmp, final)
+                renamed = True
+                self._next_seq = seq + 1
+                _fsync_dir(self.shards_dir)
+            except BaseException as exc:
+                if not renamed:
+                    tmp.unlink(missing_ok=True)
+                    with self._lock:  # not written: keep the rows for the next commit
+                        self._buffer[:0] = rows
+                if isinstance(exc, OSError):
+                    raise FatalError(f"cannot commit result shard {final}: {exc.strerror or exc}",
+                                     remedy="free space in the output directory, then resume: "
+                                            "rows not committed are generated again") from exc
+                raise
+            finally:
+                if renamed:
+                    with self._lock:
+                        self._committed += len(rows)
+                        self._shards += 1
+
+    def flush(self) -> None:
+        """Commit the buffered results as one shard now, and fsync the rejects file."""
+        with self._lock:
+            self._check_open()
+            rows, self._buffer = self._buffer, []
+        if rows:
+            self._commit(rows)
+        with self._lock:
+            self._rejects_f.flush()
+            os.fsync(self._rejects_f.fileno())
+
+    def retry_errors(self) -> set[str]:
+        """Set errors.jsonl aside (errors-<ts>.retried.jsonl) and return its ids, no longer done."""
+        with self._lock:
+            self._check_open()
+            ids = set(self._error_ids)
+            if not ids:
+                return ids
+            self._errors_f.close()
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            dest = self.dir / f"errors-{stamp}.retried.jsonl"
+            n = 1
+            while dest.exists():
+                n += 1
+                dest = self.dir / f"errors-{stamp}-{n}.retried.jsonl"
+            os.rename(self.errors_path, dest)
+            _fsync_dir(self.dir)
+            self._errors_f = open(self.errors_path, "ab")
+            if self._done is not None:
+                for i in ids:
+                    self._done.discard(i)
+            self._error_ids = []
+            self._errors = 0
+            log.info("%s: %d errors set aside in %s for retry", self.dir, len(ids), dest.name)
+            return ids
+
+    def counts(self) -> dict[str, int]:
+        """completed (committed + buffered), committed, buffered, shards, errors, rejects, dropped."""
+        with self._lock:
+            return {
+                "completed": self._committed + len(self._buffer),
+                "committed": self._committed,
+                "buffered": len(self._buffer),
+                "shards": self._shards,
+                "errors": self._errors,
+                "rejects": self._rejects,
+                "dropped": self._dropped,  # add_result/add_error calls refused: id already done
+            }
+
+    def close(self) -> None:
+        """Commit what is buffered, close the files, release the directory lock. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self._closed = True
+                for f in (self._errors_f, self._rejects_f):
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+                self._release_lock()
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ResultStore({str(self.dir)!r}, {self.counts()})"

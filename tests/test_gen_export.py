@@ -1,0 +1,207 @@
+"""Export formats, data checks, the exactly-once accounting and the plan arithmetic."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fleet.generation.checks import account, data_checks
+from fleet.generation.export import export
+from fleet.generation.plan import format_plan, plan
+from fleet.generation.store import RESULT_SCHEMA, ResultStore, write_manifest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]
+TOOL_HISTORY = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": CALL},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp_c\": 18}"},
+]
+
+
+def row(rid: str, completion: str | None, finish: str | None, tokens: int | None, **kw) -> dict:
+    r = {"id": rid, "messages": [{"role": "user", "content": f"question {rid}"}], "completion": completion,
+         "finish_reason": finish, "prompt_tokens": 7, "completion_tokens": tokens, "server": "n/0",
+         "attempts": 1, "latency_s": 1.0, "started_at": 1700000000.0, "finished_at": 1700000001.0}
+    r.update(kw)
+    return r
+
+
+@pytest.fixture
+def job(tmp_path) -> Path:
+    """A crafted job: one row per data-check case, one failed row."""
+    out = tmp_path / "job"
+    with ResultStore(out, shard_rows=2) as s:
+        s.add_result(row("a", "Hello world", "stop", 10, reasoning_content="I should greet."))
+        s.add_result(row("b", "cut off mid sente", "length", 100))
+        s.add_result(row("c", "  \n ", "stop", 0))  # empty after strip
+        s.add_result(row("d", "<think>oops</think> answer", "stop", 20))  # reasoning not separated
+        s.add_result(row("e", "", "tool_calls", 30, messages=TOOL_HISTORY[:2], tool_calls=CALL,
+                         params={"max_tokens": 64, "tools": TOOLS}))  # tool-call-only: not "empty"
+        s.add_result(row("f", "Sunny, 18 C.", "stop", None, messages=TOOL_HISTORY))
+        s.add_error("g", error="HTTP 400: prompt longer than the context", attempts=1, line=7,
+                    server="n/1", status=400)
+    write_manifest(out, {"servers": [{"name": "n/0", "model": "tiny-qwen"}, {"name": "n/1", "model": "tiny-qwen"}]})
+    return out
+
+
+def read_lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_data_checks_numbers(job):
+    d = data_checks(job)
+    assert d["rows"] == 6
+    assert (d["cut_at_max_tokens"], d["empty_completions"], d["think_tags"]) == (1, 1, 1)
+    assert d["cut_at_max_tokens_share"] == pytest.approx(1 / 6)
+    assert (d["with_reasoning"], d["with_tool_calls"]) == (1, 1)
+    assert d["finish_reasons"] == {"length": 1, "stop": 4, "tool_calls": 1}
+    # tokens 0, 10, 20, 30, 100 (one null): mean 32, median 20, p95 interpolated 30 + 0.8 * 70
+    assert d["completion_tokens"] == {"mean": 32.0, "p50": 20.0, "p95": pytest.approx(86.0), "max": 100,
+                                      "total": 160, "rows": 5}
+
+
+def test_data_checks_on_an_empty_job(tmp_path):
+    ResultStore(tmp_path / "empty").close()
+    d = data_checks(tmp_path / "empty")
+    assert d["rows"] == 0 and d["cut_at_max_tokens_share"] is None and d["completion_tokens"]["p50"] is None
+
+
+def test_export_openai_batch(job, tmp_path):
+    dest = tmp_path / "out" / "batch_output.jsonl"
+    assert export(job, "openai-batch", dest) == 7
+    lines = read_lines(dest)
+    ok = {ln["custom_id"]: ln for ln in lines if ln["error"] is None}
+    assert set(ok) == set("abcdef")
+    a = ok["a"]
+    assert a["response"]["status_code"] == 200 and a["id"].startswith("batch_req_")
+    body = a["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "tiny-qwen"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello world", "reasoning_content": "I should greet."}
+    assert choice["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17}
+    assert ok["e"]["response"]["body"]["choices"][0]["message"]["tool_calls"] == CALL
+    (err,) = [ln for ln in lines if ln["error"] is not None]
+    assert err["custom_id"] == "g" and err["response"] is None
+    assert err["error"]["message"].startswith("HTTP 400") and err["error"]["code"] == "400"
+    # deterministic: exporting again gives the same bytes
+    dest2 = tmp_path / "again.jsonl"
+    export(job, "openai-batch", dest2)
+    assert dest2.read_bytes() == dest.read_bytes()
+
+
+def test_export_jsonl_is_flat_and_pandas_reads_it(job, tmp_path):
+    dest = tmp_path / "flat.jsonl"
+    assert export(job, "jsonl", dest) == 6
+    lines = read_lines(dest)
+    assert set(lines[0]) == set(RESULT_SCHEMA.names)
+    e = next(ln for ln in lines if ln["id"] == "e")
+    assert e["messages"] == TOOL_HISTORY[:2] and e["tool_calls"] == CALL and e["params"]["tools"] == TOOLS
+    df = pd.read_json(dest, lines=True)
+    assert len(df) == 6 and set(df["id"]) == set("abcdef")
+
+
+def test_export_sharegpt_with_tool_history(job, tmp_path):
+    dest = tmp_path / "sharegpt.jsonl.gz"
+    assert export(job, "sharegpt", dest) == 6
+    by_id = {ln["id"]: ln for ln in read_lines(dest)}
+    assert by_id["a"]["conversations"] == [
+        {"from": "human", "value": "question a"},
+        {"from": "gpt", "value": "Hello world", "reasoning_content": "I should greet."}]
+    assert by_id["f"]["conversations"] == [
+        {"from": "system", "value": "Use tools."},
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "gpt", "value": "", "tool_calls": CALL},
+        {"from": "tool", "value": "{\"temp_c\": 18}", "tool_call_id": "call_1"},
+        {"from": "gpt", "value": "Sunny, 18 C."}]
+    assert by_id["e"]["conversations"][-1] == {"from": "gpt", "value": "", "tool_calls": CALL}
+    assert by_id["e"]["tools"] == TOOLS
+
+
+def test_export_is_atomic_and_replaces(job, tmp_path):
+    dest = tmp_path / "x.jsonl"
+    dest.write_text("old\n")
+    export(job, "jsonl", dest)
+    assert "old" not in dest.read_text() and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(ValueError, match="unknown export format"):
+        export(job, "csv", dest)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError):
+        export(tmp_path / "nothing", "jsonl", tmp_path / "y.jsonl")
+
+
+def test_account_proves_exactly_once_and_catches_violations(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "w") as f:
+        for i in range(20):
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": str(i)}]}) + "\n")
+        f.write("not json\n")
+    out = tmp_path / "out"
+    from fleet.generation.inputs import Reject, iter_input
+
+    with ResultStore(out, shard_rows=4) as s:
+        for item in iter_input(inp, None):
+            if isinstance(item, Reject):
+                s.add_reject(item)
+            elif item.id == "r3":
+                s.add_error(item.id, error="x", attempts=6, line=item.line, server=None, status=500)
+            elif item.id != "r7":
+                s.add_result(row(item.id, "ok", "stop", 1))
+    acc = account(inp, out)
+    assert not acc["ok"] and acc["missing"] == 1 and acc["missing_ids"] == ["r7"]
+    assert (acc["completed"], acc["errors"], acc["rejects"], acc["duplicated"]) == (18, 1, 1, 0)
+    # a shard written behind the store's back with an id already completed: caught
+    t = pa.Table.from_pylist([{"id": "r5"}, {"id": "r7"}], schema=RESULT_SCHEMA)
+    pq.write_table(t, out / "shards" / "part-999999.parquet")
+    acc = account(inp, out)
+    assert not acc["ok"] and acc["duplicated"] == 1 and acc["duplicated_ids"] == ["r5"] and acc["missing"] == 0
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def test_plan_seed_job():
+    """The seed job's hand arithmetic, made consistent (its average output length is not on
+    record; 2,000 tokens is assumed): 16.5 days on 4 GPUs; 1-2 days on 8 B200s at $0.49-0.87/M."""
+    slow = plan(completions=902_087, avg_output_tokens=2000, tokens_per_s=316, price_per_gpu_hour=None, gpus=4)
+    assert slow["total_tokens"] == 1_804_174_000
+    assert slow["wall_days"] == pytest.approx(16.5, abs=0.05)
+    assert slow["cost_usd"] is None and slow["usd_per_m_tokens"] is None
+    fast = plan(completions=902_087, avg_output_tokens=2000, tokens_per_s=2600, price_per_gpu_hour=4.60, gpus=8)
+    slowb = plan(completions=902_087, avg_output_tokens=2000, tokens_per_s=1470, price_per_gpu_hour=4.60, gpus=8)
+    assert fast["wall_days"] == pytest.approx(1.00, abs=0.01) and slowb["wall_days"] == pytest.approx(1.78, abs=0.01)
+    assert fast["usd_per_m_tokens"] == pytest.approx(0.49, abs=0.005)
+    assert slowb["usd_per_m_tokens"] == pytest.approx(0.87, abs=0.005)
+    # $ total = GPU-hours x price = $/M x M tokens
+    assert fast["cost_usd"] == pytest.approx(fast["gpu_hours"] * 4.60)
+    assert fast["cost_usd"] == pytest.approx(fast["usd_per_m_tokens"] * fast["total_tokens"] / 1e6)
+
+
+def test_plan_rate_per_gpu_or_total_agree():
+    per_gpu = plan(completions=1000, avg_output_tokens=500, tokens_per_s=100, price_per_gpu_hour=2.0, gpus=8)
+    total = plan(completions=1000, avg_output_tokens=500, tokens_per_s=800, price_per_gpu_hour=2.0, gpus=8,
+                 tokens_per_s_is_per_gpu=False)
+    assert per_gpu == total
+    assert per_gpu["wall_s"] == pytest.approx(625.0)  # 500,000 tokens / 800 tok/s
+    assert per_gpu["gpu_hours"] == pytest.approx(625 / 3600 * 8)
+
+
+def test_plan_format_and_validation():
+    text = format_plan(plan(completions=902_087, avg_output_tokens=2000, tokens_per_s=2600,
+                            price_per_gpu_hour=4.6, gpus=8))
+    assert "1,804.2 M output tokens" in text and "20,800 tok/s" in text and "$0.491" in text and "24.1 h" in text
+    assert "$" not in format_plan(plan(completions=10, avg_output_tokens=10, tokens_per_s=10, gpus=1))
+    for bad in ({"gpus": 0}, {"tokens_per_s": 0}, {"avg_output_tokens": -1}, {"completions": -1},
+                {"price_per_gpu_hour": -1.0}):
+        args = {"completions": 1, "avg_output_tokens": 1, "tokens_per_s": 1, "gpus": 1} | bad
+        with pytest.raises(ValueError):
+            plan(**args)

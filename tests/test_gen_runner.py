@@ -1,0 +1,272 @@
+"""The generation runner end to end: real store, real sim servers, the runner as a process.
+
+What these protect: a SIGKILL mid-run loses nothing and duplicates nothing after resume;
+SIGTERM is a clean stop; a crashed server is relaunched with its launch spec and
+re-admitted; with every server down the job says "paused" in progress.json and finishes
+once one comes back; the manifest carries counts, throughput, cost and data checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleet.config import FleetConfig
+from fleet.generation.checks import account
+from fleet.generation.runner import ServerEntry, run_local
+from fleet.generation.store import read_errors, read_rejects, shard_paths
+from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_input(path: Path, n: int, *, bad_lines: tuple[int, ...] = (), long_prompt_at: int | None = None) -> int:
+    """n requests (ids r0..), a malformed line at each of `bad_lines` (0-based positions); returns rows."""
+    lines = []
+    for i in range(n):
+        if i in bad_lines:
+            lines.append('{"id": "broken", "messages": [')
+        content = "word " * 400 if i == long_prompt_at else f"question {i}"
+        lines.append(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": content}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = check()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def progress(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def job_file(tmp: Path, inp: Path, out: Path, servers: list[Sim], **kw: Any) -> Path:
+    job = {
+        "config": {"name": "t", "engine": {"kind": "sim"}, "generation": {"max_tokens": 48, "max_attempts": 3},
+                   **kw.pop("config", {})},
+        "input": str(inp), "output": str(out),
+        "servers": [{"node": "local", "index": i, "url": s.url, "model": "sim-model"} for i, s in enumerate(servers)],
+        "flush_interval_s": 0.3, "progress_interval_s": 0.2, "console_interval_s": 1, "stop_grace_s": 10, **kw,
+    }
+    p = tmp / "job.json"
+    p.write_text(json.dumps(job))
+    return p
+
+
+def start_runner(job: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(job)], cwd=ROOT, env=env,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+def result_ids(out: Path) -> list[str]:
+    ids: list[str] = []
+    for p in shard_paths(out):
+        ids += pq.read_table(p, columns=["id"]).column("id").to_pylist()
+    return ids
+
+
+def test_sigkill_mid_run_then_resume_exact_counts(tmp_path: Path, sims) -> None:
+    a = sims("--tokens-per-s", "1500", "--max-running-requests", "8", "--context-length", "256")
+    b = sims("--tokens-per-s", "1500", "--max-running-requests", "8", "--context-length", "256")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 1200, bad_lines=(5, 700), long_prompt_at=11)
+    job = job_file(tmp_path, inp, out, [a, b])
+    log = tmp_path / "runner.log"
+
+    first = start_runner(job, log)
+    try:
+        wait_for(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 250, 30, "a few committed shards")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    killed_at = progress(out)
+    assert killed_at["state"] == "running" and killed_at["rows_done"] < rows, "killed mid-run"
+    assert (out / ".lock").exists()
+
+    second = start_runner(job, log)
+    assert second.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+    ids = result_ids(out)
+    assert len(ids) == len(set(ids)), "an id is in two shards"
+    errors, rejects = list(read_errors(out)), list(read_rejects(out))
+    assert [e["id"] for e in errors] == ["r11"] and errors[0]["attempts"] == 1 and errors[0]["status"] == 400
+    assert "context length" in errors[0]["error"]
+    assert len(rejects) == 2, "malformed lines are rejected once, not once per run"
+    assert len(ids) + len(errors) + len(rejects) == rows
+    acc = account(inp, out)
+    assert acc["ok"], acc
+
+    final = progress(out)
+    assert final["state"] == "done" and final["rows_done"] == final["rows_total"] == rows
+    assert final["this_run"]["fed"] < 1200 - 250, "the resume skipped what was committed"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "done" and manifest["complete"] and manifest["accounted"] == rows
+    assert manifest["counts"]["completed"] == len(ids) and manifest["checks"]["rows"] == len(ids)
+    assert manifest["throughput"]["completion_tok_s"] > 0 and len(manifest["servers"]) == 2
+    assert len(manifest["runs"]) == 1, "the killed run wrote no manifest; the resume is the first"
+    assert final["manifest"] == str(out / "manifest.json")
+
+
+def test_sigterm_stops_cleanly_then_resume_finishes(tmp_path: Path, sims) -> None:
+    a = sims("--tokens-per-s", "600", "--max-running-requests", "8")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 400)
+    job = job_file(tmp_path, inp, out, [a], config={"generation": {"max_tokens": 48, "price_per_gpu_hour": 2.5}})
+    log = tmp_path / "runner.log"
+    proc = start_runner(job, log)
+    wait_for(lambda: (p := progress(out)) and p["completed"] >= 40, 30, "some rows done")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    p = progress(out)
+    assert p["state"] == "stopped" and p["in_flight"] == 0 and p["completed"] < rows
+    assert p["completed"] == len(result_ids(out)), "everything finished before the stop is committed"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "stopped" and not manifest["complete"]
+    assert manifest["cost"]["usd_per_m_completion_tokens"] > 0 and manifest["cost"]["gpus"] == 1
+
+    proc = start_runner(job, log)
+    assert proc.wait(timeout=60) == 0
+    ids = result_ids(out)
+    assert sorted(ids) == sorted(f"r{i}" for i in range(rows)) and len(ids) == len(set(ids))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [r["state"] for r in manifest["runs"]] == ["stopped", "done"]
+    assert manifest["overall"]["completion_tokens"] == sum(r["completion_tokens"] for r in manifest["runs"])
+    assert manifest["overall"]["cost"]["usd_per_m_completion_tokens"] > 0
+
+
+def sim_fleet(tmp_path: Path, base_port: int, n: int, **servers: Any) -> FleetConfig:
+    return FleetConfig(
+        name="gen", nodes=[{"name": "local", "workdir": str(tmp_path / "work")}],
+        engine={"kind": "sim", "sim": {"startup_s": 0.2, "tokens_per_s": 600, "max_running_requests": 8}},
+        model={"source": "/dev/null/sim-model", "served_name": "sim-model"},
+        servers={"count": n, "base_port": base_port, "ready_timeout_s": 30, "stop_grace_s": 1, **servers},
+        smoke={"first_timeout_s": 10, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
+        generation={"max_tokens": 48},
+    )
+
+
+@pytest.mark.parametrize("how", ["in-process", "pyz"])
+def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path: Path, how: str) -> None:
+    """`pyz`: the runner as SSH nodes run it (fleet shipped as one zip, fleet.generation.remote),
+    where fleet/sim/server.py is not a file on disk."""
+    import dataclasses
+    import random
+
+    from fleet.demo import free_port_block
+    from fleet.node import LocalNode
+    from fleet.servers import launch, plan_servers, stop_servers, wait_ready
+
+    base = free_port_block(2, start=random.randrange(20000, 50000, 100))
+    cfg = sim_fleet(tmp_path, base, 2, extra_args_by_index={1: ["--crash-after", "70"]})
+    node = LocalNode("local")
+    specs = plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable)
+    entries = []
+    try:
+        for spec in specs:
+            res = launch(node, cfg, spec)
+            ready = wait_ready(node, cfg, spec, res.pid)
+            entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
+                                       spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+        rows = write_input(inp, 600)
+        if how == "in-process":
+            rc = run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.2)
+        else:
+            from fleet.generation.remote import build_pyz
+
+            pyz = tmp_path / "fleet-runner.pyz"
+            pyz.write_bytes(build_pyz())
+            job = tmp_path / "job.json"
+            job.write_text(json.dumps({
+                "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), "input": str(inp),
+                "output": str(out), "servers": [dataclasses.asdict(e) for e in entries],
+                "flush_interval_s": 0.5, "progress_interval_s": 0.2}))
+            r = subprocess.run([sys.executable, str(pyz), "--job", str(job)], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=120)
+            rc = r.returncode
+            assert rc == 0, r.stderr[-3000:]
+            assert "relaunched" in r.stderr
+        assert rc == 0
+        ids = result_ids(out)
+        assert len(ids) == rows == len(set(ids)) and not list(read_errors(out))
+        manifest = json.loads((out / "manifest.json").read_text())
+        by = {s["name"]: s for s in manifest["servers"]}
+        assert by["local/1"]["restarts"] >= 1 and by["local/1"]["downs"] >= 1 and by["local/0"]["restarts"] == 0
+        assert by["local/1"]["requests"] > 70, "the relaunched server was re-admitted and served again"
+        log = Path(cfg.nodes[0].workdir) / "servers" / "gen-1.log"
+        assert "# fleet launch:" in log.read_text() and (log.parent / "gen-1.log.prev").exists()
+        record = json.loads((log.parent / "gen-1.json").read_text())
+        assert record["smoke"]["ok"], "the relaunch was smoked before re-admission"
+    finally:
+        stop_servers(node, cfg, cfg.nodes[0])
+
+
+def test_all_servers_down_shows_paused_then_finishes(tmp_path: Path, sims) -> None:
+    s = sims("--tokens-per-s", "800", "--max-running-requests", "4")
+    cfg = FleetConfig(engine={"kind": "sim"}, generation={"max_tokens": 48},
+                      smoke={"first_timeout_s": 5, "timeout_s": 5, "attempts": 1})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 300)
+    entry = ServerEntry(node="local", index=0, url=s.url, model="sim-model")
+    rc: list[int] = []
+    fast = {"recovery_backoff_s": 0.1, "recovery_backoff_max_s": 0.3}
+    t = threading.Thread(target=lambda: rc.append(run_local(cfg, inp, out, [entry], progress_interval_s=0.1,
+                                                            flush_interval_s=0.5, dispatch=fast)))
+    t.start()
+    try:
+        wait_for(lambda: (p := progress(out)) and p["completed"] >= 30, 30, "rows done before the kill")
+        s.kill()
+        paused = wait_for(lambda: (p := progress(out)) and p["state"] == "paused" and p, 15, "paused state")
+        assert paused["detail"] == "paused: all servers down" and paused["servers_up"] == 0
+        assert paused["servers"][0]["state"] in ("down", "recovering")
+        time.sleep(0.5)
+        assert progress(out)["errors"] == 0, "nothing goes to errors while paused"
+        s.start()
+        t.join(timeout=60)
+        assert not t.is_alive()
+    finally:
+        s.kill()
+        t.join(timeout=5)
+    assert rc == [0]
+    final = progress(out)
+    assert final["state"] == "done" and final["completed"] == rows and final["errors"] == 0
+    assert len(result_ids(out)) == rows
+
+
+def test_bad_job_file_and_locked_output_exit_2(tmp_path: Path, sims) -> None:
+    from fleet.generation.store import ResultStore
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runner = [sys.executable, "-m", "fleet.generation.runner", "--job"]
+    r = subprocess.run([*runner, str(tmp_path / "missing.json")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "cannot read the job file" in r.stderr
+
+    a = sims()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_input(inp, 5)
+    job = job_file(tmp_path, inp, out, [a])
+    with ResultStore(out):
+        r = subprocess.run([*runner, str(job)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "in use by another generation runner" in r.stderr

@@ -1,0 +1,365 @@
+"""The result store: atomic shards under kill -9, exactly-once across resume, retry, lock, fingerprint.
+
+Real files and real processes: the crash test SIGKILLs a writer at random moments and checks
+every invariant after each kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import wait_until
+from fleet.errors import FatalError
+from fleet.generation.checks import account
+from fleet.generation.inputs import Reject, iter_input
+from fleet.generation.store import (
+    RESULT_COLUMNS,
+    IdSet,
+    ResultStore,
+    read_errors,
+    read_rejects,
+    read_results,
+    shard_paths,
+    write_manifest,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def result(i: int | str, **kw) -> dict:
+    rid = i if isinstance(i, str) else f"r{i:06d}"
+    row = {"id": rid, "messages": [{"role": "user", "content": f"q {rid}"}], "completion": f"answer {rid}",
+           "reasoning_content": None, "tool_calls": None, "finish_reason": "stop", "prompt_tokens": 5,
+           "completion_tokens": 3, "server": "local/0", "attempts": 1, "latency_s": 0.5,
+           "started_at": 1.0, "finished_at": 1.5}
+    row.update(kw)
+    return row
+
+
+def all_ids(out: Path) -> list[str]:
+    return read_results(out, ["id"]).column("id").to_pylist()
+
+
+def test_results_commit_in_shards_and_read_back(tmp_path):
+    out = tmp_path / "out"
+    with ResultStore(out, shard_rows=3) as s:
+        for i in range(7):
+            assert s.add_result(result(i, tool_calls=[{"id": "c", "type": "function",
+                                                       "function": {"name": "f", "arguments": "{}"}}] if i == 2 else None))
+        assert [p.name for p in shard_paths(out)] == ["part-000001.parquet", "part-000002.parquet"]
+        assert s.counts() == {"completed": 7, "committed": 6, "buffered": 1, "shards": 2, "errors": 0,
+                              "rejects": 0, "dropped": 0}
+        s.flush()
+        assert s.counts()["buffered"] == 0 and len(shard_paths(out)) == 3
+    t = read_results(out)
+    assert t.schema.names == RESULT_COLUMNS
+    assert t.column("id").to_pylist() == [f"r{i:06d}" for i in range(7)]
+    rows = t.to_pylist()
+    assert json.loads(rows[0]["messages"]) == [{"role": "user", "content": "q r000000"}]  # lists stored as JSON
+    assert json.loads(rows[2]["tool_calls"])[0]["function"]["name"] == "f"
+    assert rows[0]["tool_calls"] is None and rows[0]["attempts"] == 1
+    # readable by pandas, as users will read it
+    assert len(pq.read_table(shard_paths(out)[0]).to_pandas()) == 3
+
+
+def test_unknown_fields_are_refused_at_once(tmp_path):
+    with ResultStore(tmp_path / "out") as s:
+        with pytest.raises(ValueError, match="unknown result field"):
+            s.add_result({"id": "a", "completon": "typo"})
+        with pytest.raises(ValueError, match="non-empty string 'id'"):
+            s.add_result({"completion": "x"})
+        with pytest.raises(TypeError, match="completion"):
+            s.add_result({"id": "a", "completion": 5})
+        assert s.counts()["completed"] == 0
+
+
+def test_exactly_once_within_a_run(tmp_path):
+    with ResultStore(tmp_path / "out", shard_rows=2) as s:
+        assert s.add_result(result("a"))
+        assert not s.add_result(result("a"))  # never twice, buffered or not
+        assert s.add_error("b", error="HTTP 400: too long", attempts=1, line=2, server="s0", status=400)
+        assert not s.add_result(result("b"))  # an errored id never also completes ...
+        assert not s.add_error("a", error="late", attempts=2, line=1, server=None, status=None)  # ... nor the reverse
+        assert s.counts()["dropped"] == 3
+    out = tmp_path / "out"
+    assert all_ids(out) == ["a"] and [e["id"] for e in read_errors(out)] == ["b"]
+
+
+def test_resume_skips_done_ids_and_ends_exactly_once(tmp_path):
+    """Simulates a runner killed after a flush: resume generates exactly the remaining rows."""
+    inp = tmp_path / "in.jsonl"
+    with open(inp, "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"id": f"r{i:06d}", "messages": [{"role": "user", "content": str(i)}]}) + "\n")
+        f.write("{broken\n")
+        f.write(json.dumps({"id": "r000005", "messages": [{"role": "user", "content": "dup"}]}) + "\n")
+    out = tmp_path / "out"
+    fp = "f" * 64
+    s = ResultStore(out, shard_rows=10, input_fingerprint=fp)
+    for item in iter_input(inp, None):
+        if isinstance(item, Reject):
+            s.add_reject(item)
+            continue
+        i = int(item.id[1:])
+        if i % 10 == 9:
+            s.add_error(item.id, error="boom", attempts=6, line=item.line, server="s0", status=500)
+        elif i < 60:
+            s.add_result(result(item.id))
+    s.flush()
+    s.add_result(result("r000070"))  # buffered, never flushed: lost in the "crash"
+    s._release_lock()  # a crash: no close(), no flush
+    s._closed = True
+
+    s2 = ResultStore(out, shard_rows=10, input_fingerprint=fp)
+    done = s2.done_ids()
+    assert len(done) == 54 + 10  # completed + errors; the duplicate-id reject is not "done"
+    todo = [x for x in iter_input(inp, None, skip_ids=done.__contains__)]
+    req = [x for x in todo if not isinstance(x, Reject)]
+    assert [r.id for r in req] == [f"r{i:06d}" for i in range(60, 100) if i % 10 != 9]
+    for x in todo:
+        if isinstance(x, Reject):
+            assert not s2.add_reject(x)  # already recorded: never written twice
+        else:
+            assert s2.add_result(result(x.id))
+    s2.close()
+    acc = account(inp, out)
+    assert acc["ok"], acc
+    assert (acc["completed"], acc["errors"], acc["rejects"]) == (90, 10, 2)
+    assert len(list(read_rejects(out))) == 2
+
+
+def test_duplicate_reject_never_hides_the_first_row(tmp_path):
+    """Regression: a duplicate's reject carries the first row's id; it must not mark that id done,
+    or a crash before the first row completes would lose it for good."""
+    out = tmp_path / "out"
+    with ResultStore(out) as s:
+        s.add_reject(Reject(line=9, id="x", reason="duplicate id (first at line 1)", raw=""))
+        s.add_reject(Reject(line=3, id="y", reason="bad role 'wizard'", raw=""))
+        assert "x" not in s.done_ids() and "y" in s.done_ids()
+    with ResultStore(out) as s:
+        assert "x" not in s.done_ids() and "y" in s.done_ids()
+        assert s.add_result(result("x"))
+
+
+def test_retry_errors_moves_the_file_aside_and_reopens_the_ids(tmp_path):
+    out = tmp_path / "out"
+    with ResultStore(out) as s:
+        s.add_result(result("ok"))
+        for rid in ("e1", "e2"):
+            s.add_error(rid, error="timeout", attempts=6, line=None, server="s1", status=None)
+    with ResultStore(out) as s:
+        assert all(i in s.done_ids() for i in ("e1", "e2", "ok"))
+        assert s.retry_errors() == {"e1", "e2"}
+        assert "e1" not in s.done_ids() and "e2" not in s.done_ids() and "ok" in s.done_ids()
+        assert s.counts()["errors"] == 0
+        assert s.add_result(result("e1"))  # the retry succeeds
+        assert s.add_error("e2", error="timeout again", attempts=6, line=None, server="s1", status=None)
+        assert s.retry_errors() == {"e2"}  # a second retry sees only what failed again
+        assert s.add_result(result("e2"))
+        assert s.retry_errors() == set()
+    assert sorted(all_ids(out)) == ["e1", "e2", "ok"]
+    assert list(read_errors(out)) == []  # a retried error that completed is only in completed
+    retried = sorted(out.glob("errors-*.retried.jsonl"))
+    assert len(retried) == 2 and sum(len(p.read_text().splitlines()) for p in retried) == 3  # the audit trail
+    with ResultStore(out) as s:
+        assert len(s.done_ids()) == 3 and s.counts()["errors"] == 0
+
+
+def test_second_store_on_the_same_dir_fails_naming_the_holder(tmp_path):
+    out = tmp_path / "out"
+    code = ("import sys; from fleet.generation.store import ResultStore; s = ResultStore(sys.argv[1]); "
+            "print('locked', flush=True); sys.stdin.read(); s.close()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        with pytest.raises(FatalError, match=rf"in use by another generation runner \(pid {p.pid} on ") as ei:
+            ResultStore(out)
+        assert time.monotonic() - t0 < 1  # at once, no waiting
+        assert ei.value.remedy and "--output" in ei.value.remedy
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    with ResultStore(out) as s:  # released when the holder exits
+        # and within one process too: a second open of a locked directory fails
+        with pytest.raises(FatalError, match=rf"pid {os.getpid()}"):
+            ResultStore(out)
+        assert s.counts()["completed"] == 0
+
+
+def test_a_different_input_into_the_same_dir_is_refused(tmp_path):
+    out = tmp_path / "out"
+    with ResultStore(out, input_fingerprint="a" * 64) as s:
+        s.add_result(result(1))
+    assert json.loads((out / "job.json").read_text())["input_fingerprint"] == "a" * 64
+    with pytest.raises(FatalError, match="different input") as ei:
+        ResultStore(out, input_fingerprint="b" * 64)
+    assert "--output" in ei.value.remedy
+    with ResultStore(out, input_fingerprint="a" * 64) as s:  # the lock was released by the failed open
+        assert "r000001" in s.done_ids()
+    with ResultStore(out) as s:  # no fingerprint (export, inspection): no check
+        assert s.counts()["completed"] == 1
+
+
+def test_torn_jsonl_tail_from_a_kill_is_cut_on_open(tmp_path):
+    out = tmp_path / "out"
+    with ResultStore(out) as s:
+        s.add_error("e1", error="x", attempts=1, line=1, server=None, status=None)
+    with open(out / "errors.jsonl", "ab") as f:
+        f.write(b'{"id": "e2", "error": "half a li')
+    with ResultStore(out) as s:
+        assert "e1" in s.done_ids() and "e2" not in s.done_ids()
+        s.add_error("e3", error="y", attempts=1, line=3, server=None, status=None)
+    assert [e["id"] for e in read_errors(out)] == ["e1", "e3"]
+
+
+def test_manifest_write_is_atomic_json(tmp_path):
+    write_manifest(tmp_path, {"counts": {"completed": 1}, "when": time.time()})
+    assert json.loads((tmp_path / "manifest.json").read_text())["counts"] == {"completed": 1}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_flush_from_another_thread_while_adding(tmp_path):
+    out = tmp_path / "out"
+    n = 5000
+    with ResultStore(out, shard_rows=700) as s:
+        stop = threading.Event()
+
+        def flusher():
+            while not stop.is_set():
+                s.flush()
+
+        t = threading.Thread(target=flusher)
+        t.start()
+        try:
+            for i in range(n):
+                s.add_result(result(i))
+        finally:
+            stop.set()
+            t.join()
+    ids = all_ids(out)
+    assert len(ids) == n and len(set(ids)) == n
+
+
+def test_idset_matches_a_set():
+    rng = random.Random(1)
+    ref = {f"id{rng.randrange(10**9)}" for _ in range(3000)}
+    s = IdSet()
+    for i in ref:
+        assert s.add(i)
+    big = [f"b{i}" for i in range(150_000)]  # past the merge threshold (65,536) twice
+    for i in big:
+        s.add(i)
+    ref.update(big)
+    assert len(s) == len(ref)
+    gone = rng.sample(sorted(ref), 500)
+    for i in gone:
+        s.discard(i)
+        ref.discard(i)
+    assert len(s) == len(ref)
+    assert all(i in s for i in ref)
+    assert not any(i in s for i in gone)
+    assert not any(f"never{i}" in s for i in range(2000))
+    assert s.add(gone[0]) and gone[0] in s and not s.add(gone[0])
+
+
+# ---------------------------------------------------------------------------- kill -9
+
+
+WRITER = r"""
+import random, sys
+from fleet.generation.inputs import Reject
+from fleet.generation.store import ResultStore
+
+out, n, shard_rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rnd = random.Random()
+s = ResultStore(out, shard_rows=shard_rows)
+done = s.done_ids()
+print("open", len(done), flush=True)
+for i in range(n):
+    rid = f"r{i:06d}"
+    if i % 97 == 13:
+        s.add_reject(Reject(line=i + 1, id=rid, reason="bad role 'x'", raw="{}"))
+        continue
+    if rid in done:
+        continue
+    if i % 50 == 7:
+        s.add_error(rid, error="HTTP 400", attempts=1, line=i + 1, server="s0", status=400)
+    else:
+        s.add_result({"id": rid, "completion": rnd.randbytes(3000).hex(),  # incompressible: real-sized writes "messages": "[]",
+                      "prompt_tokens": 1, "completion_tokens": 2, "finish_reason": "stop"})
+    if i % 333 == 0:
+        s.flush()
+s.close()
+print("finished", flush=True)
+"""
+
+
+def check_invariants(out: Path) -> tuple[set[str], int]:
+    """Open (cleans up), then check: every shard readable, no temp files, no id twice anywhere."""
+    with ResultStore(out) as s:
+        assert not list(out.rglob("*.tmp")), "temp files survive a reopen"
+        counts = s.counts()
+    ids: list[str] = []
+    for p in shard_paths(out):
+        t = pq.read_table(p)  # raises on a torn file
+        assert t.num_rows > 0
+        ids += t.column("id").to_pylist()
+    assert len(ids) == len(set(ids)), "an id is in two shards"
+    errors = [e["id"] for e in read_errors(out)]
+    assert len(errors) == len(set(errors)) and not set(errors) & set(ids)
+    lines = [r["line"] for r in read_rejects(out)]
+    assert len(lines) == len(set(lines)), "a reject recorded twice"
+    assert counts["completed"] == len(ids) and counts["errors"] == len(errors)
+    return set(ids) | set(errors), len(ids)
+
+
+def test_kill_9_at_random_moments_never_tears_a_shard_or_duplicates_an_id(tmp_path):
+    out = tmp_path / "out"
+    n, shard_rows = 20000, 250
+    rng = random.Random(int(os.environ.get("FLEET_TEST_SEED", "4")))
+    kills = torn = 0
+    done_before = 0
+    for _ in range(8):
+        p = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(n), str(shard_rows)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert p.stdout.readline().startswith("open")
+            start = len(shard_paths(out))
+            wait_until(lambda: len(shard_paths(out)) > start or p.poll() is not None, timeout=60,
+                       what="the writer to commit a shard")
+            time.sleep(rng.uniform(0, 0.3))  # the random moment of the kill is the point of the test
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                kills += 1
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        torn += bool(list(out.rglob("*.tmp")))
+        done, _ = check_invariants(out)
+        assert len(done) >= done_before  # committed work is never lost
+        done_before = len(done)
+    assert kills >= 4, "the writer finished before it could be killed: make it slower"
+    # finish the job: every id ends exactly once
+    p = subprocess.run([sys.executable, "-c", WRITER, str(out), str(n), str(shard_rows)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "finished" in p.stdout, p.stderr
+    done, completed = check_invariants(out)
+    expected = {f"r{i:06d}" for i in range(n) if i % 97 != 13}
+    assert done == expected
+    assert completed == len([i for i in range(n) if i % 97 != 13 and i % 50 != 7])
+    print(f"{kills} kills, {torn} left a temp shard behind")
