@@ -173,6 +173,62 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+
+    _prefect_env()
+    from flows.fleet import fleet
+
+    cfg = load_config(args.config)
+    state = fleet(config=cfg, action="generate", input=args.input, output=args.output,
+                  retry_errors=args.retry_errors, return_state=True)
+    data = state.result(raise_on_failure=False)
+    if isinstance(data, BaseException) and not isinstance(data, FleetError):
+        raise data
+    if isinstance(data, dict):
+        print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
+                                                    "throughput", "cost", "checks")}, indent=2, default=str))
+    ok = state.is_completed()
+    print(("fleet generate: " if ok else "fleet generate: FAILED: ") + (state.message or ""),
+          file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else EXIT_FAILED
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+    from fleet.generation.remote import fetch
+    from fleet.node import connect
+
+    cfg = load_config(args.config)
+    total = 0
+    for node_cfg in cfg.nodes:
+        remote = args.remote or _latest_job_output(node_cfg, cfg)
+        if remote is None:
+            continue
+        dest = args.output if len(cfg.nodes) == 1 else f"{args.output.rstrip('/')}/{node_cfg.name}"
+        with connect(node_cfg) as node:
+            files = fetch(node, remote, dest)
+        total += len(files)
+        print(f"{node_cfg.name}: {len(files)} file(s) from {remote} → {dest}")
+    if not total:
+        print("fleet fetch: no generation output found (give --remote DIR)", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def _latest_job_output(node_cfg, cfg) -> str | None:  # type: ignore[no-untyped-def]
+    """The output dir of the newest job of this fleet on the node (from its job.json)."""
+    from fleet.node import connect
+
+    script = 'ls -t "$1"/jobs/"$2"-*/job.json 2>/dev/null | head -n 1 | xargs -r cat'
+    with connect(node_cfg) as node:
+        res = node.run(["sh", "-c", script, "fleet-jobs", node_cfg.workdir.rstrip("/"), cfg.name], check=False)
+    try:
+        return json.loads(res.stdout)["output"] if res.stdout.strip() else None
+    except (ValueError, KeyError):
+        return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fleet.generation.plan import format_plan, plan
 
@@ -258,6 +314,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sim", help="run the simulated SGLang server (`fleet sim --help` lists its flags and faults)", add_help=False,
                        description="The SGLang-compatible simulated server. All arguments go to it.")
+
+    p = sub.add_parser("generate", help="bring the fleet up if needed, then run a batch job through every server",
+                       description="The `generate` action of the `fleet` flow: bring-up (adopting what runs), then a "
+                                   "detached runner on the node pushes every input row through the servers (one queue, "
+                                   "retries, relaunch of dead servers). Re-running resumes: completed ids are skipped; "
+                                   "a runner still going for the same output is re-attached to, never doubled.")
+    _config_arg(p)
+    p.add_argument("--input", required=True, help="JSONL or Parquet prompts (OpenAI batch, {id, messages} or ShareGPT rows)")
+    p.add_argument("--output", required=True, help="output directory ON THE NODE (shards/, errors.jsonl, rejects.jsonl, "
+                                                   "manifest.json, progress.json)")
+    p.add_argument("--retry-errors", action="store_true", help="send the rows of errors.jsonl again")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)")
+    _config_arg(p)
+    p.add_argument("--output", required=True, help="local directory to copy into")
+    p.add_argument("--remote", default=None, help="output directory on the node (default: the newest job's)")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("plan", help="wall time and $ per M tokens of a generation job (the seed job's arithmetic)",
                        description="How long N completions take and what they cost. The rate is per GPU (what one "

@@ -119,6 +119,7 @@ class VenvConfig(_Section):
     use_existing: bool = Field(False, description="Use the venv at 'path' as it is: no create, no install (only the import check).")
     index_url: str | None = Field(None, description="Package index for uv (default: uv's default).")
     find_links: list[str] = Field(default_factory=list, description="Extra local wheel directories for uv (--find-links).")
+    system_certs: bool = Field(True, description="Let uv trust the node's system CA store (needed behind TLS-intercepting proxies).")
     slow_import_s: float = Field(20.0, gt=0, description="An engine import slower than this is flagged (network filesystem symptom).")
 
 

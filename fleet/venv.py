@@ -124,14 +124,16 @@ def ensure_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_modul
     venv_argv = [uv, "venv", "--quiet", "--allow-existing", path]
     if cfg.venv.python:
         venv_argv += ["--python", cfg.venv.python]
-    node.run(venv_argv, timeout=600)
+    # UV_NATIVE_TLS is the older uv's name for UV_SYSTEM_CERTS; an unknown variable is ignored.
+    uv_env = {"UV_SYSTEM_CERTS": "1", "UV_NATIVE_TLS": "1"} if cfg.venv.system_certs else None
+    node.run(venv_argv, timeout=600, env=uv_env)
     if req["packages"]:
         install = [uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", python]
         if cfg.venv.index_url:
             install += ["--index-url", cfg.venv.index_url]
         for link in cfg.venv.find_links:
             install += ["--find-links", link]
-        node.run([*install, *req["packages"]], timeout=3600)
+        node.run([*install, *req["packages"]], timeout=3600, env=uv_env)
     secs = time_import(node, python, import_module)
     node.write_text(f"{path}/{STAMP}", json.dumps({"hash": key, "request": req, "uv": uv,
                                                      "created": time.time()}, indent=2))

@@ -4,11 +4,18 @@
 `fleet up -c FILE` runs the same flow in-process. A failed server never fails its healthy
 peers: the flow ends Failed with the summary table of what is up and what is not, and a
 re-run redoes only what is missing (every stage adopts what is already in place).
+
+Actions: `bringup`, `revalidate` (process, health, smoke and log verdict of every recorded
+server, no relaunch: tasks/revalidate.py), `teardown` (stop every server; with
+free_ramdisk=True also remove the RAM-disk copy). Each holds the per-node Prefect
+concurrency limit `fleet-node-<machine>` for its whole run (tasks/locks.py), so two runs
+never launch onto the same GPUs at once: a second one waits for the first, then adopts.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
@@ -16,15 +23,18 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from fleet.config import FleetConfig, config_from_param
+from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
+from flows.params import resolve_config, run_name
 from tasks.audit import write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
+from tasks.locks import hold_nodes
 from tasks.nodes import close_all
 
-Action = Literal["bringup", "teardown"]
+Action = Literal["bringup", "revalidate", "teardown", "generate"]
+LOCKED_ACTIONS = frozenset({"bringup", "revalidate", "teardown"})
 
 SUMMARY_COLUMNS = ["node", "server", "gpus", "port", "pid", "state", "ready_s", "smoke_latency_s",
                    "kv_cache_tokens", "max_running_requests", "flag", "error"]
@@ -49,8 +59,8 @@ def _row(node: str, index: Any, **kw: Any) -> dict[str, Any]:
     return row
 
 
-def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    """Run the DAG for every node; return (summary rows, failure lines)."""
+def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[ServerSpec]]:
+    """Run the DAG for every node; return (summary rows, failure lines, specs of the servers up)."""
     logger = get_run_logger()
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -122,28 +132,128 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
             r["flag"] = flag
             logger.warning("%s server %s: %s", r["node"], r["server"], flag)
     rows.sort(key=lambda r: (r["node"], -1 if r["server"] == "-" else r["server"]))
-    return rows, failures
+    up = {(r["node"], r["server"]) for r in rows if r["state"] in ("up", "adopted")}
+    return rows, failures, [s for s in specs if (s.node, s.index) in up]
 
 
-@flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
-      flow_run_name="{action}-{config.name}")
-def fleet(config: FleetConfig = FleetConfig(), action: Action = "bringup") -> Any:
-    """Bring up (or tear down) every server of a fleet config. Ends Failed when any server is not up."""
-    cfg = config_from_param(config)
+def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
+    """Stop every server (whole process groups), optionally free the RAM-disk copy; a summary table."""
+    from tasks.ramdisk import free_ramdisk as free_task
+    from tasks.teardown import teardown
+
+    rows = [{"node": r["node"], "what": f"server {r['index']}", "port": r.get("port"), "pid": r.get("pid"),
+             "action": r["action"], "seconds": r.get("seconds"), "bytes": None} for r in teardown(cfg)]
+    if free_ramdisk:
+        for f in [free_task.submit(cfg, n.name) for n in cfg.nodes]:
+            res, err = _outcome(f)
+            res = res or {}
+            rows.append({"node": res.get("node"), "what": f"ramdisk {res.get('path') or ''}".strip(), "port": None,
+                         "pid": None, "action": f"error: {err}" if err else res.get("action"),
+                         "seconds": res.get("seconds"), "bytes": res.get("bytes")})
+    failures = [f"{r['node']} {r['what']}: {r['action']}" for r in rows if str(r["action"]).startswith("error")]
+    stopped = sum(1 for r in rows if r["what"].startswith("server") and r["action"] in ("stopped", "killed"))
+    freed = sum(r["bytes"] or 0 for r in rows if r["action"] == "freed")
+    summary = (f"teardown of {cfg.name}: stopped {stopped} server(s)"
+               + (f", freed {freed / 1e9:.2f} GB of RAM disk" if freed else "")
+               + (f"; {len(failures)} error(s)" if failures else ""))
+    write_table(cfg, ("teardown",), rows, summary)
+    if failures:
+        return Failed(message=summary + ": " + " | ".join(failures), data=rows)
+    return Completed(message=summary, data=rows)
+
+
+def revalidate_action(cfg: FleetConfig) -> Any:
+    """Health, smoke and log verdict of every recorded server; Failed naming every unhealthy one."""
+    from tasks.revalidate import revalidate
+
     t0 = time.monotonic()
-    try:
-        if action == "teardown":
-            from tasks.teardown import teardown
+    rows, failures = revalidate(cfg)
+    healthy = sum(1 for r in rows if r["state"] == "healthy")
+    if failures:
+        return Failed(message=f"{len(failures)} server(s) unhealthy, {healthy} healthy: " + " | ".join(failures),
+                      data=rows)
+    return Completed(message=f"{healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=rows)
 
-            rows = teardown(cfg)
-            write_table(cfg, ("teardown",), rows, f"teardown of {cfg.name}")
-            return Completed(message=f"stopped {sum(1 for r in rows if r['action'] != 'none')} server(s)", data=rows)
-        rows, failures = bringup(cfg)
-    finally:
-        close_all()
+
+def _write_summary(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list[str], t0: float) -> int:
     up = sum(1 for r in rows if r["state"] in ("up", "adopted"))
     write_table(cfg, ("summary",), rows,
                 f"{cfg.name}: {up} server(s) up, {len(failures)} failure(s), {time.monotonic() - t0:.1f} s")
+    return up
+
+
+def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list[str], specs: list[ServerSpec],
+                    input: str, output: str, retry_errors: bool) -> Any:
+    """Push the job through the servers that came up: one runner, on the node that has them."""
+    from tasks.generate import generate
+
+    logger = get_run_logger()
+    by_node: dict[str, list[ServerSpec]] = {}
+    for spec in specs:
+        by_node.setdefault(spec.node, []).append(spec)
+    if not by_node:
+        return Failed(message="no server came up; nothing to generate with: " + " | ".join(failures), data=rows)
+    node_name = max(by_node, key=lambda n: len(by_node[n]))
+    if len(by_node) > 1:
+        # The runner runs next to its servers; one job spans one node (see the README).
+        logger.warning("generation uses the %d server(s) of node %s; other nodes' servers stay idle",
+                       len(by_node[node_name]), node_name)
+    if failures:
+        logger.warning("generating with %d server(s); not up: %s", len(by_node[node_name]), " | ".join(failures))
+    facts = {r["server"]: {"max_running_requests": r.get("max_running_requests")}
+             for r in rows if r["node"] == node_name and r["state"] in ("up", "adopted")}
+    res, err = _outcome(generate.submit(cfg, node_name, by_node[node_name], facts, input, output, retry_errors))
+    if err:
+        return Failed(message=f"generation: {err}", data=res)
+    return Completed(message=f"generated {res['completed']} row(s), {res['errors']} error(s), "
+                             f"{res['rejects']} reject(s) into {output}", data=res)
+
+
+@flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
+      flow_run_name=run_name)
+def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup", free_ramdisk: bool = False,
+          node_wait_s: float = 3600.0, input: str | None = None, output: str | None = None,
+          retry_errors: bool = False) -> Any:
+    """Bring up, re-validate or tear down every server of a fleet config. Ends Failed when any server is not up.
+
+    Args:
+        config: The fleet config: the form below, a TOML path on the worker (relative to the
+            repo root), `block:secret/NAME` (a Secret block) or `variable:NAME` (a Prefect
+            Variable) holding it as a JSON object or TOML text.
+        action: bringup (provision → venv → stage → launch → smoke), revalidate (health, smoke and
+            log verdict of the running servers, no relaunch), teardown (stop every server) or
+            generate (the batch job).
+        free_ramdisk: teardown only: also remove the model's RAM-disk copy (never one another
+            process still uses).
+        node_wait_s: How long to wait for a node another run holds (its per-node concurrency
+            limit) before ending Failed.
+        input: generate only: the prompts (JSONL or Parquet; a local file is uploaded to an SSH node).
+        output: generate only: the output directory on the node (Parquet shards, errors, manifest).
+        retry_errors: generate only: send the rows of the errors file again.
+    """
+    cfg = resolve_config(config)
+    t0 = time.monotonic()
+    if action == "generate" and not (input and output):
+        return Failed(message="action 'generate' needs the parameters input and output")
+    try:
+        # Every action that launches, probes or stops servers holds its nodes; a long-running
+        # action (generation) must not: it would block bring-ups and revalidations for days.
+        with hold_nodes(cfg, wait_s=node_wait_s, purpose=action) if action in LOCKED_ACTIONS else nullcontext():
+            if action == "teardown":
+                return teardown_action(cfg, free_ramdisk)
+            if action == "revalidate":
+                return revalidate_action(cfg)
+            if action != "generate":
+                rows, failures, _ = bringup(cfg)
+        if action == "generate":
+            # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not.
+            with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
+                rows, failures, specs = bringup(cfg)
+            _write_summary(cfg, rows, failures, t0)
+            return generate_action(cfg, rows, failures, specs, input, output, retry_errors)  # type: ignore[arg-type]
+    finally:
+        close_all()
+    up = _write_summary(cfg, rows, failures, t0)
     if failures:
         return Failed(message=f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), data=rows)
     return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=rows)

@@ -906,5 +906,8 @@ def _pump(client: socket.socket, chan: paramiko.Channel, closed: threading.Event
                         client.shutdown(socket.SHUT_WR)
                 except (OSError, EOFError, paramiko.SSHException):
                     return
-                sel.unregister(key.fileobj)
+                try:
+                    sel.unregister(key.fileobj)
+                except (KeyError, ValueError):
+                    return  # a closed channel's fileno no longer maps to its key: that side is done
                 open_sides -= 1

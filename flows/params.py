@@ -1,0 +1,93 @@
+"""The `fleet` flow's parameters: where the config comes from, and the run's name.
+
+`config` arrives as a FleetConfig (the UI form, or a Python caller), its dict (JSON from
+the API), a TOML path on the machine that runs the flow, `block:secret/NAME` (a Prefect
+Secret block holding the config as a JSON object or TOML text; a bare `block:NAME` means
+the same), or `variable:NAME` (a Prefect Variable holding either). Blocks and variables
+let a deployment point at a config that lives in Prefect, edited in the UI, with the
+SSH details kept out of the repo.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fleet.config import FleetConfig, config_from_param
+from fleet.errors import ConfigError
+
+BLOCK_PREFIX = "block:"
+VARIABLE_PREFIX = "variable:"
+
+
+def _config_value(value: Any, where: str) -> dict[str, Any]:
+    """A config held in Prefect: a JSON object, or TOML text."""
+    if isinstance(value, str):
+        try:
+            value = tomllib.loads(value)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: its text is not valid TOML: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} holds a {type(value).__name__}, not a fleet config",
+                          remedy="store the config as a JSON object or as TOML text")
+    return value
+
+
+def config_from_block(ref: str) -> dict[str, Any]:
+    """The fleet config in a Prefect block: `secret/NAME` (a Secret, JSON or TOML text; a bare NAME means
+    this), or any `<type-slug>/NAME` block with a `value`."""
+    from prefect.blocks.core import Block
+
+    ref = ref if "/" in ref else f"secret/{ref}"
+    try:
+        block = Block.load(ref)
+    except (ValueError, KeyError) as exc:  # no such block document / block type
+        raise ConfigError(f"no Prefect block {ref!r}: {exc}",
+                          remedy="create it (UI: Blocks → Secret) or pass the config inline or as a TOML path"
+                          ) from exc
+    value = block.get() if hasattr(block, "get") else getattr(block, "value", None)
+    return _config_value(value, f"block {ref!r}")
+
+
+def config_from_variable(name: str) -> dict[str, Any]:
+    """The fleet config in a Prefect Variable (a JSON object, or TOML text)."""
+    from prefect.variables import Variable
+
+    value = Variable.get(name, default=None)
+    if value is None:
+        raise ConfigError(f"no Prefect variable {name!r}",
+                          remedy=f"create it: prefect variable set {name} '<config as JSON>'; or pass the config "
+                                 "inline or as a TOML path")
+    return _config_value(value, f"variable {name!r}")
+
+
+def resolve_config(value: FleetConfig | dict[str, Any] | str | None) -> FleetConfig:
+    """The flow parameter `config`: a config, its dict, a TOML path, `block:secret/NAME` or `variable:NAME`."""
+    if isinstance(value, str) and value.startswith(BLOCK_PREFIX):
+        return config_from_param(config_from_block(value[len(BLOCK_PREFIX):]))
+    if isinstance(value, str) and value.startswith(VARIABLE_PREFIX):
+        return config_from_param(config_from_variable(value[len(VARIABLE_PREFIX):]))
+    return config_from_param(value)
+
+
+def run_name() -> str:
+    """`<action>-<fleet name>`: read from the parameters, whatever form `config` took."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    cfg = params.get("config")
+    if isinstance(cfg, FleetConfig):
+        name = cfg.name
+    elif isinstance(cfg, dict):
+        name = cfg.get("name") or "fleet"
+    elif isinstance(cfg, str) and cfg.startswith((BLOCK_PREFIX, VARIABLE_PREFIX)):
+        name = cfg.split(":", 1)[1].rsplit("/", 1)[-1]
+    elif isinstance(cfg, str):
+        try:
+            name = str(tomllib.loads(Path(cfg).read_text()).get("name") or "fleet")
+        except (OSError, tomllib.TOMLDecodeError):
+            name = Path(cfg).stem  # the flow itself reports the bad file
+    else:
+        name = "fleet"
+    return f"{params.get('action', 'bringup')}-{name}"

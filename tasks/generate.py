@@ -1,0 +1,104 @@
+"""The generate stage: start (or re-attach to) the detached runner on the node and watch it.
+
+The task only watches: the runner writes the data and outlives this task, the flow and the
+SSH connection. Killing the flow mid-job and running it again re-attaches to the same
+runner (its pid file), never a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from fleet.config import FleetConfig
+from fleet.engines import ServerSpec
+from fleet.errors import FatalError
+from fleet.generation.remote import job_dir, start_job, watch_job
+from fleet.node import LocalNode
+from tasks.audit import artifact_key, write_stage, write_table
+from tasks.bringup import TASK_OPTS
+from tasks.charts import write_throughput_artifact
+from tasks.nodes import node_for
+
+TABLE_EVERY_S = 60.0
+
+
+def node_input(cfg: FleetConfig, node_name: str, input_path: str) -> str:
+    """The input as a path on the node: a local file is uploaded to SSH nodes (once per size+mtime)."""
+    node = node_for(cfg, node_name)
+    local = Path(input_path)
+    if isinstance(node, LocalNode) or not local.is_file():
+        return input_path  # local node, or already a path on the node
+    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    st = local.stat()
+    remote = f"{node_cfg.workdir.rstrip('/')}/inputs/{st.st_size}-{int(st.st_mtime)}-{local.name}"
+    if not node.exists(remote):
+        node.put(local, remote)
+    return remote
+
+
+@task(name="generate", task_run_name="generate-{node_name}", **TASK_OPTS)
+def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: dict[int, dict[str, Any]],
+             input_path: str, output: str, retry_errors: bool = False) -> dict[str, Any]:
+    logger = get_run_logger()
+    node = node_for(cfg, node_name)
+    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    t0 = time.monotonic()
+    remote_input = node_input(cfg, node_name, input_path)
+    handle = start_job(node, cfg, node_cfg, input_path=remote_input, output=output, specs=specs,
+                       retry_errors=retry_errors, facts=facts)
+    logger.info("%s runner pid %d on %s (output %s, log %s)",
+                "re-attached to" if handle.attached else "started", handle.pid, node_name, output, handle.log)
+    progress_id = create_progress_artifact(0.0, key=artifact_key(cfg, node_name, "generate-progress"),
+                                           description=f"generation on {node_name} → {output}")
+    series: list[dict[str, Any]] = []
+    last_table = 0.0
+    last_log = 0.0
+
+    def on_progress(p: dict[str, Any]) -> None:
+        nonlocal last_table, last_log
+        update_progress_artifact(progress_id, float(p.get("percent") or 0.0))
+        if p.get("tok_s") is not None:
+            series.append({"t": p.get("elapsed_s", time.monotonic() - t0), "tok_s": p["tok_s"]})
+        now = time.monotonic()
+        if now - last_log > 30:
+            last_log = now
+            logger.info("%s: %s/%s rows (%.1f%%), %s tok/s, ETA %s s, servers up %s — %s",
+                        node_name, p.get("rows_done"), p.get("rows_total"), p.get("percent") or 0,
+                        p.get("tok_s"), p.get("eta_s"), p.get("servers_up"), p.get("detail") or p.get("state"))
+        if now - last_table > TABLE_EVERY_S and p.get("servers"):
+            last_table = now
+            write_table(cfg, (node_name, "generate-servers"), _server_rows(p), "per-server generation stats")
+
+    final = watch_job(node, handle, on_progress=on_progress)
+    manifest_text = node.read_text(f"{output.rstrip('/')}/manifest.json")
+    manifest = json.loads(manifest_text) if manifest_text else {}
+    if final.get("servers"):
+        write_table(cfg, (node_name, "generate-servers"), _server_rows(final), "per-server generation stats")
+        write_throughput_artifact(cfg, series, {s["name"]: s.get("completion_tokens", 0) for s in final["servers"]},
+                                  key_parts=(node_name, "generate-throughput"))
+    result = {"node": node_name, "output": output, "job_dir": job_dir(node_cfg, cfg, output), "pid": handle.pid,
+              "attached": handle.attached, "state": final.get("state"), "detail": final.get("detail"),
+              "rows_total": final.get("rows_total"), "completed": final.get("completed"),
+              "errors": final.get("errors"), "rejects": final.get("rejects"),
+              "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
+              "checks": manifest.get("checks"), "seconds": round(time.monotonic() - t0, 1)}
+    ok = final.get("state") == "done"
+    write_stage(cfg, (node_name, "generate"), f"generate on {node_name}", ok=ok, seconds=time.monotonic() - t0,
+                result=result, log=None if ok else final.get("log_tail"))
+    if not ok:
+        raise FatalError(f"generation on {node_name} ended {final.get('state')}: {final.get('detail') or ''}",
+                         host=node.host, stderr=final.get("log_tail"),
+                         remedy=f"read {handle.log} on the node; run the same command again to resume")
+    return result
+
+
+def _server_rows(p: dict[str, Any]) -> list[dict[str, Any]]:
+    keys = ["name", "state", "requests", "completion_tokens", "tok_s", "errors", "in_flight", "accept_len",
+            "restarts", "down_reason"]
+    return [{k: s.get(k) for k in keys} for s in p.get("servers", [])]

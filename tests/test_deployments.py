@@ -1,0 +1,318 @@
+"""deployments/ against a real `prefect server start`: deploy the YAML, a process worker,
+`prefect deployment run ... --watch`, the failure automation, and teardown leaving nothing.
+
+Real parts: the Prefect server (SQLite, temp PREFECT_HOME, random port), the CLI as an
+operator types it, a process worker, sim servers, a webhook receiver on 127.0.0.1.
+One server for the module (≈ 5–10 s to start); the whole module takes about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fleet.node import LocalNode
+
+pytestmark = pytest.mark.prefect
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(check, *, timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class PrefectServer:
+    api: str
+    home: Path
+    env: dict[str, str]
+
+    def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run([PY, "-m", "prefect", *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
+                             timeout=timeout)
+        if check and res.returncode != 0:
+            pytest.fail(f"prefect {' '.join(args)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        return res
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(self.api + path, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        r = httpx.post(self.api + path, json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+
+def stop_group(proc: subprocess.Popen, *, sigints: int = 1, wait_s: float = 20) -> bool:
+    """SIGINT the process group (`sigints` times, a few seconds apart), then SIGKILL; True if it
+    exited before SIGKILL."""
+    for i in range(sigints):
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            return True
+        try:
+            proc.wait(timeout=wait_s if i == sigints - 1 else 3)
+            return True
+        except subprocess.TimeoutExpired:
+            continue
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return False
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"), PREFECT_WORKER_QUERY_SECONDS="1",
+               PREFECT_LOGGING_EXTRA_LOGGERS="fleet")
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"prefect server exited {proc.returncode}:\n{(home / 'server.log').read_text()[-3000:]}")
+        try:
+            return httpx.get(api + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    poll(healthy, timeout=90, what="prefect server /api/health")
+    try:
+        yield PrefectServer(api=api, home=home, env=env)
+    finally:
+        stop_group(proc)
+        log.close()
+
+
+class Hook:
+    """A webhook receiver on 127.0.0.1: what the notification block posts lands in `bodies`."""
+
+    def __init__(self) -> None:
+        self.bodies: queue.Queue[dict[str, Any]] = queue.Queue()
+        bodies = self.bodies
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                data = self.rfile.read(int(self.headers.get("content-length") or 0))
+                try:
+                    bodies.put(json.loads(data))
+                except ValueError:
+                    bodies.put({"raw": data.decode(errors="replace")})
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_for(self, *needles: str, timeout: float = 45) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                body = self.bodies.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            seen.append(body)
+            if all(n in json.dumps(body) for n in needles):
+                return body
+        pytest.fail(f"no notification with {needles} within {timeout:g} s; got {seen}")
+
+
+@pytest.fixture(scope="module")
+def hook() -> Iterator[Hook]:
+    h = Hook()
+    yield h
+    h.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server: PrefectServer, hook: Hook) -> Iterator[PrefectServer]:
+    """The work pool, the four deployments from the YAML, the automation, and a running worker."""
+    s = prefect_server
+    s.cli("work-pool", "create", "fleet-pool", "--type", "process")
+    s.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    res = subprocess.run([PY, "deployments/automation.py", "--webhook-url", hook.url], cwd=ROOT, env=s.env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    log = open(s.home / "worker.log", "wb")
+    worker = subprocess.Popen([PY, "-m", "prefect", "worker", "start", "--pool", "fleet-pool"], cwd=ROOT, env=s.env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    poll(lambda: worker.poll() is None and s.post("/work_pools/fleet-pool/workers/filter", {}), timeout=60,
+         what="the worker to register with fleet-pool")
+    try:
+        yield s
+    finally:
+        # A process worker ignores the first SIGINT for a long time: the second one stops it.
+        clean = stop_group(worker, sigints=2)
+        log.close()
+        assert clean, "the worker needed SIGKILL: " + (s.home / "worker.log").read_text()[-2000:]
+
+
+def run_deployment(s: PrefectServer, name: str, *params: str, timeout: float = 150) -> tuple[int, dict[str, Any]]:
+    """`prefect deployment run NAME --param ... --watch` as typed; (exit code, the flow run)."""
+    args = ["deployment", "run", name, *[a for p in params for a in ("--param", p)], "--watch",
+            "--watch-timeout", str(int(timeout))]
+    res = s.cli(*args, timeout=timeout + 30, check=False)
+    m = re.search(r"UUID: ([0-9a-f-]{36})", res.stdout)
+    assert m, f"no flow run id in:\n{res.stdout}\n{res.stderr}"
+    return res.returncode, s.get(f"/flow_runs/{m.group(1)}")
+
+
+def sim_toml(tmp_path: Path, n: int = 3) -> tuple[Path, dict[str, Any]]:
+    import random
+
+    from fleet.demo import free_port_block, to_toml
+
+    model = tmp_path / "models" / "sim-model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "weights.bin").write_bytes(b"w" * 50_000)
+    (tmp_path / "ram").mkdir()
+    data = {
+        "name": "dep",
+        "nodes": [{"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": str(tmp_path / "ram")}],
+        "engine": {"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 5000}},
+        "model": {"source": str(model), "stage_margin_gb": 0.0},
+        "venv": {"path": str(tmp_path / "venv")},
+        "servers": {"count": n, "base_port": free_port_block(n, start=random.randrange(20000, 50000, 100)),
+                    "ready_timeout_s": 60, "stop_grace_s": 2},
+        "smoke": {"first_timeout_s": 10, "timeout_s": 3, "attempts": 2, "backoff_s": 0.1},
+    }
+    path = tmp_path / "dep.toml"
+    path.write_text(to_toml(data))
+    return path, data
+
+
+def processes_mentioning(text: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in argv and LocalNode().is_alive(int(entry)):
+                out.append(int(entry))
+    return out
+
+
+def test_the_yaml_declares_four_deployments(deployed: PrefectServer) -> None:
+    deps = {d["name"]: d for d in deployed.post("/deployments/filter", {})}
+    assert set(deps) == {"bringup", "revalidate", "generate", "teardown"}
+    for name, d in deps.items():
+        assert d["work_pool_name"] == "fleet-pool" and d["entrypoint"] == "flows/fleet.py:fleet"
+        assert d["parameters"]["action"] == name
+        assert d["parameters"]["config"] == "deployments/configs/local-sim.toml"
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    (sched,) = deps["revalidate"]["schedules"]
+    assert sched["schedule"]["interval"] == 1800 and sched["active"]
+    assert deps["revalidate"]["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    assert not any(d["schedules"] for n, d in deps.items() if n != "revalidate")
+    # the automation exists and points at a notification block
+    autos = deployed.post("/automations/filter", {})
+    (auto,) = [a for a in autos if a["name"] == "fleet-run-failed"]
+    assert set(auto["trigger"]["expect"]) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
+    assert auto["trigger"]["match_related"] == {"prefect.resource.role": "flow", "prefect.resource.name": "fleet"}
+    assert auto["actions"][0]["type"] == "send-notification"
+
+
+def test_bringup_revalidate_teardown_through_a_worker(deployed: PrefectServer, hook: Hook, tmp_path: Path) -> None:
+    s = deployed
+    cfg_path, data = sim_toml(tmp_path)
+    workdir = Path(data["nodes"][0]["workdir"])
+
+    rc, fr = run_deployment(s, "fleet/bringup", f"config={cfg_path}")
+    assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+    assert fr["name"] == "bringup-dep" and fr["state"]["message"].startswith("3 server(s) up")
+    records = [json.loads((workdir / "servers" / f"dep-{i}.json").read_text()) for i in range(3)]
+    pids = [r["pid"] for r in records]
+    assert all(LocalNode().is_alive(p) for p in pids)  # detached: they outlive the flow run's process
+
+    os.killpg(pids[1], signal.SIGKILL)
+    rc, fr = run_deployment(s, "fleet/revalidate", f"config={cfg_path}")
+    assert rc == 1 and fr["state"]["type"] == "FAILED"
+    port1 = data["servers"]["base_port"] + 1
+    assert f"local server 1 (port {port1}): process {pids[1]} is not running" in fr["state"]["message"]
+    assert fr["state"]["message"].startswith("1 server(s) unhealthy, 2 healthy")
+    arts = s.post("/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["dep-revalidate"]}}})
+    table = json.loads(arts[0]["data"])
+    assert [(r["server"], r["state"]) for r in table] == [(0, "healthy"), (1, "unhealthy"), (2, "healthy")]
+    # the automation fired and the notification block posted to our receiver
+    note = hook.wait_for("revalidate-dep", "Failed", f"process {pids[1]} is not running")
+    assert note["subject"] == "fleet: revalidate-dep Failed"
+
+    rc, fr = run_deployment(s, "fleet/teardown", f"config={cfg_path}", "free_ramdisk=true")
+    assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+    assert "stopped 2 server(s), freed" in fr["state"]["message"]
+    assert not any(LocalNode().is_alive(p) for p in pids)
+    assert processes_mentioning(str(workdir)) == []  # nothing of the fleet left, whatever its pid
+    assert list((tmp_path / "ram").iterdir()) == []
+
+
+def test_default_config_is_read_relative_to_the_repo(deployed: PrefectServer) -> None:
+    """`prefect deployment run fleet/revalidate` with the YAML's default, a relative TOML path:
+    the run is named after the fleet in that file, so the worker read it from the repo root."""
+    rc, fr = run_deployment(deployed, "fleet/revalidate", timeout=90)
+    assert fr["name"] == "revalidate-local-sim"
+    assert fr["state"]["type"] in ("COMPLETED", "FAILED") and "config file" not in (fr["state"]["message"] or "")
+
+
+def test_serve_builds_the_deployments_the_yaml_declares() -> None:
+    """flows/serve.py (no work pool) and deployments/prefect.yaml must not drift apart."""
+    import yaml
+
+    from flows.serve import build
+
+    declared = {d["name"]: d for d in yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())["deployments"]}
+    served = {d.name: d for d in build("deployments/configs/local-sim.toml")}
+    assert set(served) == set(declared)
+    for name, d in served.items():
+        assert d.parameters == declared[name]["parameters"], name
+        assert d.tags == declared[name]["tags"]
+        assert bool(d.schedules) == bool(declared[name].get("schedules")), name
+    assert served["revalidate"].schedules[0].schedule.interval.total_seconds() == 1800
+    assert served["revalidate"].concurrency_limit == 1
+    assert served["revalidate"].concurrency_options.collision_strategy == "CANCEL_NEW"

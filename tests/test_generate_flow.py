@@ -1,0 +1,129 @@
+"""The `generate` action end to end: bring-up, the detached runner, watching, re-attaching, fetch.
+
+Real parts: the Prefect test server, sim servers, the runner process, the real sshd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleet.node import LocalNode
+from test_bringup import port_block, sim_config
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def prompts(path: Path, n: int, bad_lines: int = 0) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
+        for _ in range(bad_lines):
+            f.write("{not json\n")
+    return path
+
+
+@pytest.fixture
+def stop_everything():
+    cfgs = []
+    yield cfgs.append
+    from fleet.node import connect
+    from fleet.servers import stop_servers
+
+    for cfg in cfgs:
+        for n in cfg.nodes:
+            with connect(n) as node:
+                stop_servers(node, cfg, n)
+                node.run(["sh", "-c", 'for p in "$1"/jobs/*/runner.pid; do [ -f "$p" ] && kill -9 "$(cat "$p")"; done; true',
+                          "x", n.workdir], check=False)
+
+
+def shard_ids(out: Path) -> list[str]:
+    return [i for p in sorted((out / "shards").glob("*.parquet")) for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+
+
+def test_generate_local_end_to_end(tmp_path: Path, stop_everything) -> None:
+    from flows.fleet import fleet
+
+    cfg = sim_config(tmp_path, port_block(2), n=2, generation={"max_tokens": 32})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 300, bad_lines=2)
+    out = tmp_path / "out"
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), res
+    assert (res["completed"], res["errors"], res["rejects"]) == (300, 0, 2)
+    ids = shard_ids(out)
+    assert len(ids) == len(set(ids)) == 300
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["checks"] and manifest["throughput"]
+    # running it again is a no-op resume: nothing sent twice
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+    assert state.is_completed() and sorted(shard_ids(out)) == sorted(ids)
+
+
+@pytest.mark.ssh
+def test_generate_over_ssh_runner_on_node_then_fetch(tmp_path: Path, sshd, stop_everything) -> None:
+    """On an SSH node the runner runs from its own venv and a zip of fleet; `fleet fetch` brings the data back."""
+    from fleet.generation.remote import fetch
+    from fleet.node.ssh import SSHNode
+    from flows.fleet import fleet
+
+    node = sshd.node_config(name="remote", workdir=str(tmp_path / "rwork"))
+    cfg = sim_config(tmp_path, port_block(2), n=2, node=node.model_dump(mode="json"), generation={"max_tokens": 16})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 120)
+    remote_out = str(tmp_path / "remote-out")
+    state = fleet(config=cfg, action="generate", input=str(inp), output=remote_out, return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), res
+    assert res["completed"] == 120
+    local = tmp_path / "fetched"
+    files = fetch(SSHNode.from_config(node), remote_out, local)
+    assert "manifest.json" in files and any(f.startswith("shards/") for f in files)
+    assert len(shard_ids(local)) == 120
+
+
+def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everything) -> None:
+    """SIGKILL of the controlling `fleet generate` mid-job: the runner keeps going; running the command again
+    re-attaches to it (no second runner) and ends with every id exactly once."""
+    from fleet.demo import to_toml
+    from fleet.generation.remote import job_dir
+
+    # ~10 rows/s (4 slots per server, 0.8 s per answer): the job outlives the first command's death
+    cfg = sim_config(tmp_path, port_block(2), n=2,
+                     engine={"sim": {"startup_s": 0.3, "tokens_per_s": 20, "max_running_requests": 4}},
+                     generation={"max_tokens": 16})
+    stop_everything(cfg)
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    inp = prompts(tmp_path / "in.jsonl", 300)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "fleet.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    progress = out / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text()).get("rows_done", 0) > 20:
+            break
+        assert first.poll() is None, first.stdout.read().decode()[-3000:]
+        time.sleep(0.2)
+    else:
+        pytest.fail("the job never made progress")
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    runner_pid = int(Path(job_dir(cfg.nodes[0], cfg, str(out)), "runner.pid").read_text())
+    assert LocalNode().is_alive(runner_pid), "the runner died with the flow"
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"re-attached to runner pid {runner_pid}" in second.stdout + second.stderr
+    ids = shard_ids(out)
+    assert len(ids) == len(set(ids)) == 300
