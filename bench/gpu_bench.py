@@ -261,6 +261,19 @@ def main() -> int:
     warm = asyncio.run(plain_client(urls, model_id, rows_in, args.max_tokens, args.concurrency))
     res["warmup"] = warm
     print("warm-up (discarded)", warm, flush=True)
+    # the `generate` action of the Prefect flow itself: bring-up adopts, the runner runs detached
+    from flows.fleet import fleet
+
+    flow_out = Path("/tmp/gpu-bench-flow-out")
+    import shutil
+
+    shutil.rmtree(flow_out, ignore_errors=True)
+    t = time.monotonic()
+    st = fleet(config=cfg, action="generate", input=str(inp), output=str(flow_out), return_state=True)
+    flow_res = st.result(raise_on_failure=False)
+    res["flow_generate"] = {"ok": st.is_completed(), "message": st.message, "seconds": time.monotonic() - t,
+                            "result": flow_res if isinstance(flow_res, dict) else str(flow_res)}
+    print("flow generate", res["flow_generate"], flush=True)
     passes = []
     for order in ("runner", "plain", "plain", "runner", "runner", "plain"):
         if order == "runner":
