@@ -128,6 +128,25 @@ class EngineProfile(Protocol):
     def request_model(self, spec: ServerSpec) -> str: ...
 
 
+class BaseProfile:
+    """What the profiles share: CUDA_VISIBLE_DEVICES + engine.env, the rules' verdict, and
+    clients naming the model by its served name. A profile overrides what differs."""
+
+    name: str
+    ready_path = "/health"
+    default_import: str
+    rules: LogRules
+
+    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
+        return gpu_env(cfg, spec)
+
+    def classify(self, log_text: str) -> LogVerdict:
+        return self.rules.classify(log_text)
+
+    def request_model(self, spec: ServerSpec) -> str:
+        return spec.served_name
+
+
 # --------------------------------------------------------------------------- rules
 
 

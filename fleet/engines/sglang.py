@@ -17,16 +17,15 @@ import re
 from typing import TYPE_CHECKING
 
 from fleet.engines.base import (
+    BaseProfile,
     COMMON_FATAL,
     Fact,
     Fatal,
     LogRules,
-    LogVerdict,
     ServerSpec,
     Warn,
     check_gpu_count,
     extras,
-    gpu_env,
     opt,
     rx,
     switch,
@@ -116,11 +115,10 @@ SGLANG_RULES = LogRules(
 )
 
 
-class SGLangProfile:
+class SGLangProfile(BaseProfile):
     """SGLang's launch_server. Clients send `model = served_name` (set by --served-model-name)."""
 
     name = "sglang"
-    ready_path = "/health"
     default_import = "sglang"
     rules: LogRules = SGLANG_RULES
 
@@ -147,12 +145,3 @@ class SGLangProfile:
             *opt("--api-key", spec.api_key),
             *extras(cfg, spec),
         ]
-
-    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
-        return gpu_env(cfg, spec)
-
-    def classify(self, log_text: str) -> LogVerdict:
-        return self.rules.classify(log_text)
-
-    def request_model(self, spec: ServerSpec) -> str:
-        return spec.served_name

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fleet.engines.base import LogRules, LogVerdict, ServerSpec, extras, gpu_env, opt
+from fleet.engines.base import BaseProfile, LogRules, ServerSpec, extras, opt
 from fleet.engines.sglang import SGLANG_RULES
 
 if TYPE_CHECKING:
@@ -22,11 +22,10 @@ def sim_script(spec: ServerSpec) -> str:
     return f"{spec.workdir.rstrip('/')}/bin/fleet_sim.py"
 
 
-class SimProfile:
+class SimProfile(BaseProfile):
     """fleet's simulated SGLang. Clients send `model = served_name` (its --model-name)."""
 
     name = "sim"
-    ready_path = "/health"
     default_import = "json"
     rules: LogRules = SGLANG_RULES
 
@@ -51,12 +50,3 @@ class SimProfile:
             *opt("--api-key", spec.api_key),
             *extras(cfg, spec),
         ]
-
-    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
-        return gpu_env(cfg, spec)
-
-    def classify(self, log_text: str) -> LogVerdict:
-        return self.rules.classify(log_text)
-
-    def request_model(self, spec: ServerSpec) -> str:
-        return spec.served_name

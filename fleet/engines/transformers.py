@@ -34,14 +34,13 @@ import posixpath
 from typing import TYPE_CHECKING
 
 from fleet.engines.base import (
+    BaseProfile,
     COMMON_FATAL,
     LOOPBACK_HOSTS,
     Fatal,
     LogRules,
-    LogVerdict,
     ServerSpec,
     extras,
-    gpu_env,
     opt,
     rx,
     switch,
@@ -77,11 +76,10 @@ def _device(cfg: FleetConfig, spec: ServerSpec) -> str:
     return "cuda" if len(spec.gpus) == 1 else "auto"
 
 
-class TransformersProfile:
+class TransformersProfile(BaseProfile):
     """`transformers serve`, pinned to the model path. Clients send `model = <the path>`."""
 
     name = "transformers"
-    ready_path = "/health"
     default_import = "transformers"
     rules: LogRules = TRANSFORMERS_RULES
 
@@ -104,12 +102,6 @@ class TransformersProfile:
             *switch("--trust-remote-code", e.trust_remote_code),
             *extras(cfg, spec),
         ]
-
-    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
-        return gpu_env(cfg, spec)
-
-    def classify(self, log_text: str) -> LogVerdict:
-        return self.rules.classify(log_text)
 
     def request_model(self, spec: ServerSpec) -> str:
         # Pinned servers accept only the FORCE_MODEL string (or no model at all).

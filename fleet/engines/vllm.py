@@ -27,6 +27,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from fleet.engines.base import (
+    BaseProfile,
     COMMON_FATAL,
     Fact,
     Fatal,
@@ -36,7 +37,6 @@ from fleet.engines.base import (
     Warn,
     check_gpu_count,
     extras,
-    gpu_env,
     opt,
     rx,
     switch,
@@ -139,11 +139,10 @@ VLLM_RULES = LogRules(
 )
 
 
-class VLLMProfile:
+class VLLMProfile(BaseProfile):
     """vLLM's OpenAI server. Clients send `model = served_name` (set by --served-model-name)."""
 
     name = "vllm"
-    ready_path = "/health"
     default_import = "vllm"
     rules: LogRules = VLLM_RULES
 
@@ -165,12 +164,3 @@ class VLLMProfile:
             *opt("--speculative-config", speculative_config(e)),
             *extras(cfg, spec),
         ]
-
-    def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
-        return gpu_env(cfg, spec)
-
-    def classify(self, log_text: str) -> LogVerdict:
-        return self.rules.classify(log_text)
-
-    def request_model(self, spec: ServerSpec) -> str:
-        return spec.served_name
