@@ -164,6 +164,45 @@ def runner_pass(cfg: Any, rows_up: list[dict[str, Any]], model: str, inp: Path, 
             "manifest_throughput": manifest.get("throughput")}
 
 
+def scaling(args: argparse.Namespace, model: Path, gpus: int, base_port: int, out: Path) -> list[dict[str, Any]]:
+    """For each N in --scale: a clean bring-up of N servers (time to N healthy), then one runner pass
+    sized to N (tok/s as servers are added). Each step tears down first, so N starts from nothing."""
+    from fleet.engines import get_profile
+    from fleet.servers import plan_servers
+
+    steps = []
+    for n in [int(x) for x in args.scale.split(",") if int(x) <= gpus]:
+        cfg = make_config(args, model, n, stage=True, base_port=base_port)
+        teardown(cfg)
+        ok, rows, wall = bringup(cfg)
+        step: dict[str, Any] = {"servers": n, "ok": ok, "bringup_wall_s": wall,
+                                "ready_s": [r.get("ready_s") for r in rows]}
+        if ok:
+            spec = plan_servers(cfg, cfg.nodes[0], list(range(n)), model_path=f"/dev/shm/{model.name}",
+                                python=sys.executable)[0]
+            model_id = get_profile("transformers").request_model(spec)
+            inp = Path(f"/tmp/gpu-bench-scale-{n}.jsonl")
+            prompts(args.scale_prompts_per_server * n, inp)
+            urls = [f"http://127.0.0.1:{r['port']}" for r in rows]
+            warm = [json.loads(ln) for ln in inp.read_text().splitlines()][: args.concurrency * n]
+            asyncio.run(plain_client(urls, model_id, warm, args.max_tokens, args.concurrency))  # warm every server
+            step["runner"] = runner_pass(cfg, rows, model_id, inp, Path(f"/tmp/gpu-bench-scale-out-{n}"))
+        steps.append(step)
+        print("scale", {k: v for k, v in step.items() if k != "runner"}, step.get("runner", {}).get("tok_s"), flush=True)
+        teardown(cfg)
+    if steps and steps[0].get("runner"):
+        t1 = max(x for x in steps[0]["ready_s"] if x)
+        r1 = steps[0]["runner"]["tok_s"]
+        lines = ["| servers (GPUs) | slowest ready_s | vs 1 | runner tok/s | vs 1 |", "| --- | --- | --- | --- | --- |"]
+        for st in steps:
+            tn = max((x for x in st["ready_s"] if x), default=float("nan"))
+            rn = st.get("runner", {}).get("tok_s", float("nan"))
+            lines.append(f"| {st['servers']} | {tn:.1f} | {tn / t1:.2f} | {rn:.0f} | {rn / r1:.2f} |")
+        (out / "gpu_scaling.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+    return steps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-bench-out"))
@@ -174,6 +213,10 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.5)
     ap.add_argument("--skip-disk", action="store_true", help="skip the local-disk bring-up")
     ap.add_argument("--cpu", action="store_true", help="dry run on this machine: tiny model, one CPU server")
+    ap.add_argument("--scale", default="", help="e.g. 1,2,4,8: time to N healthy and runner tok/s for each N "
+                                                 "(N <= GPUs), then stop")
+    ap.add_argument("--scale-prompts-per-server", type=int, default=200)
+    ap.add_argument("--gpus", type=int, default=None, help="servers to use (default: every GPU nvidia-smi lists)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +224,7 @@ def main() -> int:
     smi = sh("nvidia-smi --query-gpu=index,name,uuid,memory.total,memory.used,memory.free,driver_version "
              "--format=csv,noheader,nounits")
     (out / "nvidia_smi.csv").write_text(smi)
-    gpus = len([ln for ln in smi.splitlines() if ln.strip()]) or 1
+    gpus = args.gpus or len([ln for ln in smi.splitlines() if ln.strip()]) or 1
     res["machine"] = {"gpus": gpus, "nvidia_smi": smi.strip().splitlines(), "cpus": os.cpu_count(),
                       "python": sys.version.split()[0], "shm": sh("df -h /dev/shm | tail -1").strip()}
     import torch
@@ -201,6 +244,10 @@ def main() -> int:
                     "bytes": sum(p.stat().st_size for p in model.rglob("*") if p.is_file())}
     print("model", res["model"], flush=True)
     base = free_port_block(gpus, start=30000)
+    if args.scale:
+        res["scaling"] = scaling(args, model, gpus, base, out)
+        (out / "gpu_results.json").write_text(json.dumps(res, indent=2, default=str))
+        return 0
 
     if not args.skip_disk:
         cfg = make_config(args, model, gpus, stage=False, base_port=base)
