@@ -127,3 +127,34 @@ def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everyth
     assert f"re-attached to runner pid {runner_pid}" in second.stdout + second.stderr
     ids = shard_ids(out)
     assert len(ids) == len(set(ids)) == 300
+
+
+@pytest.mark.transformers
+def test_generate_with_real_transformers_servers_readable_by_pandas(tmp_path: Path, stop_everything) -> None:
+    """A small real job: two `transformers serve` on CPU, the tiny local model, the output read by pandas."""
+    import pandas as pd
+
+    from fleet.config import FleetConfig
+    from fleet.tinymodel import build_tiny_model
+    from flows.fleet import fleet
+
+    model = build_tiny_model(tmp_path / "models" / "tiny-chat")
+    cfg = FleetConfig(
+        name="tfgen", nodes=[{"name": "local", "workdir": str(tmp_path / "work")}],
+        engine={"kind": "transformers", "device": "cpu", "continuous_batching": False},
+        model={"source": str(model), "stage_margin_gb": 0.0},
+        venv={"path": sys.prefix, "use_existing": True},
+        servers={"count": 2, "base_port": port_block(2), "ready_timeout_s": 120, "stop_grace_s": 5},
+        smoke={"first_timeout_s": 60, "attempts": 2, "max_tokens": 8},
+        generation={"max_tokens": 12, "temperature": 0.6, "max_concurrency_per_server": 4},
+    )
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 24)
+    out = tmp_path / "out"
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), res
+    df = pd.read_parquet(out / "shards")
+    assert len(df) == 24 and df["id"].is_unique and set(df["id"]) == {f"r{i}" for i in range(24)}
+    assert (df["completion_tokens"] > 0).all() and (df["completion_tokens"] <= 12).all()
+    assert set(df["server"]) <= {"local/0", "local/1"} and df["finish_reason"].isin(["stop", "length"]).all()
