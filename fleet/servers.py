@@ -212,6 +212,12 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
             try:
                 r = client.get(url + profile.ready_path)
                 if r.status_code == 200:
+                    # The log above was read before this answer: lines printed in between (the
+                    # KV cache size, max_running_requests come just before readiness) belong in
+                    # the facts, so read up to now.
+                    _, new = node.watch(pid, paths.log, len(text.encode()))
+                    text += new
+                    verdict = profile.classify(text)
                     return ReadyResult(spec.node, spec.index, url, time.monotonic() - t0, verdict,
                                        excerpt(text, secrets=[spec.api_key]))
                 last_http = f"HTTP {r.status_code}"

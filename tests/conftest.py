@@ -21,6 +21,10 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="fleet-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-results")
+# The CLI tests run `fleet ...` as subprocesses, each starting a temporary Prefect server;
+# Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
+# attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from fleet.config import NodeConfig  # noqa: E402
 from fleet.node import LocalNode, Node  # noqa: E402
@@ -189,7 +193,8 @@ def prefect_api() -> Iterator[None]:
     by every test that needs real blocks, flows or artifacts."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    # Prefect's default 30 s is too tight on a loaded 2-core CI machine (seen failing there)
+    with prefect_test_harness(server_startup_timeout=120):
         yield
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,49 @@ def test_all_healthy_local_with_artifacts(tmp_path: Path, teardown_after) -> Non
     ok2, rows2, _ = run(cfg)
     assert ok2 and [r["state"] for r in rows2] == ["adopted"] * 3
     assert [r["pid"] for r in rows2] == [r["pid"] for r in rows]
+
+
+def test_wait_ready_facts_include_lines_printed_just_before_ready(tmp_path: Path) -> None:
+    """Protects the facts (KV cache size, max_running_requests) against a race: wait_ready read
+    the log, then polled /health; lines printed in between were missing from the facts when the
+    poll answered 200 (the sim prints them ~40 ms before ready; a loaded machine lost them)."""
+    import http.server
+    import os
+    import threading
+
+    from fleet.engines import ServerSpec
+    from fleet.servers import server_paths, wait_ready
+
+    cfg = sim_config(tmp_path, 30000, n=1)
+    log = Path(server_paths(str(tmp_path / "work"), cfg.name, 0).log)
+    log.parent.mkdir(parents=True)
+    log.write_text("Load weight begin. avail mem=79.00 GB\n")
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the server becomes ready exactly as it is polled
+            with log.open("a") as f:
+                f.write("[2025-01-01 00:00:00 TP0] KV Cache is allocated. #tokens: 4242, K size: 1.00 GB, "
+                        "V size: 1.00 GB\n[2025-01-01 00:00:00 TP0] max_total_num_tokens=4242, "
+                        "chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=17, "
+                        "context_len=4096, available_gpu_mem=10.00 GB\n")
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        spec = ServerSpec(node="local", index=0, host="127.0.0.1", port=httpd.server_port, gpus=(),
+                          workdir=str(tmp_path / "work"), model_path="/dev/null", served_name="sim-model",
+                          python=sys.executable)
+        ready = wait_ready(LocalNode("local"), cfg, spec, os.getpid(), timeout=30)
+    finally:
+        httpd.shutdown()
+    assert ready.verdict.facts.get("kv_cache_tokens") == 4242
+    assert ready.verdict.facts.get("max_running_requests") == 17
 
 
 def test_one_server_crashing_at_start_fails_fast_peers_stay_up(tmp_path: Path, teardown_after) -> None:
