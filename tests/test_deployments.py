@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
+from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
 
@@ -41,15 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def poll(check, *, timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

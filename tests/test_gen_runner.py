@@ -27,6 +27,7 @@ from fleet.generation.checks import account
 from fleet.generation.runner import ServerEntry, run_local
 from fleet.generation.store import read_errors, read_rejects, shard_paths
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
+from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,14 +45,7 @@ def write_input(path: Path, n: int, *, bad_lines: tuple[int, ...] = (), long_pro
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = check()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(check, timeout=timeout, what=what, interval=interval)
 
 
 def progress(out: Path) -> dict[str, Any] | None:

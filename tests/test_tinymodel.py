@@ -17,6 +17,7 @@ import pytest
 
 from fleet import tinymodel
 from fleet.errors import ConfigError
+from conftest import wait_until as _wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -32,15 +33,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_until(check, *, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")
