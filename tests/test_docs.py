@@ -28,7 +28,8 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert "./dev.sh test" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("cmd", ["", "demo", "preflight", "up", "status", "down", "inspect-log", "tiny-model"])
+@pytest.mark.parametrize("cmd", ["", "demo", "preflight", "up", "status", "down", "generate", "fetch", "export",
+                                 "plan", "inspect-log", "tiny-model"])
 def test_every_command_has_help(cmd: str) -> None:
     r = subprocess.run([sys.executable, "-m", "fleet.cli", *([cmd] if cmd else []), "--help"],
                        capture_output=True, text=True, timeout=60)

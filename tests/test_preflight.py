@@ -202,3 +202,28 @@ def test_cli_missing_key_file_is_one_clear_line(tmp_path: Path) -> None:
     r = _fleet("preflight", "-c", str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "nope" in r.stderr
+
+
+@pytest.mark.ssh
+def test_cli_preflight_over_ssh(tmp_path: Path, sshd, fake_nvidia_smi: Path) -> None:
+    """`fleet preflight` against a real sshd: the node is inspected over SSH (host key pinned)."""
+    p = tmp_path / "ssh.toml"
+    p.write_text(f'[[nodes]]\nname = "remote"\nkind = "ssh"\nhost = "127.0.0.1"\nport = {sshd.port}\n'
+                 f'user = "{sshd.user}"\nkey_file = "{sshd.key_file}"\nhost_key = "{sshd.host_key}"\n'
+                 f'workdir = "{tmp_path}/w"\n[venv]\npath = "{tmp_path}/v"\n[servers]\ncount = 1\nbase_port = 39200\n')
+    r = _fleet("preflight", "-c", str(p), "--json")
+    assert r.returncode == 0, r.stderr
+    node = json.loads(r.stdout)["nodes"][0]
+    assert node["reachable"] and node["host"] == "127.0.0.1" and node["cpu_count"] >= 1
+    assert {pi["role"] for pi in node["paths"]} >= {"workdir", "ramdisk", "venv"}
+
+
+def test_cli_preflight_unreachable_node_is_one_line_exit_2(tmp_path: Path) -> None:
+    from conftest import free_port
+
+    p = tmp_path / "down.toml"
+    p.write_text(f'[[nodes]]\nname = "gone"\nkind = "ssh"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+                 f'host_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"\n')
+    r = _fleet("preflight", "-c", str(p))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "gone unreachable" in r.stderr
