@@ -140,7 +140,7 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -
         d["max_running_requests"] = max_running_requests(info, launched.get("facts", {}))
         d["server_info"] = info
         record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s})
-        return d, None
+        return d, log_excerpt_of(cfg, spec)
     return _audited(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}", body)
 
 
