@@ -295,12 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(p)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke")
+    p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke",
+                       description="Read every server's launch record on every node (no relaunch, no requests): "
+                                   "state (running / dead / stopped), pid, port, GPUs, seconds up, when its last "
+                                   "smoke passed, its log. Exit 1 when any recorded server is not running.")
     _config_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("down", help="stop every server of the config (TERM, then KILL after servers.stop_grace_s)")
+    p = sub.add_parser("down", help="stop every server of the config (TERM, then KILL after servers.stop_grace_s)",
+                       description="Stop every server this fleet recorded on every node: SIGTERM to its whole "
+                                   "process group, SIGKILL after servers.stop_grace_s. Idempotent. The RAM-disk copy "
+                                   "stays (the teardown deployment can free it).")
     _config_arg(p)
     p.set_defaults(func=cmd_down)
 
@@ -327,7 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-errors", action="store_true", help="send the rows of errors.jsonl again")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)")
+    p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
+                       description="Copy a job's output (shards, errors, rejects, manifest, progress) from each node "
+                                   "to a local directory; with several nodes, one subdirectory per node. Safe while "
+                                   "the job runs: only committed files are copied.")
     _config_arg(p)
     p.add_argument("--output", required=True, help="local directory to copy into")
     p.add_argument("--remote", default=None, help="output directory on the node (default: the newest job's)")
