@@ -335,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
                        description="Copy a job's output (shards, errors, rejects, manifest, progress) from each node "
-                                   "to a local directory; with several nodes, one subdirectory per node. Safe while "
-                                   "the job runs: only committed files are copied.")
+                                   "to a local directory; with several nodes, one subdirectory per node. While the job "
+                                   "runs, shards and the manifest come whole (written, then renamed); errors.jsonl and "
+                                   "rejects.jsonl are appended to, so fetch again once the job ends.")
     _config_arg(p)
     p.add_argument("--output", required=True, help="local directory to copy into")
     p.add_argument("--remote", default=None, help="output directory on the node (default: the newest job's)")
