@@ -55,34 +55,10 @@ class TokenStore(NullStore):
 
 
 def start_sims(speeds: list[float], base_tps: float, slots: int) -> tuple[list[Any], list[str]]:
-    import socket
-    import subprocess
+    """One sim per speed; a shared seed so the work (completion lengths) is the same for every policy."""
+    from bench.sims import start_sims as start
 
-    procs, urls = [], []
-    for sp in speeds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs.append(subprocess.Popen(
-            [sys.executable, str(SIM), "--port", str(port), "--startup-s", "0", "--tokens-per-s", str(base_tps * sp),
-             "--max-running-requests", str(slots), "--seed", "7", "--log-interval-s", "3600"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
-    for url in urls:
-        port = int(url.rsplit(":", 1)[1])
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    if s.recv(64).startswith(b"HTTP/1.1 200"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"sim at {url} not healthy")
-            time.sleep(0.05)
-    return procs, urls
+    return start([base_tps * sp for sp in speeds], slots, seed=7)
 
 
 def requests(n: int, max_tokens: int, tag: str) -> list[Request]:

@@ -338,7 +338,7 @@ def main() -> int:
     teardown(cfg)
 
     table = [
-        f"| GPUs | model | bring-up from disk (all healthy) | bring-up from RAM disk (all healthy) | ready_s per server (RAM disk) "
+        "| GPUs | model | bring-up from disk (all healthy) | bring-up from RAM disk (all healthy) | ready_s per server (RAM disk) "
         "| first request s | steady 32-token request s | runner tok/s | plain client tok/s | ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| {gpus} | Qwen3-shaped {res['model']['params'] / 1e9:.2f} B bf16 | "

@@ -1,0 +1,42 @@
+"""Simulated SGLang servers for the benchmarks: start N, wait until each answers /health."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIM = Path(__file__).resolve().parents[1] / "fleet" / "sim" / "server.py"
+
+
+def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
+               ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """One sim per entry of `tokens_per_s` (its decode speed), `slots` max running requests each."""
+    procs, urls = [], []
+    for tps in tokens_per_s:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [sys.executable, str(SIM), "--port", str(port), "--startup-s", "0", "--tokens-per-s", str(tps),
+                "--max-running-requests", str(slots), "--log-interval-s", "3600"]
+        if seed is not None:
+            argv += ["--seed", str(seed)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    for url in urls:
+        port = int(url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    if s.recv(64).startswith(b"HTTP/1.1 200"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sim at {url} not healthy")
+            time.sleep(0.05)
+    return procs, urls
