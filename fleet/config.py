@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleet.errors import ConfigError
 
@@ -195,6 +197,22 @@ class GenerationConfig(_Section):
     price_per_gpu_hour: float | None = Field(None, ge=0, description="GPU-hour price, to report measured $ per M tokens.")
 
 
+ENV_PREFIX = "FLEET_"
+
+# FLEET_* variables that are not config keys: the env source skips them (FLEET_VENV would
+# otherwise be read as the whole [venv] section). Every other FLEET_* variable is read as
+# config, so one that names no setting is an error, like an unknown TOML key (a misspelled
+# section must not be silently ignored). Add a variable here when fleet or its tooling uses one.
+NOT_CONFIG_ENV: dict[str, str] = {
+    "FLEET_API_KEY": "the servers' API key, handed to the detached runner (fleet/generation/runner.py)",
+    "FLEET_DEMO_DIR": "where `fleet demo` keeps its state (fleet/demo.py)",
+    "FLEET_VENV": "the venv dev.sh creates",
+    "FLEET_PYTHON": "the interpreter dev.sh builds the venv with",
+    "FLEET_WHEELS": "local wheel directories dev.sh installs from",
+    "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
+}
+
+
 class FleetConfig(BaseSettings):
     """A fleet: nodes, the engine, the model, and how to check and use the servers."""
 
@@ -221,6 +239,9 @@ class FleetConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment first: FLEET_* overrides whatever the TOML file (passed as init kwargs) says.
+        if isinstance(env_settings, EnvSettingsSource):
+            env_settings.env_vars = {k: v for k, v in env_settings.env_vars.items()
+                                     if k.upper() not in NOT_CONFIG_ENV}
         return (env_settings, init_settings)
 
     @model_validator(mode="after")
@@ -258,20 +279,122 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return sorted(getattr(current, "model_fields", {}).keys())
 
 
+def _unwrap(ann: Any) -> Any:
+    """X | None -> X (the config's optional fields)."""
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else ann
+    return ann
+
+
+def _env_problem(name: str) -> str | None:
+    """Why the FLEET_* variable `name` names no setting, or None when it names one."""
+    parts = name[len(ENV_PREFIX):].lower().split("__")
+    current: Any = FleetConfig
+    path: list[str] = []
+    for i, part in enumerate(parts):
+        fields = getattr(current, "model_fields", None)
+        if fields is None:
+            return None   # past a dict field (engine.env, …): any key is allowed
+        if part not in fields:
+            where = "in " + ".".join(path) if path else "at the top level"
+            return (f"unknown key {part!r} {where}; allowed there: {', '.join(sorted(fields))}")
+        path.append(part)
+        ann = _unwrap(fields[part].annotation)
+        origin = typing.get_origin(ann)
+        rest = len(parts) - i - 1
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            current = ann
+        elif origin is dict:
+            return None if rest <= 1 else f"{'.'.join(path)} takes one level of keys"
+        elif rest:
+            kind = "a list" if origin is list else "a single value"
+            return (f"{'.'.join(path)} is {kind}: set it whole ({ENV_PREFIX}{'__'.join(path).upper()}"
+                    f"{'=<JSON list>' if origin is list else ''}) or in the TOML file")
+    return None
+
+
+def env_problems(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per FLEET_* environment variable that names no config setting."""
+    import os
+
+    env = os.environ if environ is None else environ
+    out = []
+    for name in sorted(env):
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() in NOT_CONFIG_ENV:
+            continue
+        why = _env_problem(name)
+        if why:
+            out.append(f"environment variable {name}: {why}")
+    return out
+
+
+def _env_var_for(loc: tuple[Any, ...], environ: dict[str, str] | None = None) -> str | None:
+    """The FLEET_* variable that supplied the value at `loc`, if one did (env beats the file)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    want = [str(p).lower() for p in loc]
+    best: str | None = None
+    for name in env:
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() in NOT_CONFIG_ENV:
+            continue
+        parts = name[len(ENV_PREFIX):].lower().split("__")
+        # FLEET_SERVERS (a whole section) supplies servers.base_port; FLEET_NODES__0__X breaks `nodes`
+        n = min(len(parts), len(want))
+        if n and parts[:n] == want[:n] and (best is None or len(parts) > len(best.split("__"))):
+            best = name
+    return best
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
         loc = tuple(err.get("loc", ()))
         key = ".".join(str(p) for p in loc) or "(top level)"
+        var = _env_var_for(loc) if loc else None
+        where = f"environment variable {var}" if var else source
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(FleetConfig, loc)
-            lines.append(f"{source}: {key}: unknown key; allowed here: {', '.join(allowed)}")
+            lines.append(f"{where}: {key}: unknown key; allowed here: {', '.join(allowed)}")
             continue
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
         shown = "" if isinstance(given, dict | list) or given is None else f" (got {given!r})"
-        lines.append(f"{source}: {key}: {msg}{shown}")
+        lines.append(f"{where}: {key}: {msg}{shown}")
     return "\n".join(lines)
+
+
+_ENV_REMEDY = (f"fix or unset the variable: every {ENV_PREFIX}* variable is read as config "
+               f"({ENV_PREFIX}<SECTION>__<KEY>), except {', '.join(NOT_CONFIG_ENV)}")
+
+
+def _build(data: dict[str, Any], source: str) -> FleetConfig:
+    """FleetConfig(**data) with FLEET_* env applied; every problem (file and env) in one ConfigError."""
+    from pydantic_settings import SettingsError
+
+    problems = env_problems()
+    try:
+        cfg = FleetConfig(**data)
+    except ValidationError as exc:
+        # an unknown variable also breaks validation (FLEET_NODES__0__X): say it once, the clear way
+        bad = {ln.split(":", 1)[0] for ln in problems}
+        lines = [ln for ln in format_validation_error(exc, source).splitlines() if ln.split(":", 1)[0] not in bad]
+        raise ConfigError("\n".join(problems + lines), remedy=_ENV_REMEDY if problems else None) from exc
+    except SettingsError as exc:
+        # a whole section given as one variable that is not valid JSON
+        import re
+
+        m = re.search(r'field "([^"]+)"', str(exc))
+        var = _env_var_for((m.group(1),)) if m else None
+        raise ConfigError("\n".join(problems + [
+            f"environment variable {var or ENV_PREFIX + '…'}: not valid JSON "
+            "(a section or list set by one variable must be JSON, e.g. '{\"base_port\": 31000}')"]),
+            remedy=_ENV_REMEDY) from exc
+    if problems:
+        raise ConfigError("\n".join(problems), remedy=_ENV_REMEDY)
+    return cfg
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig:
@@ -293,11 +416,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}", remedy="fix the syntax at the line shown") from exc
     data.update(overrides)
-    try:
-        return FleetConfig(**data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source + " (or FLEET_* env)"
-                                                  if path is None else source)) from exc
+    return _build(data, source)
 
 
 def config_from_param(value: FleetConfig | dict[str, Any] | str | None) -> FleetConfig:
@@ -306,7 +425,4 @@ def config_from_param(value: FleetConfig | dict[str, Any] | str | None) -> Fleet
         return value
     if value is None or isinstance(value, str):
         return load_config(value)
-    try:
-        return FleetConfig(**value)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, "flow parameter 'config'")) from exc
+    return _build(value, "flow parameter 'config'")

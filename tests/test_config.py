@@ -38,6 +38,120 @@ def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert cfg.servers.base_port == 32000 and cfg.servers.count == 2
 
 
+def test_bad_env_value_is_blamed_on_the_env_var_not_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: `FLEET_SERVERS__BASE_PORT=abc` was reported as an error in the TOML file, which
+    never mentioned base_port. The message must name the variable."""
+    p = write(tmp_path, "[servers]\ncount = 2\n")
+    monkeypatch.setenv("FLEET_SERVERS__BASE_PORT", "abc")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert msg.startswith("environment variable FLEET_SERVERS__BASE_PORT: servers.base_port:") and "'abc'" in msg
+    assert str(p) not in msg
+
+
+def test_bad_value_in_a_whole_section_env_var_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: a section given as one JSON variable (FLEET_SERVERS='{...}') with a bad value, or
+    not JSON at all (a raw pydantic SettingsError traceback), was not traced to the variable."""
+    p = write(tmp_path, "")
+    monkeypatch.setenv("FLEET_SERVERS", '{"base_port": "x"}')
+    with pytest.raises(ConfigError, match=r"^environment variable FLEET_SERVERS: servers.base_port: "):
+        load_config(p)
+    monkeypatch.setenv("FLEET_SERVERS", "{not json")
+    with pytest.raises(ConfigError, match=r"^environment variable FLEET_SERVERS: not valid JSON"):
+        load_config(p)
+
+
+def test_file_errors_still_name_the_file_when_env_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blaming env vars must not steal the file's own errors: each line names its real source."""
+    p = write(tmp_path, "[servers]\ncount = 0\n")
+    monkeypatch.setenv("FLEET_SMOKE__ATTEMPTS", "many")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    lines = str(e.value).splitlines()
+    assert any(ln.startswith(f"{p}: servers.count:") for ln in lines)
+    assert any(ln.startswith("environment variable FLEET_SMOKE__ATTEMPTS: smoke.attempts:") for ln in lines)
+
+
+@pytest.mark.parametrize("var, needle", [
+    ("FLEET_SERVER__BASE_PORT", "unknown key 'server' at the top level; allowed there: engine, generation, "),
+    ("FLEET_SERVERS__BASE_PROT", "unknown key 'base_prot' in servers; allowed there: api_key, base_port,"),
+    ("FLEET_ENGINE__SIM__SPEED", "unknown key 'speed' in engine.sim;"),
+    ("FLEET_NODES__0__WORKDIR", "nodes is a list: set it whole (FLEET_NODES=<JSON list>) or in the TOML file"),
+    ("FLEET_SERVERS__HOST__X", "servers.host is a single value"),
+    ("fleet_servr__count", "unknown key 'servr'"),
+])
+def test_unknown_fleet_env_var_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str,
+                                           needle: str) -> None:
+    """Fault: a misspelled section (`FLEET_SERVER__BASE_PORT`) was silently ignored, so the
+    default port was used. Every FLEET_* variable that names no setting is an error, like an
+    unknown TOML key, with what is allowed and a remedy."""
+    p = write(tmp_path, "")
+    monkeypatch.setenv(var, "31000")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    reason = str(e.value.reason)
+    assert reason.startswith(f"environment variable {var}: ") and needle in reason and "\n" not in reason
+    assert e.value.remedy and "FLEET_API_KEY" in e.value.remedy
+
+
+def test_fleet_env_vars_that_are_not_config_are_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FLEET_* variables fleet and dev.sh use for other things (the runner's API key, dev.sh's
+    venv, the demo's dir) must not trip the unknown-variable check; dict fields take any key.
+    Fault: dev.sh's FLEET_VENV=.venv2 was read by pydantic-settings as the whole [venv] section
+    (a JSON parse error on every config load)."""
+    from fleet.config import NOT_CONFIG_ENV
+
+    for var in NOT_CONFIG_ENV:
+        monkeypatch.setenv(var, "x")
+    monkeypatch.setenv("FLEET_ENGINE__ENV__ANYTHING", "1")
+    monkeypatch.setenv("FLEET_SERVERS__PORTS", "[31000, 31001]")
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg.servers.ports == [31000, 31001] and cfg.engine.env == {"anything": "1"}
+
+
+def test_cli_env_error_is_one_line_exit_2(tmp_path: Path) -> None:
+    """The command line shows an env-var mistake as one config-error line naming the variable,
+    the remedy, exit 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    p = write(tmp_path, "")
+    env = {**os.environ, "FLEET_SERVER__BASE_PORT": "31000"}
+    r = subprocess.run([sys.executable, "-m", "fleet.cli", "status", "-c", str(p)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("fleet: config error: environment variable FLEET_SERVER__BASE_PORT: unknown key")
+    assert lines[1].startswith("fleet: remedy: fix or unset the variable") and len(lines) == 2
+
+
+def test_every_fleet_env_var_the_repo_uses_is_config_or_allow_listed() -> None:
+    """A FLEET_* variable read anywhere in the repo (dev.sh, the runner, the demo, the tests) must
+    be in NOT_CONFIG_ENV, or setting it would now be refused as an unknown config key."""
+    import re
+    import subprocess
+
+    from fleet.config import NOT_CONFIG_ENV, env_problems
+
+    root = Path(__file__).parent.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    used: set[str] = set()
+    for f in files:
+        if f in ("fleet/config.py", "tests/test_config.py"):   # the check itself and its bad examples
+            continue
+        if f.endswith((".py", ".sh", ".toml", ".yaml", ".md")) or f in ("dev.sh", ".ci/run"):
+            used |= set(re.findall(r"\bFLEET_[A-Z0-9_]*[A-Z0-9]\b", (root / f).read_text(errors="replace")))
+    bad = env_problems({v: "1" for v in used})
+    # names only used as a subprocess's own env in tests (test_node's FLEET_A/FLEET_B) or as
+    # Python constants (FLEET_ROOT, _FLEET_HEADER) are not read as config by anyone
+    not_env = {"FLEET_A", "FLEET_B", "FLEET_ROOT", "FLEET_HEADER"}
+    bad = [b for b in bad if b.split(":")[0].removeprefix("environment variable ") not in not_env]
+    assert not bad, f"add these to fleet.config.NOT_CONFIG_ENV (or make them config keys): {bad}"
+    assert set(NOT_CONFIG_ENV) <= used | {"FLEET_TEST_SEED"}
+
+
 def test_malformed_toml_names_file_and_line(tmp_path: Path) -> None:
     p = write(tmp_path, "[servers\nbase_port = 1\n")
     with pytest.raises(ConfigError) as e:
