@@ -109,13 +109,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         with connect(node_cfg) as node:
             rows += [s.as_dict() for s in states(node, cfg, node_cfg)]
     for r in rows:
+        r["server"] = r.pop("index")   # the name `fleet up`'s summary uses
         smoke = r.get("last_smoke") or {}
         r["last_smoke_ago_s"] = round(__import__("time").time() - smoke["at"], 1) if smoke.get("at") else None
         r["up_s"] = round(r["up_s"], 1) if r.get("up_s") is not None else None
     if args.json:
         print(json.dumps({"fleet": cfg.name, "servers": rows}, indent=2))
     elif rows:
-        _print_rows(rows, ["node", "index", "state", "pid", "port", "gpus", "up_s", "last_smoke_ago_s", "log"])
+        _print_rows(rows, ["node", "server", "state", "pid", "port", "gpus", "up_s", "last_smoke_ago_s", "log"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     return 0 if all(r["state"] == "running" for r in rows) else EXIT_FAILED
@@ -132,7 +133,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         with connect(node_cfg) as node:
             rows += stop_servers(node, cfg, node_cfg)
     if rows:
-        _print_rows(rows, ["node", "index", "port", "pid", "action", "seconds"])
+        _print_rows([{"server": r.get("index"), **r} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     return EXIT_FAILED if any(str(r["action"]).startswith("error") for r in rows) else 0
@@ -243,10 +244,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# Formats whose name is already a file suffix are not suffixed twice (`export.jsonl`, never
+# `export.jsonl.jsonl`); the others are JSONL files named for their format.
+_SUFFIX_FORMATS = ("jsonl", "json", "parquet", "csv")
+
+
+def export_dest(out_dir: str, fmt: str) -> str:
+    """Default destination of `fleet export DIR --format FMT`."""
+    name = f"export.{fmt}" if fmt in _SUFFIX_FORMATS else f"export.{fmt}.jsonl"
+    return f"{out_dir.rstrip('/') or '/'}/{name}".replace("//", "/")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from fleet.generation.export import export
 
-    dest = args.dest or f"{args.dir.rstrip('/')}/export.{args.format}.jsonl"
+    dest = args.dest or export_dest(args.dir, args.format)
     try:
         n = export(args.dir, args.format, dest)
     except (ValueError, FileNotFoundError) as exc:
@@ -314,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run fleet's log classifier on a server log, for diagnosing a server by hand. "
                                    "Exit 1 when a fatal line is found.")
     p.add_argument("file", help="log file")
-    p.add_argument("--engine", choices=["sglang", "vllm", "transformers", "sim"], default="sglang")
+    p.add_argument("--engine", choices=["sglang", "vllm", "transformers", "sim"], default="sglang",
+                   help="engine whose log lines to look for (default sglang; sim logs like sglang)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect_log)
 
@@ -360,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "format (atomic write; a .gz destination is compressed).")
     p.add_argument("dir", help="the generation output directory (holds shards/)")
     p.add_argument("--format", choices=["openai-batch", "jsonl", "sharegpt"], required=True)
-    p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.FORMAT.jsonl)")
+    p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.jsonl for jsonl, DIR/export.FORMAT.jsonl "
+                                                          "for the others)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
@@ -378,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every argument belongs to the simulator, --help included
         from fleet.sim.server import main as sim_main
 
-        return sim_main(argv[1:])
+        return sim_main(argv[1:], prog="fleet sim")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

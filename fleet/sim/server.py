@@ -74,9 +74,9 @@ _M64 = (1 << 64) - 1
 # --------------------------------------------------------------------------- arguments
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="sim-sglang",
+        prog=prog,   # None: argparse names the script; `fleet sim` passes its own name
         description="Simulated SGLang server (stdlib only): SGLang's endpoints and log lines, no GPU.",
     )
     a = p.add_argument
@@ -1477,8 +1477,8 @@ async def _serve(args: argparse.Namespace, log: Log) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
     log = Log()
