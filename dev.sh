@@ -8,16 +8,29 @@ cd "$(dirname "$0")"
 VENV=${FLEET_VENV:-.venv}
 PY=${FLEET_PYTHON:-python3}
 
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+find_uv() {
+  # pip --user puts uv in the user base's bin (~/.local/bin), often not on PATH: look there
+  # too, or every call would install it again.
+  local user_base
+  user_base=$("$PY" -c 'import site; print(site.getuserbase())' 2>/dev/null || echo "$HOME/.local")
+  export PATH="$PATH:$user_base/bin:$HOME/.local/bin"
+  command -v uv >/dev/null 2>&1
+}
+
 setup() {
-  if ! command -v uv >/dev/null 2>&1; then
-    echo "dev.sh: installing uv (pip --user)" >&2
-    "$PY" -m pip install --quiet --user uv || "$PY" -m pip install --quiet uv
-    export PATH="$HOME/.local/bin:$PATH"
-  fi
   local stamp="$VENV/.fleet-setup"
   local want
   want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  if ! find_uv; then
+    echo "dev.sh: installing uv (pip --user)" >&2
+    # PIP_ROOT_USER_ACTION: as root there is no other user to protect; skip pip's warning about it
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet --user uv \
+      || PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet uv
+    find_uv || { echo "dev.sh: uv was installed but is not on PATH nor in the user base's bin" >&2; exit 1; }
+  fi
   [ -x "$VENV/bin/python" ] || uv venv --quiet --python "$("$PY" -c 'import sys; print(sys.executable)')" "$VENV"
   export VIRTUAL_ENV="$PWD/$VENV"
   # torch: take a local CPU wheel when the machine has one (a plain 'torch' pulls a multi-GB CUDA build).
@@ -56,5 +69,6 @@ case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/fleet" demo "$@" ;;
   test) setup; need_test_tools; exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) sed -n '2,6p' "$0"; exit 2 ;;
+  help|-h|--help) usage ;;
+  *) echo "dev.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
 esac

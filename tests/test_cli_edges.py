@@ -75,3 +75,39 @@ def test_status_and_down_call_the_column_server_like_up(tmp_path: Path) -> None:
     assert js["servers"][0]["server"] == 0 and "index" not in js["servers"][0]
     down = fleet("down", "-c", str(cfg))
     assert down.returncode == 0 and down.stdout.split()[:3] == ["node", "server", "port"], down.stdout + down.stderr
+
+
+def test_dev_sh_without_arguments_prints_its_usage_only() -> None:
+    """Fault: `./dev.sh` with no command printed `set -euo pipefail` as part of its usage."""
+    r = subprocess.run(["bash", str(ROOT / "dev.sh")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "set -euo" not in r.stdout
+    assert r.stdout.splitlines()[0] == "One entry point for a fresh machine." and "./dev.sh test" in r.stdout
+    bad = subprocess.run(["bash", str(ROOT / "dev.sh"), "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown command 'nope'" in bad.stderr and "set -euo" not in bad.stderr
+
+
+def test_dev_sh_finds_a_user_installed_uv_instead_of_reinstalling(tmp_path: Path) -> None:
+    """Fault: dev.sh installed uv with `pip install --user` into ~/.local/bin, which is not on
+    PATH, so every later call installed it again (with pip's root warning). A uv in the user
+    base's bin must be found and used."""
+    home = tmp_path / "home"
+    bin_dir = home / ".local" / "bin"
+    bin_dir.mkdir(parents=True)
+    calls = tmp_path / "uv-calls"
+    (bin_dir / "uv").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "uv").chmod(0o755)
+    venv = tmp_path / "venv"   # a stand-in venv: its python "has torch", so only fleet is installed
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "FLEET_PYTHON": sys.executable, "FLEET_VENV": str(venv),
+           "FLEET_WHEELS": str(tmp_path / "no-wheels")}
+    r = subprocess.run(["bash", str(ROOT / "dev.sh"), "setup"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "installing uv" not in r.stderr and "pip" not in r.stderr
+    assert "pip install --quiet --compile-bytecode -e .[transformers,test]" in calls.read_text()
+    assert (venv / ".fleet-setup").exists()
+    # once set up, a second call does nothing at all (not even looking for uv)
+    calls.unlink()
+    r = subprocess.run(["bash", str(ROOT / "dev.sh"), "setup"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stderr == "" and not calls.exists()
