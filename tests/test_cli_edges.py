@@ -12,6 +12,7 @@ import pytest
 
 from fleet.cli import export_dest, main
 from fleet.generation.store import ResultStore
+from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 
 ROOT = Path(__file__).parent.parent
 
@@ -111,3 +112,28 @@ def test_dev_sh_finds_a_user_installed_uv_instead_of_reinstalling(tmp_path: Path
     calls.unlink()
     r = subprocess.run(["bash", str(ROOT / "dev.sh"), "setup"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stderr == "" and not calls.exists()
+
+
+def test_runner_final_line_and_manifest_give_the_same_tok_s(tmp_path: Path, sims,  # noqa: F811
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Fault: the runner's log said 12,194 tok/s and the manifest 22,359 for the same run: the
+    log showed the last minute's rate, the manifest the run's average, both called "tok/s".
+    Now running lines name both ("now", "avg") and the final line's avg is the manifest's."""
+    from fleet.config import FleetConfig
+    from fleet.generation.runner import _Progress, run_local
+
+    sim = sims("--tokens-per-s", "5000")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                           for i in range(30)))
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 32})
+    assert run_local(cfg, inp, out, [{"node": "local", "index": 0, "url": sim.url, "model": "sim-model"}],
+                     console=True, relaunch=False) == 0
+    last = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[fleet generate]")][-1]
+    manifest = json.loads((out / "manifest.json").read_text())
+    avg = manifest["throughput"]["completion_tok_s"]
+    assert avg > 0 and f"| avg {avg:,.0f} tok/s |" in last, last
+    assert json.loads((out / "progress.json").read_text())["tok_s_avg"] == avg
+    running = _Progress.line({**json.loads((out / "progress.json").read_text()), "state": "running",
+                              "tok_s": 12194.0, "tok_s_avg": 22359.0})
+    assert "| 12,194 tok/s now, avg 22,359 |" in running

@@ -314,7 +314,10 @@ class _Progress:
         return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
                 f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
             f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,} | in flight {p['in_flight']}"
-            f" | {p['tok_s']:,.0f} tok/s | ETA {_fmt_s(p['eta_s'])}"
+            # two rates, named: the last minute's (tok_s) and this run's average (tok_s_avg), which
+            # in the final line is the manifest's throughput.completion_tok_s
+            + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
+               f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + f" | ETA {_fmt_s(p['eta_s'])}"
             f" | servers up {p['servers_up']}/{len(p['servers'])}")
 
 
@@ -482,6 +485,7 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
         write_manifest(out, manifest)
         # last: a watcher that sees the final state finds the manifest already there
         final["manifest"] = str(out / "manifest.json")
+        final["tok_s_avg"] = manifest["throughput"]["completion_tok_s"] or 0.0   # one number, two places
         write_json_atomic(progress.path, final)
         if console:
             print(_Progress.line(final), flush=True)
