@@ -197,37 +197,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     from fleet.config import load_config
-    from fleet.generation.remote import fetch
+    from fleet.errors import ConfigError
+    from fleet.generation.remote import check_fetch_path, fetch, job_outputs
     from fleet.node import connect
 
     cfg = load_config(args.config)
     total = 0
+    refused: ConfigError | None = None
     for node_cfg in cfg.nodes:
-        remote = args.remote or _latest_job_output(node_cfg, cfg)
-        if remote is None:
-            continue
-        dest = args.output if len(cfg.nodes) == 1 else f"{args.output.rstrip('/')}/{node_cfg.name}"
         with connect(node_cfg) as node:
+            outputs = job_outputs(node, cfg, node_cfg)
+            if args.remote is not None:
+                try:
+                    remote = check_fetch_path(args.remote, outputs, node_cfg.name)
+                except ConfigError as exc:   # not this node's job: another node may hold it
+                    refused = exc
+                    continue
+            elif outputs:
+                remote = outputs[0]
+            else:
+                continue
+            dest = args.output if len(cfg.nodes) == 1 else f"{args.output.rstrip('/')}/{node_cfg.name}"
             files = fetch(node, remote, dest)
         total += len(files)
         print(f"{node_cfg.name}: {len(files)} file(s) from {remote} → {dest}")
+    if not total and refused is not None:
+        raise refused
     if not total:
         print("fleet fetch: no generation output found (give --remote DIR)", file=sys.stderr)
         return EXIT_FAILED
     return 0
-
-
-def _latest_job_output(node_cfg, cfg) -> str | None:  # type: ignore[no-untyped-def]
-    """The output dir of the newest job of this fleet on the node (from its job.json)."""
-    from fleet.node import connect
-
-    script = 'ls -t "$1"/jobs/"$2"-*/job.json 2>/dev/null | head -n 1 | xargs -r cat'
-    with connect(node_cfg) as node:
-        res = node.run(["sh", "-c", script, "fleet-jobs", node_cfg.workdir.rstrip("/"), cfg.name], check=False)
-    try:
-        return json.loads(res.stdout)["output"] if res.stdout.strip() else None
-    except (ValueError, KeyError):
-        return None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -24,6 +25,38 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 from fleet.errors import ConfigError
 
 EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
+
+# A value shown masked (pydantic's SecretStr rendering). A config that arrives with it (a
+# flow-run parameter read back from the API) lost its secret on the way and must not be used.
+MASK = "**********"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def no_control(value: Any, what: str) -> Any:
+    """Refuse newline, NUL and other control characters in a path or name (or a list of them).
+
+    A newline in a workdir made `status` parse no record and say "no servers recorded" while
+    servers ran; a NUL cannot cross into argv at all. No legitimate path or name holds one."""
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        text = str(item) if item is not None else ""
+        m = _CONTROL.search(text)
+        if m:
+            raise ValueError(f"{what} holds a control character ({m.group()!r} at position {m.start()}) in "
+                             f"{text!r}; paths and names may not contain newlines, NUL or other control characters")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and 'localhost': reachable from the node itself only."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _Section(BaseModel):
@@ -55,6 +88,21 @@ class NodeConfig(_Section):
     @classmethod
     def _expand_user(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
+
+    @field_validator("host", "user", "key_file", "key_secret", "block", "known_hosts", "host_key", "ramdisk",
+                     "workdir", mode="before")
+    @classmethod
+    def _no_control(cls, v: Any, info: Any) -> Any:
+        return no_control(v, f"nodes[].{info.field_name}")
+
+    @field_validator("workdir", "ramdisk", mode="after")
+    @classmethod
+    def _absolute(cls, v: str, info: Any) -> str:
+        # Absolute: the path goes to remote tools (find, rm, mkdir) where a leading '-' would
+        # read as an option, and a relative path would depend on the remote shell's cwd.
+        if v and not v.startswith("/"):
+            raise ValueError(f"nodes[].{info.field_name} must be an absolute path (got {v!r})")
+        return v
 
     @model_validator(mode="after")
     def _ssh_needs_host(self) -> NodeConfig:
@@ -97,6 +145,11 @@ class EngineConfig(_Section):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every server.")
     sim: SimConfig = Field(default_factory=SimConfig, description="Simulated server behaviour (kind='sim').")
 
+    @field_validator("packages", "import_check", "speculative_draft_model_path", "extra_args", mode="before")
+    @classmethod
+    def _no_control(cls, v: Any, info: Any) -> Any:
+        return no_control(v, f"engine.{info.field_name}")
+
 
 class ModelConfig(_Section):
     """The model to serve."""
@@ -107,6 +160,11 @@ class ModelConfig(_Section):
     stage_margin_gb: float = Field(4.0, ge=0, description="Free space the RAM disk must keep beyond the model's size.")
     verify: bool = Field(False, description="Verify staged files by content hash (slower) rather than size + mtime.")
     copy_streams: int = Field(8, ge=1, le=64, description="Parallel copy streams while staging.")
+
+    @field_validator("source", "served_name", mode="before")
+    @classmethod
+    def _no_control(cls, v: Any, info: Any) -> Any:
+        return no_control(v, f"model.{info.field_name}")
 
     @property
     def name(self) -> str:
@@ -123,6 +181,11 @@ class VenvConfig(_Section):
     find_links: list[str] = Field(default_factory=list, description="Extra local wheel directories for uv (--find-links).")
     system_certs: bool = Field(True, description="Let uv trust the node's system CA store (needed behind TLS-intercepting proxies).")
     slow_import_s: float = Field(20.0, gt=0, description="An engine import slower than this is flagged (network filesystem symptom).")
+
+    @field_validator("path", "python", "index_url", "find_links", mode="before")
+    @classmethod
+    def _no_control(cls, v: Any, info: Any) -> Any:
+        return no_control(v, f"venv.{info.field_name}")
 
 
 class ServersConfig(_Section):
@@ -150,12 +213,31 @@ class ServersConfig(_Section):
                 raise ValueError(f"two servers on one port: {dup}; give each server its own port")
             if self.count is not None and len(self.ports) != self.count:
                 raise ValueError(f"{len(self.ports)} ports for {self.count} servers")
-        if self.host not in ("127.0.0.1", "localhost", "::1") and self.api_key is None:
+        if not is_loopback(self.host) and self.api_key is None:
             raise ValueError(
-                f"host={self.host!r} exposes servers beyond loopback without an API key; "
-                "set servers.api_key (or FLEET_SERVERS__API_KEY), or bind 127.0.0.1 and use forwarded ports"
+                f"host={self.host!r} exposes servers beyond loopback without an API key (an empty or blank "
+                "key counts as none); set servers.api_key (or FLEET_SERVERS__API_KEY), or bind 127.0.0.1 "
+                "and use forwarded ports"
             )
         return self
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _blank_key_is_none(cls, v: SecretStr | None) -> SecretStr | None:
+        # "" (FLEET_SERVERS__API_KEY= in a shell) or spaces: no key. The engines treat an empty
+        # --api-key as none, so the bind guard above must too, or it guards nothing.
+        if v is None or not v.get_secret_value().strip():
+            return None
+        if v.get_secret_value() == MASK:
+            raise ValueError("servers.api_key arrived masked ('**********'): the secret was lost on the way "
+                             "(flow-run parameters never carry secrets); pass the config as a TOML path, "
+                             "a block (block:…) or set FLEET_SERVERS__API_KEY where the flow runs")
+        return v
+
+    @field_validator("host", mode="before")
+    @classmethod
+    def _no_control(cls, v: Any) -> Any:
+        return no_control(v, "servers.host")
 
     def port_for(self, index: int) -> int:
         if self.ports is not None:
@@ -250,6 +332,23 @@ class FleetConfig(BaseSettings):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"node names must be unique; repeated: {dup}")
+        return self
+
+    @model_validator(mode="after")
+    def _extra_args_own_nothing(self) -> FleetConfig:
+        # Imported here: the engine profiles import this module for their type hints.
+        from fleet.engines import PROFILES
+        from fleet.engines.base import owned_flag
+
+        owned = PROFILES[self.engine.kind].owned_flags
+        lists: list[tuple[str, list[str]]] = [("engine.extra_args", self.engine.extra_args)]
+        lists += [(f"servers.extra_args_by_index[{i}]", a) for i, a in sorted(self.servers.extra_args_by_index.items())]
+        for where, args in lists:
+            hit = owned_flag(args, owned)
+            if hit:
+                arg, flag, field_name = hit
+                raise ValueError(f"{where} sets {flag} ({arg!r}), which fleet sets itself for {self.engine.kind}; "
+                                 f"use {field_name} instead")
         return self
 
     def fingerprint(self) -> str:

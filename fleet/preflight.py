@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fleet.config import FleetConfig, NodeConfig
-from fleet.errors import FleetError
+from fleet.errors import AuthFailed, FleetError, HostKeyError
 from fleet.node import Node
 
 NVIDIA_SMI_QUERY = [
@@ -206,15 +206,12 @@ def split_sections(text: str) -> dict[str, str]:
 
 # -- gathering -------------------------------------------------------------------------
 
-# sh -c GATHER fleet-preflight ROLE=PATH ... -- [DU_PATH]
+# sh -c GATHER fleet-preflight DU_PATH [ROLE PATH]...
 # One round trip: an SSH session to a node with a slow login shell costs seconds each.
+# Paths arrive as positional arguments and are only ever used quoted ("$p"): a path with a
+# space, a '*' or a leading '-' is one path, never split, globbed or read as an option.
 _GATHER = r"""
-du_path=""
-roles=""
-while [ "$#" -gt 0 ]; do
-  if [ "$1" = "--" ]; then shift; du_path=${1:-}; break; fi
-  roles="$roles $1"; shift
-done
+du_path=$1; shift
 echo "@@nvidia-smi"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,uuid,memory.total,memory.used,memory.free,driver_version --format=csv,noheader,nounits 2>&1
@@ -226,18 +223,18 @@ echo "@@nproc"; nproc 2>/dev/null || getconf _NPROCESSORS_ONLN
 echo "@@meminfo"; cat /proc/meminfo
 echo "@@mounts"; cat /proc/mounts
 echo "@@tcp"; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null
-for pair in $roles; do
-  role=${pair%%=*}; p=${pair#*=}
-  d=$p; while [ ! -e "$d" ] && [ "$d" != "/" ]; do d=$(dirname "$d"); done
+while [ "$#" -ge 2 ]; do
+  role=$1; p=$2; shift 2
+  d=$p; while [ ! -e "$d" ] && [ "$d" != "/" ] && [ "$d" != "." ]; do d=$(dirname -- "$d"); done
   echo "@@path $role"
-  echo "$p"
-  readlink -m "$p" 2>/dev/null || echo "$p"
-  readlink -m "$d" 2>/dev/null || echo "$d"
+  printf '%s\n' "$p"
+  readlink -m -- "$p" 2>/dev/null || printf '%s\n' "$p"
+  readlink -m -- "$d" 2>/dev/null || printf '%s\n' "$d"
   if [ -e "$p" ]; then echo exists; else echo missing; fi
-  df -B1 --output=avail "$d" 2>/dev/null | tail -n 1
+  df -B1 --output=avail -- "$d" 2>/dev/null | tail -n 1
 done
 echo "@@du"
-if [ -n "$du_path" ] && [ -e "$du_path" ]; then du -sbL "$du_path" 2>/dev/null | cut -f1; fi
+if [ -n "$du_path" ] && [ -e "$du_path" ]; then du -sbL -- "$du_path" 2>/dev/null | cut -f1; fi
 echo "@@python"; command -v python3 || true
 echo "@@uv"; command -v uv || ls "$HOME/.local/bin/uv" 2>/dev/null || true
 echo "@@end"
@@ -271,10 +268,15 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
         if cfg.model.stage:
             from fleet.staging import staged_path
             roles["staging_target"] = staged_path(cfg.model.source, node_cfg.ramdisk)
-    argv = ["sh", "-c", _GATHER, "fleet-preflight", *[f"{k}={v}" for k, v in roles.items()],
-            "--", cfg.model.source or ""]
+    argv = ["sh", "-c", _GATHER, "fleet-preflight", cfg.model.source or "",
+            *[item for role, path in roles.items() for item in (role, path)]]
     try:
         res = node.run(argv, timeout=120)
+    except (HostKeyError, AuthFailed):
+        # Not "unreachable": a changed host key or a refused key fails the same way on every
+        # retry, and a retry against a changed key is one more handshake with a possible
+        # impostor. The caller must stop here, not wrap it in a transient error.
+        raise
     except FleetError as exc:
         report.error = exc.one_line()
         report.seconds = time.monotonic() - t0

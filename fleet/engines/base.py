@@ -127,6 +127,8 @@ class EngineProfile(Protocol):
 
     def request_model(self, spec: ServerSpec) -> str: ...
 
+    owned_flags: dict[str, str]
+
 
 class BaseProfile:
     """What the profiles share: CUDA_VISIBLE_DEVICES + engine.env, the rules' verdict, and
@@ -136,6 +138,9 @@ class BaseProfile:
     ready_path = "/health"
     default_import: str
     rules: LogRules
+    # Flags fleet sets itself, each with the config field that sets it: extra_args may not
+    # name them (see `owned_flag`). Every spelling the engine's parser accepts.
+    owned_flags: dict[str, str] = {}
 
     def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
         return gpu_env(cfg, spec)
@@ -301,6 +306,24 @@ def switch(flag: str, on: bool) -> list[str]:
 def extras(cfg: FleetConfig, spec: ServerSpec) -> list[str]:
     """Config-wide extra argv, then the per-server ones (later flags win in argparse)."""
     return [str(a) for a in cfg.engine.extra_args] + [str(a) for a in spec.extra_args]
+
+
+def owned_flag(args: list[str] | tuple[str, ...], owned: dict[str, str]) -> tuple[str, str, str] | None:
+    """(the argument, the flag it sets, the config field to use instead) for the first extra
+    argument that sets a flag fleet owns, else None.
+
+    Catches `--flag value`, `--flag=value` and argparse's unambiguous abbreviations
+    (`--ho 0.0.0.0` is `--host` to argparse, which allows prefixes by default): a later flag
+    wins in argparse, so an extra `--host 0.0.0.0` would silently replace fleet's bind."""
+    for arg in args:
+        text = str(arg)
+        if not text.startswith("-") or text in ("-", "--"):
+            continue
+        name = text.split("=", 1)[0]
+        for flag, field_name in owned.items():
+            if name == flag or (name.startswith("--") and len(name) > 3 and flag.startswith(name)):
+                return text, flag, field_name
+    return None
 
 
 def check_gpu_count(cfg: FleetConfig, spec: ServerSpec, engine: str) -> None:

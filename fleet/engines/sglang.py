@@ -121,6 +121,16 @@ class SGLangProfile(BaseProfile):
     name = "sglang"
     default_import = "sglang"
     rules: LogRules = SGLANG_RULES
+    # server_args.py: model_path has the alias --model, tp_size the aliases --tp and
+    # --tensor-parallel-size; admin_api_key is a key too.
+    owned_flags = {
+        "--host": "servers.host", "--port": "servers.base_port / servers.ports",
+        "--api-key": "servers.api_key", "--admin-api-key": "servers.api_key",
+        "--model-path": "model.source", "--model": "model.source",
+        "--served-model-name": "model.served_name",
+        "--tp-size": "servers.tensor_parallel", "--tp": "servers.tensor_parallel",
+        "--tensor-parallel-size": "servers.tensor_parallel",
+    }
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         check_gpu_count(cfg, spec, self.name)

@@ -28,6 +28,10 @@ class SimProfile(BaseProfile):
     name = "sim"
     default_import = "json"
     rules: LogRules = SGLANG_RULES
+    owned_flags = {
+        "--host": "servers.host", "--port": "servers.base_port / servers.ports",
+        "--api-key": "servers.api_key", "--model-path": "model.source", "--model-name": "model.served_name",
+    }
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         e = cfg.engine

@@ -82,6 +82,8 @@ class TransformersProfile(BaseProfile):
     name = "transformers"
     default_import = "transformers"
     rules: LogRules = TRANSFORMERS_RULES
+    # The model is the positional FORCE_MODEL (fleet passes the path); no key, no TP flags.
+    owned_flags = {"--host": "servers.host", "--port": "servers.base_port / servers.ports"}
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         e = cfg.engine

@@ -145,6 +145,14 @@ class VLLMProfile(BaseProfile):
     name = "vllm"
     default_import = "vllm"
     rules: LogRules = VLLM_RULES
+    # vllm's arg parser: --tensor-parallel-size has the short form -tp; the model is
+    # --model here (a positional only for `vllm serve`).
+    owned_flags = {
+        "--host": "servers.host", "--port": "servers.base_port / servers.ports",
+        "--api-key": "servers.api_key", "--model": "model.source",
+        "--served-model-name": "model.served_name",
+        "--tensor-parallel-size": "servers.tensor_parallel", "-tp": "servers.tensor_parallel",
+    }
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         check_gpu_count(cfg, spec, self.name)

@@ -156,9 +156,67 @@ def watch_job(node: Node, handle: JobHandle, *, poll_s: float = 5.0,
         time.sleep(poll_s)
 
 
+# sh -c JOBS fleet-jobs WORKDIR FLEET: every job.json of the fleet, each after "@@<mtime> <path>".
+_JOBS = r"""
+for f in "$1"/jobs/"$2"-*/job.json; do
+  [ -f "$f" ] || continue
+  printf '@@%s %s\n' "$(stat -c %Y -- "$f")" "$f"; cat -- "$f"; echo
+done
+"""
+
+
+def job_outputs(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[str]:
+    """The output directory of every job of this fleet on the node, newest job first."""
+    from fleet.preflight import split_sections
+
+    res = node.run(["sh", "-c", _JOBS, "fleet-jobs", node_cfg.workdir.rstrip("/"), cfg.name], check=False,
+                   timeout=60)
+    found: list[tuple[int, str]] = []
+    for head, body in split_sections(res.stdout).items():
+        try:
+            found.append((int(head.split(" ", 1)[0]), str(json.loads(body)["output"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return [out for _, out in sorted(found, key=lambda t: -t[0])]
+
+
+def check_fetch_path(remote: str, outputs: list[str], node: str) -> str:
+    """`remote` normalised, when it is a job's output directory or inside one; else ConfigError.
+
+    `fleet fetch --remote` reaches `find` on the node: `--remote=-delete` once became
+    `find -delete` and wiped the remote user's current directory. Only an absolute path
+    inside a job's output is accepted, so nothing else can ever be read or named."""
+    from fleet.config import no_control
+    from fleet.errors import ConfigError
+
+    try:
+        no_control(remote, "--remote")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not remote.startswith("/"):
+        raise ConfigError(f"--remote {remote!r} is not an absolute path",
+                          remedy="give the job's output directory on the node, e.g. /data/out, or leave "
+                                 "--remote out to fetch the newest job's output")
+    norm = posixpath.normpath(remote)
+    for out in outputs:
+        o = posixpath.normpath(out)
+        if norm == o or norm.startswith(o.rstrip("/") + "/"):
+            return norm
+    known = ", ".join(outputs[:5]) or "none"
+    raise ConfigError(f"--remote {remote!r} is not inside the output of any job of this fleet on node {node} "
+                      f"(job outputs: {known})",
+                      remedy="give a job's output directory or a path inside it, or leave --remote out")
+
+
 def fetch(node: Node, remote_output: str, local_dir: str | Path) -> list[str]:
     """Copy a job's output (shards, errors, rejects, manifest, progress) from the node."""
     remote_output = remote_output.rstrip("/")
+    if not remote_output.startswith("/"):
+        # find takes a leading '-' as an expression ("-delete"); an absolute path never is one.
+        from fleet.errors import ConfigError
+
+        raise ConfigError(f"remote output {remote_output!r} is not an absolute path",
+                          remedy="give the output directory as an absolute path on the node")
     res = node.run(["find", remote_output, "-type", "f", "!", "-name", "*.tmp", "!", "-name", ".lock"], timeout=120)
     copied = []
     for path in sorted(ln for ln in res.stdout.splitlines() if ln.strip()):
