@@ -174,6 +174,20 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# fleet.generation.export.FORMATS, spelled out: importing it (pyarrow) would slow every --help
+EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from fleet.config import load_config
 
@@ -181,6 +195,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flows.fleet import fleet
 
     cfg = load_config(args.config)
+    if args.limit is not None:
+        cfg.generation.limit = args.limit
     state = fleet(config=cfg, action="generate", input=args.input, output=args.output,
                   retry_errors=args.retry_errors, return_state=True)
     data = state.result(raise_on_failure=False)
@@ -343,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output directory ON THE NODE (shards/, errors.jsonl, rejects.jsonl, "
                                                    "manifest.json, progress.json)")
     p.add_argument("--retry-errors", action="store_true", help="send the rows of errors.jsonl again")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                   help="read only the first N input rows (try a job on a few rows; a later run with a larger N "
+                        "or none goes on from there)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
@@ -367,11 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("export", help="write a generation output DIR as openai-batch, jsonl or sharegpt",
+    p = sub.add_parser("export", help="write a generation output DIR as openai-batch, jsonl, sharegpt, specforge or speculators",
                        description="Stream the Parquet shards of a generation output directory into an interchange "
                                    "format (atomic write; a .gz destination is compressed).")
     p.add_argument("dir", help="the generation output directory (holds shards/)")
-    p.add_argument("--format", choices=["openai-batch", "jsonl", "sharegpt"], required=True)
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
+                   help="specforge: SpecForge's regenerated-data JSONL; speculators: vLLM speculators' conversations")
     p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.jsonl for jsonl, DIR/export.FORMAT.jsonl "
                                                           "for the others)")
     p.set_defaults(func=cmd_export)

@@ -263,15 +263,51 @@ class SmokeConfig(_Section):
     kv_cache_min_ratio: float = Field(0.8, gt=0, le=1, description="Flag a server whose KV cache is below this share of its peers' median.")
 
 
+GateAction = Literal["keep", "flag", "reject", "retry"]
+
+
+class QualityConfig(_Section):
+    """Per-row quality gates on each generated turn (fleet.generation.gates).
+
+    keep: store the row as is; flag: store it with the reason in its `flags` column;
+    reject: leave it out of the results, in quality_rejects.jsonl with the reason;
+    retry: ask again with another seed, up to `retries` times, then reject."""
+
+    empty_content: GateAction = Field("retry", description="Answer empty (after stripping whitespace) and no tool calls.")
+    missing_reasoning: GateAction = Field("retry", description="No reasoning_content although reasoning is expected (see expect_reasoning).")
+    think_markers: GateAction = Field("reject", description="'<think>' or '</think>' left in the content or the reasoning (reasoning parser missing or wrong).")
+    truncated: GateAction = Field("flag", description="finish_reason 'length': the answer was cut at max_tokens.")
+    repetition: GateAction = Field("flag", description="Degenerate repetition: the answer's tail is one short span repeated (see repetition_min_repeats).")
+    repetition_min_repeats: int = Field(8, ge=2, le=1000, description="Repeats of one span (1-64 words) at the end of the answer that count as degenerate.")
+    retries: int = Field(2, ge=0, le=20, description="Extra tries (each with another seed) for a gate whose action is 'retry', before the row is rejected.")
+    expect_reasoning: bool | None = Field(None, description="Whether rows should carry reasoning_content; unset: when chat_template_kwargs.enable_thinking is true.")
+
+
 class GenerationConfig(_Section):
     """Defaults of the batch generation job."""
 
     max_tokens: int = Field(4096, ge=1, description="Default max output tokens per row.")
     temperature: float = Field(0.6, ge=0, le=5, description="Default sampling temperature.")
     top_p: float | None = Field(None, gt=0, le=1, description="Default top_p.")
+    top_k: int | None = Field(None, ge=-1, description="Default top_k (-1: off; SGLang and vLLM take it in the request body).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Default min_p.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Default presence_penalty.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Default frequency_penalty.")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="Default repetition_penalty (SGLang/vLLM extension; 1.0 = off).")
     seed: int | None = Field(None, description="Default sampling seed.")
     stop: list[str] | None = Field(None, description="Default stop strings.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Default chat_template_kwargs (e.g. enable_thinking).")
+    reasoning_effort: dict[str, float] | None = Field(None, description="Per-row random reasoning_effort (gpt-oss style): choice -> weight, e.g. {low = 4, medium = 4, high = 2}; drawn from the row id (seeded, stable across resumes) unless the row sets its own.")
+    regenerate: Literal["last-turn", "all-turns"] = Field("last-turn", description="'last-turn': generate the answer to the conversation as given (a trailing assistant turn is dropped); 'all-turns': regenerate every assistant turn in order, each request holding the regenerated earlier turns.")
+    limit: int | None = Field(None, ge=1, description="Read only the first N input rows (try a job on a few rows; raise it later to go on).")
+    quality: QualityConfig = Field(default_factory=QualityConfig, description="Per-row quality gates.")
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _weights(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and (not v or any(w <= 0 for w in v.values())):
+            raise ValueError("reasoning_effort needs at least one choice, each with a weight > 0")
+        return v
     max_concurrency_per_server: int = Field(256, ge=1, le=100000, description="Cap on in-flight requests per server.")
     request_timeout_s: float = Field(1800.0, gt=0, description="Timeout of one generation request.")
     max_attempts: int = Field(6, ge=1, le=100, description="Attempts per row before it goes to the errors file.")

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -25,8 +26,10 @@ from fleet.generation.checks import account
 from fleet.generation.inputs import Reject, iter_input
 from fleet.generation.store import (
     RESULT_COLUMNS,
+    RESULT_SCHEMA,
     IdSet,
     ResultStore,
+    message_from_arrow,
     read_errors,
     read_rejects,
     read_results,
@@ -59,15 +62,16 @@ def test_results_commit_in_shards_and_read_back(tmp_path):
                                                        "function": {"name": "f", "arguments": "{}"}}] if i == 2 else None))
         assert [p.name for p in shard_paths(out)] == ["part-000001.parquet", "part-000002.parquet"]
         assert s.counts() == {"completed": 7, "committed": 6, "buffered": 1, "shards": 2, "errors": 0,
-                              "rejects": 0, "dropped": 0}
+                              "rejects": 0, "quality_rejects": 0, "dropped": 0}
         s.flush()
         assert s.counts()["buffered"] == 0 and len(shard_paths(out)) == 3
     t = read_results(out)
     assert t.schema.names == RESULT_COLUMNS
     assert t.column("id").to_pylist() == [f"r{i:06d}" for i in range(7)]
     rows = t.to_pylist()
-    assert json.loads(rows[0]["messages"]) == [{"role": "user", "content": "q r000000"}]  # lists stored as JSON
-    assert json.loads(rows[2]["tool_calls"])[0]["function"]["name"] == "f"
+    assert [message_from_arrow(m) for m in rows[0]["messages"]] == [{"role": "user", "content": "q r000000"}]
+    assert rows[0]["messages"][0]["content"] == "q r000000"   # nested: no json.loads
+    assert rows[2]["tool_calls"][0]["function"]["name"] == "f"
     assert rows[0]["tool_calls"] is None and rows[0]["attempts"] == 1
     # readable by pandas, as users will read it
     assert len(pq.read_table(shard_paths(out)[0]).to_pandas()) == 3
@@ -363,3 +367,68 @@ def test_kill_9_at_random_moments_never_tears_a_shard_or_duplicates_an_id(tmp_pa
     assert done == expected
     assert completed == len([i for i in range(n) if i % 97 != 13 and i % 50 != 7])
     print(f"{kills} kills, {torn} left a temp shard behind")
+
+
+TOOL_MSGS = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "content": "12 C", "tool_call_id": "c1", "weight": 0},
+]
+
+
+def test_nested_columns_read_as_lists_and_structs_by_pandas_and_datasets(tmp_path, monkeypatch):
+    """issue 12 item 9: messages, params and tool_calls are nested Parquet types, so pandas and
+    `datasets` (offline, from local files) read conversations without json.loads; what has no
+    fixed shape (tool arguments, content parts, unknown keys) round-trips exactly."""
+    out = tmp_path / "out"
+    params = {"max_tokens": 64, "temperature": 0.6, "stop": "END", "tools": [{"type": "function", "function": {
+        "name": "get", "parameters": {"type": "object"}}}], "chat_template_kwargs": {"enable_thinking": True},
+        "reasoning_effort": "low", "logit_bias": {"5": 1}}
+    with ResultStore(out) as s:
+        s.add_result(result(0, messages=TOOL_MSGS, params=params, flags=["truncated"], turns=2,
+                            extra={"source": "x"},
+                            tool_calls=[{"id": "c2", "type": "function", "function": {"name": "get", "arguments": "{}"}}]))
+    from fleet.generation.store import message_from_arrow, params_from_arrow
+
+    row = read_results(out).to_pylist()[0]
+    back = [message_from_arrow(m) for m in row["messages"]]
+    assert back[0] == TOOL_MSGS[0] and back[1] == TOOL_MSGS[1] and back[3] == TOOL_MSGS[3]
+    assert back[2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'  # the wire format: a string
+    assert params_from_arrow(row["params"]) == {**params, "stop": ["END"]}
+    assert row["flags"] == ["truncated"] and row["turns"] == 2 and json.loads(row["extra"]) == {"source": "x"}
+
+    df = pq.read_table(shard_paths(out)[0]).to_pandas()
+    msgs = df.loc[0, "messages"]
+    assert msgs[0]["role"] == "system" and msgs[3]["tool_call_id"] == "c1"
+    assert df.loc[0, "tool_calls"][0]["function"]["name"] == "get" and df.loc[0, "params"]["max_tokens"] == 64
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=[str(p) for p in shard_paths(out)], split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    r = ds[0]
+    assert r["messages"][1]["role"] == "user" and r["messages"][2]["tool_calls"][0]["id"] == "c1"
+    assert r["params"]["temperature"] == 0.6 and r["params"]["stop"] == ["END"] and r["tool_calls"][0]["id"] == "c2"
+
+
+def test_a_shard_from_before_nested_types_reads_as_nested(tmp_path):
+    """A job resumed across the upgrade: shards written with JSON-string columns read back in
+    today's nested types (a mixed directory must stream one schema, or export and checks break)."""
+    out = tmp_path / "out"
+    (out / "shards").mkdir(parents=True)
+    old = pa.table({"id": ["old"], "messages": [json.dumps([{"role": "user", "content": "hi"}])],
+                    "completion": ["yo"], "tool_calls": [json.dumps([{"id": "c", "type": "function",
+                                                                        "function": {"name": "f", "arguments": "{}"}}])],
+                    "params": [json.dumps({"max_tokens": 8})]})
+    pq.write_table(old, out / "shards" / "part-000001.parquet")
+    with ResultStore(out) as s:
+        s.add_result(result("new"))
+    t = read_results(out)
+    assert t.schema == RESULT_SCHEMA
+    rows = {r["id"]: r for r in t.to_pylist()}
+    assert rows["old"]["messages"][0]["content"] == "hi" and rows["old"]["tool_calls"][0]["function"]["name"] == "f"
+    assert rows["old"]["params"]["max_tokens"] == 8 and rows["new"]["messages"][0]["content"] == "q new"

@@ -29,12 +29,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fleet.generation.inputs import InputStats, Reject, iter_input
-from fleet.generation.store import iter_results, read_errors, read_rejects
+from fleet.generation.store import iter_results, read_errors, read_quality_rejects, read_rejects
 
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
 
-__all__ = ["data_checks", "account"]
+__all__ = ["data_checks", "account", "quality_summary"]
 
 _THINK = ("<think>", "</think>")
 
@@ -49,10 +49,11 @@ def _count(mask: pa.Array) -> int:
 
 def data_checks(out_dir: str | Path) -> dict[str, Any]:
     """Quality numbers of the completed rows in `out_dir` (see the module docstring)."""
-    rows = cut = empty = think = reasoning = tools = 0
+    rows = cut = empty = think = reasoning = tools = multi = 0
     finish: dict[str, int] = {}
+    flagged: dict[str, int] = {}
     tokens: list[pa.Array] = []
-    cols = ["completion", "finish_reason", "completion_tokens", "tool_calls", "reasoning_content"]
+    cols = ["completion", "finish_reason", "completion_tokens", "tool_calls", "reasoning_content", "flags", "turns"]
     for batch in iter_results(out_dir, cols):
         rows += batch.num_rows
         comp = batch.column("completion")
@@ -69,6 +70,12 @@ def data_checks(out_dir: str | Path) -> dict[str, Any]:
         for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
             finish[v] = finish.get(v, 0) + c
         tokens.append(pc.drop_null(batch.column("completion_tokens")))
+        flags = pc.list_flatten(batch.column("flags"))
+        if len(flags):
+            vc = pc.value_counts(flags)
+            for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+                flagged[v] = flagged.get(v, 0) + c
+        multi += _count(pc.greater(batch.column("turns"), 1))
     toks = pa.chunked_array(tokens, pa.int64()) if tokens else pa.chunked_array([], pa.int64())
     if len(toks):
         q = pc.quantile(toks, q=[0.5, 0.95]).to_pylist()
@@ -84,8 +91,34 @@ def data_checks(out_dir: str | Path) -> dict[str, Any]:
         "with_reasoning": reasoning, "with_reasoning_share": _share(reasoning, rows),
         "with_tool_calls": tools, "with_tool_calls_share": _share(tools, rows),
         "finish_reasons": dict(sorted(finish.items())),
+        "flagged": dict(sorted(flagged.items())),  # quality gate -> rows stored with its flag
+        "multi_turn_rows": multi,
         "completion_tokens": tok_stats,
     }
+
+
+def quality_summary(out_dir: str | Path, this_run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the quality gates did, across every run into `out_dir` (flags from the shards,
+    rejections from quality_rejects.jsonl), plus this run's retries."""
+    rejected: dict[str, int] = {}
+    rejected_rows = 0
+    for rec in read_quality_rejects(out_dir):
+        rejected_rows += 1
+        for r in rec.get("reasons") or []:
+            rejected[r] = rejected.get(r, 0) + 1
+    flagged: dict[str, int] = {}
+    flagged_rows = 0
+    for batch in iter_results(out_dir, ["flags"]):
+        col = batch.column("flags")
+        flagged_rows += len(col) - col.null_count
+        flat = pc.list_flatten(col)
+        if len(flat):
+            vc = pc.value_counts(flat)
+            for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+                flagged[v] = flagged.get(v, 0) + c
+    return {"flagged_rows": flagged_rows, "flagged": dict(sorted(flagged.items())),
+            "rejected_rows": rejected_rows, "rejected": dict(sorted(rejected.items())),
+            "this_run": this_run or {}}
 
 
 def account(input_path: str | Path, out_dir: str | Path,
@@ -111,7 +144,10 @@ def account(input_path: str | Path, out_dir: str | Path,
     requests = pa.chunked_array(chunks, pa.string())
 
     completed = pa.chunked_array([b.column("id") for b in iter_results(out_dir, ["id"])], pa.string())
-    errors = pa.array([str(r["id"]) for r in read_errors(out_dir)], pa.string())
+    error_ids = [str(r["id"]) for r in read_errors(out_dir)]
+    quality_ids = [str(r["id"]) for r in read_quality_rejects(out_dir)]
+    # a row a quality gate rejected ended too: for exactly-once it counts like an error
+    errors = pa.array(error_ids + quality_ids, pa.string())
     reject_lines = {r["line"] for r in read_rejects(out_dir) if isinstance(r.get("line"), int)}
 
     def first(arr: Any) -> list[str]:
@@ -134,7 +170,8 @@ def account(input_path: str | Path, out_dir: str | Path,
     result = {
         "input_rows": st.rows, "blank_lines": st.blank, "requests": st.requests,
         "input_rejects": st.rejects, "input_duplicates": st.duplicates,
-        "completed": len(completed), "errors": len(errors), "rejects": len(reject_lines),
+        "completed": len(completed), "errors": len(error_ids), "quality_rejects": len(quality_ids),
+        "rejects": len(reject_lines),
         "missing": len(missing), "missing_ids": first(missing),
         "duplicated": len(duplicated) + len(err_dup), "duplicated_ids": first(duplicated) + first(err_dup),
         "completed_and_errored": len(both), "completed_and_errored_ids": first(both),

@@ -52,7 +52,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from fleet.config import GenerationConfig
-from fleet.generation.client import Outcome, chat, dumps, loads, new_session
+from fleet.generation.client import Outcome, chat, loads, new_session
+from fleet.generation.work import RowPlan
 
 log = logging.getLogger("fleet.generation")
 
@@ -67,6 +68,7 @@ class Store(Protocol):
     def add_error(self, id: str, *, error: str, attempts: int, line: int, server: str | None,
                   status: int | None) -> bool | None: ...
     def add_reject(self, reject: Any) -> bool | None: ...
+    def add_quality_reject(self, row: dict[str, Any], reasons: list[str], *, line: int | None) -> bool | None: ...
 
 
 @dataclass
@@ -84,7 +86,7 @@ class Endpoint:
 
 @dataclass(slots=True)
 class _Job:
-    req: Any                   # inputs.Request
+    req: Any                   # work.RowWork (an inputs.Request with its turns and gates)
     attempts: int = 0          # attempts charged so far
     requeues: int = 0          # times put back uncharged because its server went down
     last_error: str = ""
@@ -272,6 +274,8 @@ class Summary:
     wall_s: float
     reason: str | None = None
     servers: list[dict[str, Any]] = field(default_factory=list)
+    quality_rejects: int = 0   # rows a quality gate turned away (quality_rejects.jsonl)
+    gates: dict[str, Any] = field(default_factory=dict)   # work.GateStats of this run
 
 
 def _max_running(info: dict[str, Any]) -> int | None:
@@ -325,6 +329,7 @@ class Dispatcher:
             raise ValueError(f"server names must be unique: {names}")
         self.gen = gen
         self.store = store
+        self.plan = RowPlan(gen)   # turns, quality gates, reasoning effort: per row, in work.RowWork
         self.servers = [_Server(e) for e in endpoints]
         self.on_server_down = on_server_down
         self.is_alive = is_alive
@@ -358,6 +363,7 @@ class Dispatcher:
         self.rejects = 0
         self.retries = 0
         self.requeues = 0
+        self.quality_rejects = 0
         self._rate = _Rate()
         self._first_error: str | None = None
 
@@ -430,6 +436,7 @@ class Dispatcher:
             prompt_tokens=sum(s.prompt_tokens for s in self.servers),
             completion_tokens=sum(s.completion_tokens for s in self.servers),
             wall_s=now - self._t0, reason=self.reason, servers=[s.snapshot(now) for s in self.servers],
+            quality_rejects=self.quality_rejects, gates=self.plan.stats.as_dict(),
         )
 
     # ------------------------------------------------------------------ feeding
@@ -470,7 +477,7 @@ class Dispatcher:
                         continue
                     self._inflight.add(rid)
                     self.fed += 1
-                    if not await self.queue.put_fresh(_Job(item)):
+                    if not await self.queue.put_fresh(_Job(self.plan.work(item))):
                         break
         except Exception as exc:  # an unreadable input is fatal: stop cleanly, keep what is done
             log.exception("reading the input failed")
@@ -734,7 +741,10 @@ class Dispatcher:
             srv.conn_streak = srv.err_streak = 0
             if srv.suspects:
                 self._resolve_suspects(srv)
-            self._finish_ok(srv, job, out)
+            if job.req.advance(out, job.attempts + 1):
+                self._next_request(srv, job, out)
+            else:
+                self._finish_ok(srv, job, out)
             return
         srv.failures += 1
         job.last_error, job.last_status, job.last_server = out.error or kind, out.status, srv.name
@@ -820,27 +830,26 @@ class Dispatcher:
         if not self._stopping:
             self.queue.put_again(job)
 
+    def _next_request(self, srv: _Server, job: _Job, out: Outcome) -> None:
+        """The row's next turn (or a quality gate's retry): back to the shared queue, any
+        server may take it; failures are charged per request, so the count starts again."""
+        srv.prompt_tokens += out.prompt_tokens or 0
+        srv.completion_tokens += out.completion_tokens or 0
+        job.attempts = 0
+        if self._stopping:
+            return  # left unwritten: resume regenerates the whole row
+        self.queue.put_again(job)
+
     def _finish_ok(self, srv: _Server, job: _Job, out: Outcome) -> None:
         req = job.req
         if req.id not in self._inflight:
             return  # already ended: never write a row twice
         pt, ct = out.prompt_tokens or 0, out.completion_tokens or 0
-        stored = self.store.add_result({
-            "id": req.id,
-            "messages": dumps(req.messages).decode(),
-            "params": dumps(req.params).decode() if req.params else None,   # tools, template kwargs: to render it
-            "completion": out.completion,
-            "reasoning_content": out.reasoning_content,
-            "tool_calls": dumps(out.tool_calls).decode() if out.tool_calls else None,
-            "finish_reason": out.finish_reason,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "server": srv.name,
-            "attempts": job.attempts + 1,
-            "latency_s": out.latency_s,
-            "started_at": out.started_at,
-            "finished_at": out.finished_at,
-        })
+        row, reasons = req.result(out, srv.name)
+        if reasons:
+            stored = self.store.add_quality_reject(row, reasons, line=req.line)
+        else:
+            stored = self.store.add_result(row)
         self._inflight.discard(req.id)
         if stored is False:   # the store already holds this id (it guards too): not counted twice
             self._check_done()
@@ -850,7 +859,10 @@ class Dispatcher:
         srv.completion_tokens += ct
         srv.latency_sum += out.latency_s
         srv.lat = out.latency_s if srv.lat is None else srv.lat + 0.05 * (out.latency_s - srv.lat)
-        self.completed += 1
+        if reasons:
+            self.quality_rejects += 1
+        else:
+            self.completed += 1
         self._check_done()
 
     def _finish_error(self, job: _Job) -> None:

@@ -10,12 +10,23 @@
 
   The ids derive from the row id, so exporting twice gives identical files. `model` comes
   from the job manifest ("model", else the one model its servers served; null otherwise).
-- ``jsonl``: one flat object per completed row, the result columns, with `messages`,
-  `tool_calls` and `params` decoded from JSON.
+- ``jsonl``: one flat object per completed row, the result columns, with `messages` and
+  `params` as the OpenAI request had them and `extra` (the input's other fields) decoded.
 - ``sharegpt``: ``{"id", "conversations": [{"from": "system"|"human"|"gpt"|"tool", "value"}, …,
   the generated gpt turn]}``; an assistant turn keeps its `tool_calls`, a tool turn its
   `tool_call_id`, the generated turn its `reasoning_content` and `tool_calls` when present;
   `tools` (from the stored params) goes at the top level.
+- ``specforge``: what SpecForge's `scripts/regenerate_train_data.py` writes, so its training
+  scripts take it as is: the input row's other fields, then ``"id"``, ``"conversations"``
+  (``role``/``content`` messages, the generated answer last, ``reasoning_content`` on every
+  assistant turn that has one) and ``"status": "success"``; ``tools`` at the top level when
+  the row had them. SpecForge's conversation check takes only system (first), then user and
+  assistant turns alternating, with non-empty text: a row with tool turns or content parts
+  goes to ``<dest>_skipped.jsonl`` with ``"status": "skipped"`` and the ``"error"``, as
+  SpecForge does with rows it cannot take.
+- ``speculators``: the conversation file vLLM's speculators reads (`--train-data-path` of
+  its `preprocess_data.py` / `data_generation_offline.py`): ``{"id", "conversations":
+  [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}, …], "tools"?}``.
 
 The destination is written to DEST.tmp, fsync'd and renamed: a reader never sees half a
 file. A destination ending in ``.gz`` is gzip-compressed.
@@ -30,18 +41,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from fleet.generation.store import _dumps, _fsync_dir, _fsync_file, _loads, iter_results, read_errors, read_manifest
+from fleet.generation.store import (
+    _dumps,
+    _fsync_dir,
+    _fsync_file,
+    _loads,
+    iter_results,
+    message_from_arrow,
+    params_from_arrow,
+    read_errors,
+    read_manifest,
+)
 
 __all__ = ["export", "FORMATS"]
 
-Format = Literal["openai-batch", "jsonl", "sharegpt"]
-FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt")
+Format = Literal["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
+FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt", "specforge", "speculators")
 
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 
 
-def _json(v: str | None) -> Any:
-    return None if v is None else _loads(v)
+def _json(v: Any) -> Any:
+    return _loads(v) if isinstance(v, str | bytes) else v
+
+
+def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [message_from_arrow(m) for m in row.get("messages") or []]
+
+
+def _answer(row: dict[str, Any]) -> dict[str, Any]:
+    """The generated turn as an OpenAI assistant message."""
+    message: dict[str, Any] = {"role": "assistant", "content": row["completion"]}
+    if row["reasoning_content"] is not None:
+        message["reasoning_content"] = row["reasoning_content"]
+    if row.get("tool_calls"):
+        message["tool_calls"] = row["tool_calls"]
+    return message
 
 
 def _short(id: str) -> str:
@@ -49,12 +84,7 @@ def _short(id: str) -> str:
 
 
 def _openai_line(row: dict[str, Any], model: str | None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": row["completion"]}
-    if row["reasoning_content"] is not None:
-        message["reasoning_content"] = row["reasoning_content"]
-    tool_calls = _json(row["tool_calls"])
-    if tool_calls:
-        message["tool_calls"] = tool_calls
+    message = _answer(row)
     pt, ct = row["prompt_tokens"], row["completion_tokens"]
     short = _short(row["id"])
     return {
@@ -91,8 +121,9 @@ def _openai_error_line(rec: dict[str, Any]) -> dict[str, Any]:
 
 def _flat_line(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
-    for k in ("messages", "tool_calls", "params"):
-        out[k] = _json(out[k])
+    out["messages"] = _messages(row)
+    out["params"] = params_from_arrow(row.get("params"))
+    out["extra"] = _json(row.get("extra"))
     return out
 
 
@@ -108,7 +139,7 @@ def _text(content: Any) -> str:
 
 def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
     turns: list[dict[str, Any]] = []
-    for m in _json(row["messages"]) or []:
+    for m in _messages(row):
         role = m.get("role")
         turn: dict[str, Any] = {"from": _SHAREGPT_FROM.get(role, role), "value": _text(m.get("content"))}
         if m.get("tool_calls"):
@@ -119,14 +150,75 @@ def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
     gen: dict[str, Any] = {"from": "gpt", "value": row["completion"] or ""}
     if row["reasoning_content"] is not None:
         gen["reasoning_content"] = row["reasoning_content"]
-    tool_calls = _json(row["tool_calls"])
-    if tool_calls:
-        gen["tool_calls"] = tool_calls
+    if row.get("tool_calls"):
+        gen["tool_calls"] = row["tool_calls"]
     turns.append(gen)
     out: dict[str, Any] = {"id": row["id"], "conversations": turns}
-    params = _json(row.get("params"))
-    if params and params.get("tools"):
-        out["tools"] = params["tools"]
+    tools = _tools(row)
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+def _tools(row: dict[str, Any]) -> Any:
+    p = row.get("params")
+    return _json(p.get("tools")) if p else None
+
+
+def _role_content(m: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
+    for k in ("reasoning_content", "tool_calls", "tool_call_id"):
+        if m.get(k):
+            out[k] = m[k]
+    return out
+
+
+def _specforge_problem(conv: list[dict[str, Any]], raw: list[dict[str, Any]]) -> str | None:
+    """Why SpecForge's conversation check would refuse `conv`, or None (its documented rules:
+    system only before the first user turn, then user and assistant alternating, user and
+    system text non-empty, assistant content a string)."""
+    expected, saw_user = "user", False
+    for i, (m, r) in enumerate(zip(conv, raw)):
+        role = m["role"]
+        if not isinstance(r.get("content", ""), str) and r.get("content") is not None:
+            return f"message {i}: content parts (not text) cannot be expressed for SpecForge"
+        if m.get("tool_calls") or role == "tool":
+            return f"message {i}: tool calls and tool turns are not part of SpecForge's conversation format"
+        if role != "assistant" and not m["content"].strip():
+            return f"message {i} ({role}): empty content"
+        if role == "system" and not saw_user:
+            continue
+        if role != expected:
+            return f"message {i}: expected a {expected} turn, got {role}"
+        saw_user = True
+        expected = "assistant" if role == "user" else "user"
+    return None if saw_user else "no user turn"
+
+
+def _specforge_line(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    raw = _messages(row) + [_answer(row)]
+    conv = [_role_content(m) for m in raw]
+    out: dict[str, Any] = dict(_json(row.get("extra")) or {})
+    out["id"] = row["id"]
+    tools = _tools(row)
+    if tools:
+        out["tools"] = tools
+    out["conversations"] = conv
+    problem = _specforge_problem(conv, raw)
+    if problem is not None:
+        out["status"] = "skipped"
+        out["error"] = problem
+        return out, False
+    out["status"] = "success"
+    return out, True
+
+
+def _speculators_line(row: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": row["id"],
+                           "conversations": [_role_content(m) for m in _messages(row) + [_answer(row)]]}
+    tools = _tools(row)
+    if tools:
+        out["tools"] = tools
     return out
 
 
@@ -151,33 +243,82 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path) -> int:
     if not (Path(out_dir) / "shards").is_dir():
         raise FileNotFoundError(f"{out_dir} holds no generation results (no shards/ directory)")
     model = _model_name(out_dir) if fmt == "openai-batch" else None
-    convert: Callable[[dict[str, Any]], dict[str, Any]] = {
+    convert: Callable[[dict[str, Any]], Any] = {
         "openai-batch": lambda r: _openai_line(r, model),
         "jsonl": _flat_line,
         "sharegpt": _sharegpt_line,
+        "specforge": _specforge_line,
+        "speculators": _speculators_line,
     }[fmt]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    n = 0
-    try:
-        raw = open(tmp, "wb")
-        f = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) if dest.suffix == ".gz" else raw
-        try:
-            for batch in iter_results(out_dir):
-                f.write(b"".join(_dumps(convert(r)) + b"\n" for r in batch.to_pylist()))
-                n += batch.num_rows
-            if fmt == "openai-batch":
-                for rec in read_errors(out_dir):
-                    f.write(_dumps(_openai_error_line(rec)) + b"\n")
-                    n += 1
-        finally:
-            if f is not raw:
-                f.close()
-            raw.close()
-        _fsync_file(tmp)
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _Atomic(dest) as f, _Atomic(skipped_path(dest) if fmt == "specforge" else None, keep_empty=False) as skipped:
+        n = 0
+        for batch in iter_results(out_dir):
+            lines, side = [], []
+            for r in batch.to_pylist():
+                rec = convert(r)
+                if fmt == "specforge":
+                    rec, ok = rec
+                    if not ok:
+                        side.append(_dumps(rec) + b"\n")
+                        continue
+                lines.append(_dumps(rec) + b"\n")
+            f.write(b"".join(lines))
+            n += len(lines)
+            if side:
+                skipped.write(b"".join(side))
+        if fmt == "openai-batch":
+            for rec in read_errors(out_dir):
+                f.write(_dumps(_openai_error_line(rec)) + b"\n")
+                n += 1
     return n
+
+
+def skipped_path(dest: str | Path) -> Path:
+    """Where `specforge` puts rows SpecForge cannot take: DEST's name with `_skipped` before `.jsonl`."""
+    dest = Path(dest)
+    name = dest.name
+    for suffix in (".jsonl.gz", ".jsonl", ".gz"):
+        if name.endswith(suffix):
+            return dest.with_name(name[: -len(suffix)] + "_skipped" + suffix)
+    return dest.with_name(name + "_skipped")
+
+
+class _Atomic:
+    """A file written to DEST.tmp (gzip when DEST ends in .gz), fsync'd and renamed on success,
+    removed on failure. `None` as DEST: writes go nowhere. Without `keep_empty`, a file that
+    got nothing is not written (and an older one is removed: it would describe another export)."""
+
+    def __init__(self, dest: Path | None, keep_empty: bool = True) -> None:
+        self.dest = dest
+        self.keep_empty = keep_empty
+
+    def __enter__(self) -> Any:
+        if self.dest is None:
+            return self
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.dest.with_name(self.dest.name + ".tmp")
+        self.raw = open(self.tmp, "wb")
+        self.f = gzip.GzipFile(fileobj=self.raw, mode="wb", compresslevel=6) if self.dest.suffix == ".gz" else self.raw
+        self.used = False
+        return self
+
+    def write(self, data: bytes) -> None:
+        if self.dest is not None:
+            self.used = True
+            self.f.write(data)
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if self.dest is None:
+            return
+        try:
+            if self.f is not self.raw:
+                self.f.close()
+            self.raw.close()
+            if exc_type is None and (self.used or self.keep_empty):
+                _fsync_file(self.tmp)
+                os.replace(self.tmp, self.dest)
+                _fsync_dir(self.dest.parent)
+            elif exc_type is None:
+                self.dest.unlink(missing_ok=True)
+        finally:
+            self.tmp.unlink(missing_ok=True)

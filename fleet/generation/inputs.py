@@ -110,6 +110,9 @@ class Request:
     line: int  # 1-based line (JSONL) or row number (Parquet)
     messages: list[dict[str, Any]]  # OpenAI chat messages, nulls removed
     params: dict[str, Any]  # request body minus messages and model, config defaults applied
+    # The row's other top-level fields (source, category, ...): kept for exports that
+    # hand the input row back with the conversation replaced (SpecForge). None: none.
+    extra: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -263,8 +266,12 @@ def _check_tool_calls(tcs: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _check_messages(msgs: Any) -> list[dict[str, Any]]:
-    """Validate OpenAI chat messages in place (nulls removed); raise _Bad with the first problem."""
+def _check_messages(msgs: Any, all_turns: bool = False) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages in place (nulls removed); raise _Bad with the first problem.
+
+    `all_turns` (generation.regenerate = "all-turns"): every assistant turn is generated
+    again, so the conversation may end with one, but each must answer a user or tool turn.
+    """
     if not isinstance(msgs, list):
         raise _Bad(f"messages must be a list, got {_type(msgs)}")
     if not msgs:
@@ -291,9 +298,24 @@ def _check_messages(msgs: Any) -> list[dict[str, Any]]:
             _check_content(content, where)
         if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
             raise _Bad(f"{where}: tool_call_id must be a string")
-    if msgs[-1]["role"] == "assistant":
+    if all_turns:
+        _check_turn_order(msgs)
+    elif msgs[-1]["role"] == "assistant":
         raise _Bad("last message is from the assistant: nothing to generate")
     return msgs
+
+
+def _check_turn_order(msgs: list[dict[str, Any]]) -> None:
+    """All-turns mode: an assistant turn to regenerate needs a user/tool turn before it."""
+    prev = None
+    for i, m in enumerate(msgs):
+        role = m["role"]
+        if role == "assistant" and not m.get("tool_calls"):
+            if prev is None or prev == "system":
+                raise _Bad(f"messages[{i}]: the conversation starts with an assistant turn (nothing to answer)")
+            if prev == "assistant":
+                raise _Bad(f"messages[{i}]: two assistant turns in a row (turn order user, assistant, user, ...)")
+        prev = role
 
 
 def _is_int(v: Any) -> bool:
@@ -302,6 +324,16 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _number(k: str, v: Any) -> None:
+    if not _is_num(v):
+        raise _Bad(f"{k} must be a number, got {v!r}")
+
+
+def _string(k: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise _Bad(f"{k} must be a string, got {_type(v)}")
 
 
 def _positive_int(k: str, v: Any) -> None:
@@ -349,6 +381,8 @@ def _n(k: str, v: Any) -> None:
 _PARAM_CHECKS = {
     "max_tokens": _positive_int, "max_completion_tokens": _positive_int, "temperature": _temperature,
     "top_p": _top_p, "seed": _integer, "stop": _stop, "tools": _tools, "chat_template_kwargs": _object, "n": _n,
+    "top_k": _integer, "min_p": _number, "presence_penalty": _number, "frequency_penalty": _number,
+    "repetition_penalty": _number, "reasoning_effort": _string,
 }
 _DROPPED = frozenset(_DROPPED_PARAMS)
 
@@ -388,7 +422,20 @@ def _row_id(row: dict[str, Any], keys: tuple[str, ...]) -> str | None:
 # ---------------------------------------------------------------------------- row shapes
 
 
-def _batch_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+_Shape = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]
+
+
+def _extra(row: dict[str, Any], used: frozenset[str]) -> dict[str, Any] | None:
+    extra = {k: v for k, v in row.items() if k not in used}
+    return extra or None
+
+
+_BATCH_KEYS = frozenset({"custom_id", "id", "method", "url", "body"})
+_SIMPLE_KEYS = frozenset({"custom_id", "id", "messages", "params"}) | KNOWN_PARAMS
+_SHAREGPT_KEYS = frozenset({"custom_id", "id", "conversations", "params", "tools", "system"})
+
+
+def _batch_row(row: dict[str, Any], all_turns: bool) -> _Shape:
     url = row.get("url")
     if url is not None and url not in ("/v1/chat/completions", "/chat/completions", "v1/chat/completions"):
         raise _Bad(f"unsupported url {url!r}: only /v1/chat/completions")
@@ -402,7 +449,7 @@ def _batch_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any
         raise _Bad("no messages in body")
     msgs = _maybe_json(body["messages"], "body.messages")
     params = {k: v for k, v in body.items() if k != "messages"}
-    return _check_messages(msgs), _check_params(params)
+    return _check_messages(msgs, all_turns), _check_params(params), _extra(row, _BATCH_KEYS)
 
 
 def _row_params(row: dict[str, Any]) -> dict[str, Any]:
@@ -415,11 +462,11 @@ def _row_params(row: dict[str, Any]) -> dict[str, Any]:
     return dict(extra)
 
 
-def _simple_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _simple_row(row: dict[str, Any], all_turns: bool) -> _Shape:
     msgs = _maybe_json(row["messages"], "messages")
     params = {k: v for k, v in row.items() if k in KNOWN_PARAMS}
     params.update(_row_params(row))
-    return _check_messages(msgs), _check_params(params)
+    return _check_messages(msgs, all_turns), _check_params(params), _extra(row, _SIMPLE_KEYS)
 
 
 def _function_calls(value: Any, where: str, turn: int) -> list[dict[str, Any]]:
@@ -440,7 +487,7 @@ def _function_calls(value: Any, where: str, turn: int) -> list[dict[str, Any]]:
     return out
 
 
-def _sharegpt_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _sharegpt_row(row: dict[str, Any], all_turns: bool) -> _Shape:
     conv = _maybe_json(row["conversations"], "conversations")
     if not isinstance(conv, list):
         raise _Bad(f"conversations must be a list, got {_type(conv)}")
@@ -473,20 +520,20 @@ def _sharegpt_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, 
         if role == "tool" and pending:
             msg["tool_call_id"] = pending.pop(0)
         msgs.append(msg)
-    if msgs and msgs[-1]["role"] == "assistant":
+    if msgs and msgs[-1]["role"] == "assistant" and not all_turns:
         msgs.pop()  # the answer we regenerate
     if not msgs:
         raise _Bad("empty conversations")
-    return _check_messages(msgs), _check_params(params)
+    return _check_messages(msgs, all_turns), _check_params(params), _extra(row, _SHAREGPT_KEYS)
 
 
-def _shape(row: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _shape(row: dict[str, Any], all_turns: bool = False) -> _Shape:
     if row.get("body") is not None:
-        return _batch_row(row)
+        return _batch_row(row, all_turns)
     if row.get("messages") is not None:
-        return _simple_row(row)
+        return _simple_row(row, all_turns)
     if row.get("conversations") is not None:
-        return _sharegpt_row(row)
+        return _sharegpt_row(row, all_turns)
     raise _Bad("no messages: expected 'messages', 'body.messages' or 'conversations'")
 
 
@@ -496,7 +543,8 @@ def _defaults(cfg: GenerationConfig | None) -> dict[str, Any]:
 
         cfg = GenerationConfig()
     d: dict[str, Any] = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
-    for k in ("top_p", "seed", "stop", "chat_template_kwargs"):
+    for k in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+              "stop", "chat_template_kwargs"):
         v = getattr(cfg, k)
         if v is not None:
             d[k] = v
@@ -600,9 +648,13 @@ def iter_input(
     path = Path(path)
     st = stats if stats is not None else InputStats()
     dflt = _defaults(defaults)
+    all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    limit = defaults.limit if defaults is not None else None
     seen = _SeenIds()
     rows = _parquet_rows(path, st) if _is_parquet(path) else _jsonl_rows(path, st)  # FatalError: no such file
     for line, obj, raw in rows:
+        if limit is not None and st.rows >= limit:
+            break
         st.rows += 1
         rid: str | None = None
         try:
@@ -619,7 +671,7 @@ def iter_input(
                 if skip_ids is not None and skip_ids(rid):
                     st.skipped += 1
                     continue
-            msgs, own = _shape(obj)
+            msgs, own, extra = _shape(obj, all_turns)
             if rid is None:
                 rid = content_id(msgs, own)
                 first = seen.first_line(digest(rid), line)
@@ -638,7 +690,7 @@ def iter_input(
             yield Reject(line=line, id=rid, reason="row nested too deeply", raw=_raw(raw if raw is not None else obj))
             continue
         st.requests += 1
-        yield Request(id=rid, line=line, messages=msgs, params=_apply_defaults(dflt, own))
+        yield Request(id=rid, line=line, messages=msgs, params=_apply_defaults(dflt, own), extra=extra)
 
 
 def input_fingerprint(path: str | Path) -> str:

@@ -278,7 +278,8 @@ class _Progress:
         snap = disp.snapshot()
         counts = self.store.counts()   # the truth, across every run into this directory
         completed, errors, rejects = counts["completed"], counts["errors"], counts["rejects"]
-        done = completed + errors + rejects
+        quality_rejects = counts.get("quality_rejects", 0)
+        done = completed + errors + rejects + quality_rejects
         total = self.rows_total
         remaining = None if total is None else max(0, total - done)
         rows_per_s = snap["completed"] + snap["errors"]
@@ -292,7 +293,8 @@ class _Progress:
             "elapsed_s": snap["elapsed_s"],
             "input": self.job.input, "output": self.job.output,
             "rows_total": total, "rows_done": done, "completed": completed, "errors": errors,
-            "rejects": rejects, "committed": counts.get("committed"), "shards": counts.get("shards"),
+            "rejects": rejects, "quality_rejects": quality_rejects,
+            "committed": counts.get("committed"), "shards": counts.get("shards"),
             "percent": round(100 * done / total, 2) if total else None,
             "this_run": {k: snap[k] for k in ("fed", "completed", "errors", "rejects", "retries", "requeues")},
             "in_flight": snap["in_flight"], "queued": snap["queued"],
@@ -346,7 +348,7 @@ def _cost(cfg: FleetConfig, wall_s: float, gpus: int, completion_tokens: int, pr
 
 async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool = True) -> int:
     """Run one job to its end (or a stop); return the process exit code."""
-    from fleet.generation.checks import data_checks
+    from fleet.generation.checks import data_checks, quality_summary
     from fleet.generation.inputs import count_rows, input_fingerprint, iter_input
     from fleet.generation.store import ResultStore, write_manifest
 
@@ -379,7 +381,8 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
         progress = _Progress(job, store, started_at)
 
         async def count() -> None:
-            progress.rows_total = await asyncio.to_thread(count_rows, job.input)
+            n = await asyncio.to_thread(count_rows, job.input)
+            progress.rows_total = n if gen.limit is None else min(n, gen.limit)
 
         counter = asyncio.ensure_future(count())
         loop = asyncio.get_running_loop()
@@ -434,7 +437,8 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             "dispatch_s": round(summary.wall_s, 3), "state": summary.state, "gpus": gpus,
             "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
             **{k: getattr(summary, k) for k in ("fed", "completed", "errors", "rejects", "unfinished", "retries",
-                                                 "requeues")},
+                                                 "requeues", "quality_rejects")},
+            "gates": summary.gates,
         }
         # A long job is often several runs (kills, resumes): keep each, and sum them.
         from fleet.generation.store import read_manifest
@@ -453,7 +457,7 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             "input": {"path": str(job.input), "fingerprint": fingerprint, "rows": progress.rows_total},
             "output": str(out),
             "counts": counts,
-            "accounted": sum(counts.get(k, 0) for k in ("completed", "errors", "rejects")),
+            "accounted": sum(counts.get(k, 0) for k in ("completed", "errors", "rejects", "quality_rejects")),
             "this_run": this_run,
             "config_fingerprint": cfg.fingerprint(),
             "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
@@ -482,6 +486,10 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             manifest["checks"] = await asyncio.to_thread(data_checks, out)
         except Exception as exc:  # checks must never cost the job its manifest
             manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            manifest["quality"] = await asyncio.to_thread(quality_summary, out, summary.gates)
+        except Exception as exc:
+            manifest["quality"] = {"error": f"{type(exc).__name__}: {exc}"}
         write_manifest(out, manifest)
         # last: a watcher that sees the final state finds the manifest already there
         final["manifest"] = str(out / "manifest.json")

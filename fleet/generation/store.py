@@ -8,6 +8,7 @@ Layout of an output directory::
     DIR/errors.jsonl             rows that failed for good (last error, attempts, line, server, status)
     DIR/errors-<ts>.retried.jsonl    errors files set aside by `--retry-errors` (audit trail)
     DIR/rejects.jsonl            input rows that cannot be generated (line, id, reason, raw)
+    DIR/quality_rejects.jsonl    generated rows a quality gate turned away (id, reasons, the row)
     DIR/manifest.json            written by the runner (`write_manifest`)
 
 Invariants, whatever is killed and when:
@@ -64,17 +65,50 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "RESULT_COLUMNS", "RESULT_SCHEMA", "IdSet", "ResultStore", "read_results", "iter_results",
-    "shard_paths", "read_errors", "read_rejects", "write_manifest", "read_manifest",
+    "shard_paths", "read_errors", "read_rejects", "read_quality_rejects", "write_manifest", "read_manifest",
+    "MESSAGE_TYPE", "TOOL_CALL_TYPE", "PARAMS_TYPE", "message_to_arrow", "message_from_arrow", "params_to_arrow",
+    "params_from_arrow", "tool_call_to_arrow", "QUALITY_REJECTS",
 ]
 
 log = logging.getLogger("fleet.generation.store")
 
+# Nested types, so pandas, Polars and `datasets` read conversations without json.loads.
+# What stays a JSON string, and why: a tool call's `arguments` (the OpenAI wire format is a
+# string, and arguments differ per tool), a tool's JSON-schema `parameters` (`params.tools`),
+# `chat_template_kwargs`, and anything without a fixed shape (`extra` fields, content
+# parts): one Parquet column has one type, and these differ from row to row.
+TOOL_CALL_TYPE = pa.struct([
+    pa.field("id", pa.string()), pa.field("type", pa.string()),
+    pa.field("function", pa.struct([pa.field("name", pa.string()), pa.field("arguments", pa.string())])),
+])
+MESSAGE_TYPE = pa.struct([
+    pa.field("role", pa.string()),
+    pa.field("content", pa.string()),            # null when the content is a list of parts
+    pa.field("content_parts", pa.string()),      # JSON list of content parts (multimodal), else null
+    pa.field("reasoning_content", pa.string()),  # regenerated earlier turns keep their reasoning
+    pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+    pa.field("tool_call_id", pa.string()),
+    pa.field("name", pa.string()),
+    pa.field("extra", pa.string()),              # JSON object of any other keys of the message
+])
+_PARAM_FIELDS = [
+    ("max_tokens", pa.int64()), ("max_completion_tokens", pa.int64()), ("temperature", pa.float64()),
+    ("top_p", pa.float64()), ("top_k", pa.int64()), ("min_p", pa.float64()),
+    ("presence_penalty", pa.float64()), ("frequency_penalty", pa.float64()), ("repetition_penalty", pa.float64()),
+    ("seed", pa.int64()), ("stop", pa.list_(pa.string())), ("reasoning_effort", pa.string()),
+]
+PARAMS_TYPE = pa.struct([pa.field(k, t) for k, t in _PARAM_FIELDS] + [
+    pa.field("chat_template_kwargs", pa.string()),  # JSON object
+    pa.field("tools", pa.string()),                 # JSON list of tool definitions
+    pa.field("extra", pa.string()),                 # JSON object of every other parameter
+])
+
 RESULT_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
-    pa.field("messages", pa.string()),  # the request's messages, JSON
+    pa.field("messages", pa.list_(MESSAGE_TYPE)),  # the prompt of the last generated turn
     pa.field("completion", pa.string()),
     pa.field("reasoning_content", pa.string()),  # when the server separates reasoning
-    pa.field("tool_calls", pa.string()),  # JSON list, null when none
+    pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),  # null when none
     pa.field("finish_reason", pa.string()),
     pa.field("prompt_tokens", pa.int64()),
     pa.field("completion_tokens", pa.int64()),
@@ -83,15 +117,21 @@ RESULT_SCHEMA = pa.schema([
     pa.field("latency_s", pa.float64()),
     pa.field("started_at", pa.float64()),  # epoch seconds
     pa.field("finished_at", pa.float64()),
-    # Optional (callers may omit it): the request params as sent, JSON. A training set of
+    # Optional (callers may omit it): the request params as sent. A training set of
     # tool-calling rows needs `tools` (and chat_template_kwargs) to render the chat template.
-    pa.field("params", pa.string()),
+    pa.field("params", PARAMS_TYPE),
+    pa.field("flags", pa.list_(pa.string())),  # quality gates with action "flag" that fired, null when none
+    pa.field("turns", pa.int32()),  # assistant turns generated for this row (all-turns mode: every one)
+    pa.field("extra", pa.string()),  # the input row's other top-level fields, JSON object
 ])
 RESULT_COLUMNS = RESULT_SCHEMA.names
 _COLUMNS = frozenset(RESULT_COLUMNS)
-_JSON_COLUMNS = frozenset({"messages", "tool_calls", "params"})
-_INT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "attempts"})
+_NESTED_COLUMNS = frozenset({"messages", "tool_calls", "params", "flags"})
+_INT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "attempts", "turns"})
 _FLOAT_COLUMNS = frozenset({"latency_s", "started_at", "finished_at"})
+QUALITY_REJECTS = "quality_rejects.jsonl"
+_DICT_COLUMNS = ["finish_reason", "server", "params.tools", "params.chat_template_kwargs",
+                 "params.reasoning_effort", "flags.list.element"]
 _SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 
 
@@ -270,6 +310,11 @@ def read_errors(out_dir: str | Path) -> Iterator[dict[str, Any]]:
     return _read_jsonl(Path(out_dir) / "errors.jsonl")
 
 
+def read_quality_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of quality_rejects.jsonl: id, line, reasons, attempts, at, row (the result row)."""
+    return _read_jsonl(Path(out_dir) / QUALITY_REJECTS)
+
+
 def read_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Records of rejects.jsonl: line, id, reason, duplicate, raw, at."""
     return _read_jsonl(Path(out_dir) / "rejects.jsonl")
@@ -291,18 +336,27 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------- reading results
 
 
+def _upgrade(arr: pa.Array, name: str) -> pa.Array:
+    """A column of a shard written before nested types (JSON strings) as today's type."""
+    conv = _SPECIAL[name]
+    return pa.array([conv(v) for v in arr.to_pylist()], type=RESULT_SCHEMA.field(name).type)
+
+
 def _shard_batches(path: Path, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
     pf = pq.ParquetFile(path)
-    have = set(pf.schema_arrow.names)
+    file_schema = pf.schema_arrow
+    have = set(file_schema.names)
     present = [c for c in columns if c in have]
     schema = pa.schema([RESULT_SCHEMA.field(c) for c in columns])
+    stale = {c for c in present if c in _NESTED_COLUMNS and file_schema.field(c).type != RESULT_SCHEMA.field(c).type}
     for batch in pf.iter_batches(batch_size=batch_rows, columns=present):
-        if len(present) == len(columns):
+        if len(present) == len(columns) and not stale:
             yield batch
             continue
-        # A shard from before a column existed: the column reads as nulls.
-        arrays = [batch.column(c) if c in have else pa.nulls(batch.num_rows, RESULT_SCHEMA.field(c).type)
-                  for c in columns]
+        # A shard from before a column existed: the column reads as nulls; one from
+        # before nested types: its JSON strings are decoded.
+        arrays = [(_upgrade(batch.column(c), c) if c in stale else batch.column(c)) if c in have
+                  else pa.nulls(batch.num_rows, RESULT_SCHEMA.field(c).type) for c in columns]
         yield pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
@@ -327,14 +381,137 @@ def read_results(out_dir: str | Path, columns: list[str] | None = None) -> pa.Ta
 # ---------------------------------------------------------------------------- the store
 
 
-def _conv_json(name: str):
-    def conv(v: Any) -> str | None:
-        if v is None or isinstance(v, str):
-            return v
-        if name == "tool_calls" and not v:
-            return None
-        return _dumps(v).decode()
-    return conv
+def _json_str(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    return _dumps(v).decode()
+
+
+def tool_call_to_arrow(tc: Any) -> dict[str, Any]:
+    """One OpenAI tool call as TOOL_CALL_TYPE (arguments always a JSON string)."""
+    if not isinstance(tc, dict):
+        raise TypeError(f"a tool call must be an object, got {type(tc).__name__}")
+    fn = tc.get("function") or {}
+    return {"id": tc.get("id"), "type": tc.get("type") or "function",
+            "function": {"name": fn.get("name"), "arguments": _json_str(fn.get("arguments"))}}
+
+
+def _tool_calls_to_arrow(tcs: Any) -> list[dict[str, Any]] | None:
+    if not tcs:
+        return None
+    return [tool_call_to_arrow(tc) for tc in tcs]
+
+
+_MESSAGE_KEYS = frozenset(MESSAGE_TYPE.names) - {"content_parts", "extra"}
+
+
+def message_to_arrow(m: dict[str, Any]) -> dict[str, Any]:
+    """One chat message as MESSAGE_TYPE; `message_from_arrow` undoes it."""
+    content = m.get("content")
+    other = {k: v for k, v in m.items() if k not in _MESSAGE_KEYS and v is not None}
+    return {
+        "role": m.get("role"),
+        "content": content if isinstance(content, str) or content is None else None,
+        "content_parts": None if isinstance(content, str) or content is None else _json_str(content),
+        "reasoning_content": m.get("reasoning_content"),
+        "tool_calls": _tool_calls_to_arrow(m.get("tool_calls")),
+        "tool_call_id": m.get("tool_call_id"),
+        "name": m.get("name"),
+        "extra": _json_str(other) if other else None,
+    }
+
+
+def message_from_arrow(d: dict[str, Any]) -> dict[str, Any]:
+    """A stored message back as an OpenAI chat message (absent fields left out)."""
+    m: dict[str, Any] = {"role": d.get("role")}
+    if d.get("content_parts") is not None:
+        m["content"] = _loads(d["content_parts"])
+    elif d.get("content") is not None:
+        m["content"] = d["content"]
+    for k in ("reasoning_content", "tool_call_id", "name"):
+        if d.get(k) is not None:
+            m[k] = d[k]
+    if d.get("tool_calls"):
+        m["tool_calls"] = d["tool_calls"]
+    if d.get("extra"):
+        m.update(_loads(d["extra"]))
+    return m
+
+
+_PARAM_KEYS = frozenset(k for k, _ in _PARAM_FIELDS)
+_PARAM_INTS = frozenset(k for k, t in _PARAM_FIELDS if t == pa.int64())
+_PARAM_FLOATS = frozenset(k for k, t in _PARAM_FIELDS if t == pa.float64())
+
+
+def _typed_param(k: str, v: Any) -> bool:
+    """Whether `v` fits the typed column of param `k` (else it goes to `extra`, as given)."""
+    if k in _PARAM_INTS:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if k in _PARAM_FLOATS:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+    if k == "stop":
+        return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+    return isinstance(v, str)
+
+
+def params_to_arrow(p: dict[str, Any]) -> dict[str, Any]:
+    """Request params as PARAMS_TYPE; `params_from_arrow` undoes it."""
+    out: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    for k, v in p.items():
+        if v is None:
+            continue
+        if k in _PARAM_KEYS and _typed_param(k, v):
+            out[k] = [v] if k == "stop" and isinstance(v, str) else v
+        elif k in ("chat_template_kwargs", "tools"):
+            out[k] = _json_str(v)
+        else:
+            other[k] = v
+    out["extra"] = _json_str(other) if other else None
+    return out
+
+
+def params_from_arrow(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Stored params back as a request-params dict (absent fields left out)."""
+    if d is None:
+        return None
+    p: dict[str, Any] = {}
+    for k, v in d.items():
+        if v is None or k == "extra":
+            continue
+        p[k] = _loads(v) if k in ("chat_template_kwargs", "tools") else v
+    if d.get("extra"):
+        p.update(_loads(d["extra"]))
+    return p
+
+
+def _decode(v: Any) -> Any:
+    """A value given as JSON text (older callers, older shards) as the object it encodes."""
+    return _loads(v) if isinstance(v, str | bytes) else v
+
+
+def _conv_messages(v: Any) -> list[dict[str, Any]] | None:
+    v = _decode(v)
+    return None if v is None else [message_to_arrow(m) for m in v]
+
+
+def _conv_tool_calls(v: Any) -> list[dict[str, Any]] | None:
+    return _tool_calls_to_arrow(_decode(v))
+
+
+def _conv_params(v: Any) -> dict[str, Any] | None:
+    v = _decode(v)
+    return params_to_arrow(v) if v else None
+
+
+def _conv_flags(v: Any) -> list[str] | None:
+    return list(v) if v else None
+
+
+def _conv_extra(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    return _dumps(v).decode() if v else None
 
 
 def _conv_str(name: str):
@@ -353,8 +530,10 @@ def _conv_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
+_SPECIAL = {"messages": _conv_messages, "tool_calls": _conv_tool_calls, "params": _conv_params,
+            "flags": _conv_flags, "extra": _conv_extra}
 _CONVERTERS = [
-    _conv_json(c) if c in _JSON_COLUMNS else _conv_int if c in _INT_COLUMNS
+    _SPECIAL[c] if c in _SPECIAL else _conv_int if c in _INT_COLUMNS
     else _conv_float if c in _FLOAT_COLUMNS else _conv_str(c)
     for c in RESULT_COLUMNS
 ]
@@ -385,6 +564,7 @@ class ResultStore:
         self.shards_dir = self.dir / "shards"
         self.errors_path = self.dir / "errors.jsonl"
         self.rejects_path = self.dir / "rejects.jsonl"
+        self.quality_path = self.dir / QUALITY_REJECTS
         try:
             self.shards_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -446,6 +626,7 @@ class ResultStore:
         self._check_job(fingerprint)
         _repair_jsonl(self.errors_path)
         _repair_jsonl(self.rejects_path)
+        _repair_jsonl(self.quality_path)
 
         shards = shard_paths(self.dir)
         self._next_seq = (int(_SHARD_RE.match(shards[-1].name).group(1)) + 1) if shards else 1
@@ -468,11 +649,13 @@ class ResultStore:
                 self._reject_done.append(rid)
         self._rejects = len(self._reject_lines)
         self._errors = len(self._error_ids)
+        self._quality_ids: list[str] = [r["id"] for r in read_quality_rejects(self.dir) if isinstance(r.get("id"), str)]
         self._buffer: list[tuple[Any, ...]] = []
         self._done: IdSet | None = None
         self._dropped = 0
         self._errors_f = open(self.errors_path, "ab")
         self._rejects_f = open(self.rejects_path, "ab")
+        self._quality_f = open(self.quality_path, "ab")
         self._closed = False
 
     def _check_job(self, fingerprint: str | None) -> None:
@@ -510,6 +693,7 @@ class ResultStore:
             shard_ids = len(digests)
             digests.extend(map(digest, self._error_ids))
             digests.extend(map(digest, self._reject_done))
+            digests.extend(map(digest, self._quality_ids))
             self._done = IdSet(digests)
             repeated = len(digests) - len(self._done)
             if repeated:
@@ -588,6 +772,36 @@ class ResultStore:
             self._errors += 1
         return True
 
+    def add_quality_reject(self, row: dict[str, Any], reasons: list[str], *, line: int | None = None) -> bool:
+        """Record a generated row that a quality gate turned away (appended, fsync'd at once).
+
+        It counts as done (resume does not generate it again). Returns False, and records
+        nothing, when the id is already done.
+        """
+        rid = row.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"a rejected row needs a non-empty string 'id', got {rid!r}")
+        rec = {"id": rid, "line": line, "reasons": list(reasons), "attempts": row.get("attempts"),
+               "at": time.time(), "row": row}
+        data = _dumps(rec) + b"\n"
+        with self._lock:
+            self._check_open()
+            done = self._done_set()
+            if not done.add(rid):
+                self._dropped += 1
+                log.warning("quality reject for %r dropped: the id is already done", rid)
+                return False
+            try:
+                self._quality_f.write(data)
+                self._quality_f.flush()
+                os.fsync(self._quality_f.fileno())
+            except OSError as exc:
+                done.discard(rid)
+                raise FatalError(f"cannot append to {self.quality_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume") from exc
+            self._quality_ids.append(rid)
+        return True
+
     def add_reject(self, reject: Reject) -> bool:
         """Record an input row that cannot be generated; False when its line is already recorded."""
         dup = reject.reason.startswith(DUPLICATE_REASON)
@@ -622,7 +836,7 @@ class ResultStore:
                 cols = list(zip(*rows))
                 table = pa.Table.from_arrays(
                     [pa.array(col, type=f.type) for col, f in zip(cols, RESULT_SCHEMA)], schema=RESULT_SCHEMA)
-                pq.write_table(table, tmp, compression="zstd", use_dictionary=["finish_reason", "server", "params"])
+                pq.write_table(table, tmp, compression="zstd", use_dictionary=_DICT_COLUMNS)
                 _fsync_file(tmp)
                 os.rename(tmp, final)
                 renamed = True
@@ -690,6 +904,7 @@ class ResultStore:
                 "shards": self._shards,
                 "errors": self._errors,
                 "rejects": self._rejects,
+                "quality_rejects": len(self._quality_ids),
                 "dropped": self._dropped,  # add_result/add_error calls refused: id already done
             }
 
@@ -702,7 +917,7 @@ class ResultStore:
         finally:
             with self._lock:
                 self._closed = True
-                for f in (self._errors_f, self._rejects_f):
+                for f in (self._errors_f, self._rejects_f, self._quality_f):
                     try:
                         f.close()
                     except OSError:

@@ -107,6 +107,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
       help="ready and /health ok, but generations (and /health_generate) never answer")
     a("--error-rate", type=float, default=0.0,
       help="share 0..1 of generation requests answered with HTTP 500 (deterministic)")
+    a("--empty-rate", type=float, default=0.0,
+      help="share 0..1 of chat answers with empty content (decided per prompt and request seed)")
+    a("--think-leak-rate", type=float, default=0.0,
+      help="share 0..1 of chat answers whose reasoning is left in the content as <think>...</think> "
+           "(no reasoning_content): a missing reasoning parser")
+    a("--loop-rate", type=float, default=0.0,
+      help="share 0..1 of chat answers that end in one word repeated (degenerate repetition)")
     a("--max-output-tokens-default", type=int, default=64,
       help="max tokens when a request gives none")
     a("--log-interval-s", type=float, default=1.0,
@@ -123,8 +130,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-running-requests must be >= 1")
     if args.kv_cache_tokens < 1 or args.context_length < 2:
         p.error("--kv-cache-tokens must be >= 1 and --context-length >= 2")
-    if not 0.0 <= args.error_rate <= 1.0:
-        p.error("--error-rate must be within 0..1")
+    for flag in ("error_rate", "empty_rate", "think_leak_rate", "loop_rate"):
+        if not 0.0 <= getattr(args, flag) <= 1.0:
+            p.error(f"--{flag.replace('_', '-')} must be within 0..1")
     if args.crash_after is not None and args.crash_after < 1:
         p.error("--crash-after must be >= 1")
     if args.startup_s < 0 or args.first_request_delay_s < 0:
@@ -201,6 +209,7 @@ def _digest(obj) -> int:
 
 
 _SALT_LEN, _SALT_ERR, _SALT_TEXT, _SALT_ID, _SALT_SPEC = 11, 13, 17, 19, 23
+_SALT_EMPTY, _SALT_LEAK, _SALT_LOOP = 29, 31, 37
 
 _COMMON = ("the", "of", "and", "to", "in", "is", "it", "on", "as", "by", "we", "so", "a", "or")
 _POOL_SIZE = 1 << 16
@@ -1102,11 +1111,23 @@ class App:
             first = chunk({"role": "assistant", "content": ""})
             return self._stream(req, conn, plan, chunks, first, last)
 
+        a = self.args
+
         def build() -> Resp:
             words = _words(plan.key, plan.completion_tokens)
-            message = {"role": "assistant", "content": " ".join(words[n_reason:])}
-            if thinking:
-                message["reasoning_content"] = " ".join(words[:n_reason])
+            content = " ".join(words[n_reason:])
+            reasoning = " ".join(words[:n_reason]) if thinking else None
+            # answer-quality faults (non-streamed answers): decided by the prompt and the
+            # request's seed, so asking again with another seed can come out clean
+            if a.loop_rate > 0 and words and _unit(plan.key, _SALT_LOOP) < a.loop_rate:
+                content = " ".join(words[n_reason:n_reason + 3] + [words[-1]] * 12)
+            if a.think_leak_rate > 0 and _unit(plan.key, _SALT_LEAK) < a.think_leak_rate:
+                content, reasoning = f"<think>{reasoning or ''}</think>{content}", None
+            if a.empty_rate > 0 and _unit(plan.key, _SALT_EMPTY) < a.empty_rate:
+                content = ""
+            message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             message["tool_calls"] = None
             return _json(200, {
                 "id": cid, "object": "chat.completion", "created": created, "model": model,

@@ -1,0 +1,100 @@
+"""Quality gates: what is wrong with one generated answer, decided per turn, cheaply.
+
+Each gate is a pure test of one answer (`client.Outcome`); `generation.quality` says what to
+do when it fires (keep / flag / reject / retry, see `fleet.config.QualityConfig`):
+
+    empty_content       content empty after stripping whitespace, and no tool calls
+    missing_reasoning   reasoning expected (enable_thinking, or quality.expect_reasoning) but
+                        reasoning_content empty or absent
+    think_markers       "<think>" or "</think>" (any case) left in the content or the reasoning:
+                        the server's reasoning parser did not separate them
+    truncated           finish_reason "length": cut at max_tokens
+    repetition          the answer ends in one span of 1-64 words repeated at least
+                        `repetition_min_repeats` times (a model stuck in a loop)
+
+`verdict()` turns the gates that fired into one decision: retry when a gate asks for it and
+tries are left (a new seed may fix every gate at once), else reject when any gate rejects
+(or asked for a retry and ran out), else flag, else keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleet.config import QualityConfig
+
+__all__ = ["GATES", "Verdict", "fired", "repeated_tail", "reasoning_expected", "verdict"]
+
+GATES = ("empty_content", "missing_reasoning", "think_markers", "truncated", "repetition")
+_MAX_SPAN = 64  # words
+_TAIL_WORDS = 4096  # only the end of an answer is looked at: bounded cost on long answers
+
+
+def repeated_tail(text: str, min_repeats: int) -> bool:
+    """Does `text` end with one span of 1-64 words repeated `min_repeats` times or more?"""
+    words = text[-(_TAIL_WORDS * 8):].split()
+    n = len(words)
+    for span in range(1, _MAX_SPAN + 1):
+        need = span * min_repeats
+        if need > n:
+            break
+        # words[-need:] is `span` words repeated iff each word equals the one `span` earlier
+        if all(words[n - i] == words[n - i - span] for i in range(1, need - span + 1)):
+            return True
+    return False
+
+
+def _has_think(text: str | None) -> bool:
+    if not text:
+        return False
+    low = text.lower()
+    return "<think>" in low or "</think>" in low
+
+
+def reasoning_expected(cfg: QualityConfig, params: dict[str, Any]) -> bool:
+    if cfg.expect_reasoning is not None:
+        return cfg.expect_reasoning
+    kwargs = params.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True
+
+
+def fired(out: Any, cfg: QualityConfig, expect_reasoning: bool) -> list[str]:
+    """The gates that fire on one answer (`client.Outcome`), in GATES order."""
+    content = out.completion or ""
+    reasoning = out.reasoning_content
+    hits = []
+    if not content.strip() and not out.tool_calls:
+        hits.append("empty_content")
+    if expect_reasoning and not (reasoning or "").strip():
+        hits.append("missing_reasoning")
+    if _has_think(content) or _has_think(reasoning):
+        hits.append("think_markers")
+    if out.finish_reason == "length":
+        hits.append("truncated")
+    if cfg.repetition != "keep" and content and repeated_tail(content, cfg.repetition_min_repeats):
+        hits.append("repetition")
+    return hits
+
+
+@dataclass(slots=True)
+class Verdict:
+    action: str                                   # keep | flag | reject | retry
+    flags: list[str] = field(default_factory=list)    # gates whose action is flag
+    reasons: list[str] = field(default_factory=list)  # gates that reject (or retried out)
+
+
+def verdict(hits: list[str], cfg: QualityConfig, tries_left: int) -> Verdict:
+    """One decision from the gates that fired (see the module docstring)."""
+    if not hits:
+        return Verdict("keep")
+    actions = {g: getattr(cfg, g) for g in hits}
+    flags = [g for g, a in actions.items() if a == "flag"]
+    retry = [g for g, a in actions.items() if a == "retry"]
+    if retry and tries_left > 0:
+        return Verdict("retry", flags, retry)
+    reasons = [g for g, a in actions.items() if a in ("reject", "retry")]
+    if reasons:
+        return Verdict("reject", flags, reasons)
+    return Verdict("flag" if flags else "keep", flags)
