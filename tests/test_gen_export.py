@@ -128,6 +128,110 @@ def test_export_sharegpt_with_tool_history(job, tmp_path):
     assert by_id["e"]["tools"] == TOOLS
 
 
+def specforge_problem(line: dict) -> str | None:
+    """SpecForge's acceptance of a regenerated-data line, written from its documented rules
+    (scripts/regenerate_train_data.py output, scripts/conversation_validation.py): status
+    "success"; `conversations` a non-empty list of {role, content}; system turns only before the
+    first user turn; then user and assistant alternating, starting with user; user/system
+    content a non-empty string, assistant content a string."""
+    if line.get("status") != "success":
+        return "status must be 'success'"
+    conv = line.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        return "conversations must be a non-empty list"
+    expected, saw_user = "user", False
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict):
+            return f"message {i} must be an object"
+        role, content = m.get("role"), m.get("content")
+        if role == "assistant":
+            if not isinstance(content, str):
+                return f"message {i} content must be a string"
+        elif not isinstance(content, str) or not content.strip():
+            return f"message {i} content must be a non-empty string"
+        if role == "system" and not saw_user:
+            continue
+        if role != expected:
+            return f"message {i} expected role {expected!r}, got {role!r}"
+        saw_user, expected = True, "assistant" if role == "user" else "user"
+    return None if saw_user else "conversation has no user message"
+
+
+def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tmp_path):
+    """issue 13: SpecForge's validator rejected `--format sharegpt` at line 1 ("status must be
+    'success'"). The specforge format is its own regenerated-data JSONL: the input's other
+    fields kept, role/content messages, reasoning_content where saved, status "success"; rows
+    it cannot take (tool turns) go to DEST_skipped.jsonl with status "skipped" and the reason."""
+    with ResultStore(job) as s:
+        s.add_result(row("h", "Two.", "stop", 3, extra={"source": "gsm8k", "category": "math", "id": "ignored"},
+                         messages=[{"role": "system", "content": "Be terse."},
+                                   {"role": "user", "content": "1+1?"},
+                                   {"role": "assistant", "content": "2", "reasoning_content": "add"},
+                                   {"role": "user", "content": "2/1?"}]))
+    dest = tmp_path / "regen.jsonl"
+    n = export(job, "specforge", dest)
+    lines = read_lines(dest)
+    assert n == len(lines) == 5  # a b c d h; e and f hold tool turns
+    assert [specforge_problem(ln) for ln in lines] == [None] * 5
+    h = next(ln for ln in lines if ln["id"] == "h")
+    assert h["source"] == "gsm8k" and h["category"] == "math" and h["status"] == "success"
+    assert h["conversations"] == [
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2", "reasoning_content": "add"}, {"role": "user", "content": "2/1?"},
+        {"role": "assistant", "content": "Two."}]
+    a = next(ln for ln in lines if ln["id"] == "a")
+    assert a["conversations"][-1] == {"role": "assistant", "content": "Hello world", "reasoning_content": "I should greet."}
+    skipped = read_lines(tmp_path / "regen_skipped.jsonl")
+    assert {ln["id"] for ln in skipped} == {"e", "f"}
+    assert all(ln["status"] == "skipped" and "tool" in ln["error"] for ln in skipped)
+    # a later export with nothing to skip removes the stale skipped file
+    only_a = tmp_path / "only_a"
+    with ResultStore(only_a) as s:
+        s.add_result(row("a", "Hi", "stop", 1))
+    export(only_a, "specforge", dest)
+    assert not (tmp_path / "regen_skipped.jsonl").exists()
+
+
+def speculators_conversation(turns: list[dict]) -> list[dict]:
+    """vLLM speculators' reading of a `conversations` list (its preprocessing, as documented):
+    role from `from`/`role` (human/user, gpt/assistant, system, tool), content from
+    `value`/`content`, tool_calls / tool_call_id / reasoning_content kept."""
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+             "tool": "tool"}
+    out = []
+    for t in turns:
+        role = roles.get(t.get("from", t.get("role", "")))
+        assert role is not None, f"speculators would read {t} as an unknown role"
+        m = {"role": role, "content": t.get("value") or t.get("content") or ""}
+        for k in ("tool_calls", "tool_call_id", "reasoning_content"):
+            if t.get(k):
+                m[k] = t[k]
+        out.append(m)
+    return out
+
+
+def test_export_speculators_reads_as_its_conversations_and_loads_with_datasets(job, tmp_path, monkeypatch):
+    """The speculators format is the conversation file its preprocessing takes
+    (`--train-data-path x.jsonl`): every turn role/content with tool calls and reasoning
+    kept, `tools` at the top level; and `datasets` loads it (and the specforge file) offline."""
+    dest = tmp_path / "spec.jsonl"
+    assert export(job, "speculators", dest) == 6
+    by_id = {ln["id"]: ln for ln in read_lines(dest)}
+    f = speculators_conversation(by_id["f"]["conversations"])
+    assert [m["role"] for m in f] == ["system", "user", "assistant", "tool", "assistant"]
+    assert f[2]["tool_calls"] == CALL and f[3]["tool_call_id"] == "call_1" and f[4]["content"] == "Sunny, 18 C."
+    assert by_id["e"]["tools"] == TOOLS and "tools" not in by_id["a"]
+    assert speculators_conversation(by_id["a"]["conversations"])[-1]["reasoning_content"] == "I should greet."
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    export(job, "specforge", tmp_path / "sf.jsonl")
+    for path in (dest, tmp_path / "sf.jsonl"):
+        ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
+        assert len(ds) >= 4 and ds[0]["conversations"][0]["role"] == "user"
+
+
 def test_export_is_atomic_and_replaces(job, tmp_path):
     dest = tmp_path / "x.jsonl"
     dest.write_text("old\n")
