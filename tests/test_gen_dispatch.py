@@ -122,7 +122,8 @@ def gen(**kw: Any) -> GenerationConfig:
 def fast(d: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
     """Dispatcher options that keep tests quick: short backoffs and polls."""
     return {"backoff_s": 0.02, "backoff_max_s": 0.2, "recovery_backoff_s": 0.1, "recovery_backoff_max_s": 0.3,
-            "probe_interval_s": 0.05, "liveness_poll_s": 0.1, "health_timeout_s": 2.0, **(d or {}), **kw}
+            "probe_interval_s": 0.05, "liveness_poll_s": 0.1, "health_timeout_s": 2.0, "stall_poll_s": 0.05,
+            "stall_probe_timeout_s": 1.0, **(d or {}), **kw}
 
 
 def assert_exactly_once(store: MemStore, ids: list[str]) -> None:
@@ -435,3 +436,129 @@ def test_session_pool_width_follows_concurrency() -> None:
             await sess.close()
 
     assert asyncio.run(go()) == 7
+
+
+# ----------------------------------------------------------------------------- the stall watchdog
+
+
+def sim_arrivals(sim: Sim) -> int:
+    """Generation requests that reached the sim (its own count, from /server_info)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(sim.url + "/server_info", timeout=10) as r:
+        return json.loads(r.read())["sim"]["generation_requests"]
+
+
+def test_stall_s_derived_from_recent_row_times_within_floor_and_ceiling() -> None:
+    """The stall limit follows what the job has seen: 3 x the recent p99 row time, within
+    [stall_min_s, stall_max_s]; the ceiling before any row finished; a fixed stall_s wins."""
+    d = Dispatcher([Endpoint("a", "http://127.0.0.1:1", "m"), Endpoint("b", "http://127.0.0.1:2", "m")], MemStore(),
+                   gen(stall_min_s=5, stall_max_s=100))
+    a, b = d.servers
+    assert d.stall_s(a) == 100, "nothing seen yet: the ceiling"
+    d._lats.extend([1.0] * 99 + [4.0])
+    assert d.stall_s(a) == 12.0, "too few rows of its own: the job's p99 (4 s) x 3"
+    a.lats.extend([0.5] * 50)
+    assert d.stall_s(a) == 5, "3 x 0.5 s is under the floor"
+    b.lats.extend([60.0] * 50)
+    assert d.stall_s(b) == 100, "3 x 60 s is over the ceiling"
+    d.gen = gen(stall_s=7)
+    assert d.stall_s(a) == d.stall_s(b) == 7
+
+
+def test_wedged_server_is_taken_out_relaunched_and_readmitted(sims) -> None:
+    """Fault: a server wedges mid-job (/health answers, generations and /health_generate hang:
+    SGLang with a stuck scheduler; the sim's --hang-after). Before the watchdog its rows were
+    held until the request timeout (30 min by default). Now: no row finished for stall_s → the
+    generation probe fails → down at once; its in-flight rows go back uncharged, the server is
+    relaunched through the down callback (the crash path) and re-admitted, and serves again."""
+    # one row at a time, ~0.8 s each: alone it would need ~100 s for the rest, so the relaunch
+    # (a second or two) always ends first and the relaunched server takes rows again
+    good = sims("--tokens-per-s", "20", "--max-running-requests", "1")
+    wedged = sims("--tokens-per-s", "3000", "--max-running-requests", "8", "--hang-after", "15")
+    store = MemStore()
+    items = rows(150, 32)
+    calls: list[str] = []
+
+    async def relaunch(ep: Endpoint) -> bool:
+        calls.append(ep.name)
+        wedged.kill()
+        await asyncio.to_thread(wedged.start, "--tokens-per-s", "3000", "--max-running-requests", "8")
+        return True
+
+    d = Dispatcher([good.endpoint("good"), wedged.endpoint("wedged")], store,
+                   gen(stall_s=0.5, request_timeout_s=600), on_server_down=relaunch, **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 150 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    w = {s["name"]: s for s in summary.servers}["wedged"]
+    assert calls == ["wedged"] and w["downs"] == 1 and w["restarts"] == 1, "relaunched once, re-admitted"
+    assert w["stalls"] >= 1 and w["state"] == "up"
+    assert w["requests"] > 15, "the relaunched server served again"
+    assert all(r["attempts"] == 1 for r in store.results), "no row was charged for the server's stall"
+
+
+def test_cancellation_lost_to_aiohttps_timeout_no_request_reaches_the_down_server(sims, monkeypatch) -> None:
+    """Fault (the observed bug): a worker's cancellation races aiohttp's own timeout and is
+    swallowed (aiohttp turns it into a TimeoutError): the worker used to loop on, POSTing to its
+    down server every few seconds until a healthy row ended in errors with "12 servers went
+    down while serving this row", and the relaunch waited for those workers forever. Here every
+    cancellation inside `chat` is swallowed that way. The server wedges (--hang-after), the
+    watchdog takes it out, and the sim's own count proves that no request reached it after it
+    was marked down (the recovery callback never brings it back); every row ends exactly once,
+    uncharged, on the other server."""
+    import fleet.generation.dispatch as dispatch_mod
+    from fleet.generation.client import Outcome
+
+    real_chat = dispatch_mod.chat
+
+    async def swallowing_chat(*a: Any, **kw: Any) -> Outcome:
+        try:
+            return await real_chat(*a, **kw)
+        except asyncio.CancelledError:
+            return Outcome("timeout", error="no answer within 30 s (a cancellation lost to aiohttp's timer)")
+
+    monkeypatch.setattr(dispatch_mod, "chat", swallowing_chat)
+    good = sims("--tokens-per-s", "3000", "--max-running-requests", "8")
+    wedged = sims("--tokens-per-s", "3000", "--max-running-requests", "8", "--hang-after", "20")
+    store = MemStore()
+    items = rows(400, 32)
+    at_down: dict[str, int] = {}
+    never = asyncio.Event()
+
+    async def recover(ep: Endpoint) -> bool:
+        srv = next(s for s in d.servers if s.name == ep.name)
+        at_down["sent"] = srv.sent
+        await never.wait()   # stays down until the job ends
+        return False
+
+    d = Dispatcher([good.endpoint("good"), wedged.endpoint("wedged")], store,
+                   gen(stall_s=0.5, request_timeout_s=600), on_server_down=recover, **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 400 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    w = {s["name"]: s for s in summary.servers}["wedged"]
+    assert w["downs"] == 1 and w["stalls"] >= 1 and w["requests"] <= 20
+    assert (w["down_reason"] or "").startswith("stalled: no row finished"), w["down_reason"]
+    assert "/health_generate did not answer" in w["down_reason"]
+    arrived = sim_arrivals(wedged)
+    assert 20 < arrived <= at_down["sent"], "the server saw a request after it was marked down"
+    assert w["sent"] == at_down["sent"], "a request was sent to the server after it was marked down"
+    assert all(r["attempts"] == 1 for r in store.results), "a stalled server's rows must not be charged"
+
+
+def test_slow_row_on_a_working_server_is_charged_a_stalled_server_is_not(sims) -> None:
+    """A row's attempt budget pays only for the row's own failures: a row that times out on a
+    server whose generation probe answers (it is the row that is slow) is charged and ends in
+    errors after max_attempts; the server stays up and its other rows are charged nothing."""
+    s = sims("--tokens-per-s", "200", "--max-running-requests", "8")
+    store = MemStore()
+    items = rows(20, 4) + [Request("long", 99, [{"role": "user", "content": "a long one"}],
+                                   {"max_tokens": 4000, "ignore_eos": True})]
+    d = Dispatcher([s.endpoint("s")], store, gen(request_timeout_s=1.0, max_attempts=2, stall_s=600), **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 20
+    assert [e["id"] for e in store.errors] == ["long"] and store.errors[0]["attempts"] == 2
+    assert summary.servers[0]["downs"] == 0 and summary.servers[0]["state"] == "up"
+    assert all(r["attempts"] == 1 for r in store.results)

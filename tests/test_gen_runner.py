@@ -282,3 +282,70 @@ def test_bad_job_file_and_locked_output_exit_2(tmp_path: Path, sims) -> None:
     with ResultStore(out):
         r = subprocess.run([*runner, str(job)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "in use by another generation runner" in r.stderr
+
+
+def test_sigstopped_server_is_detected_relaunched_and_readmitted(tmp_path: Path) -> None:
+    """Fault: `kill -STOP` of one server mid-job (the process lives, answers nothing). Before
+    the watchdog: progress stuck at "in flight 16" for hours, or with a short request timeout
+    the server was marked down but never relaunched and healthy rows ended in errors. Now: no
+    row finished for stall_s → its generation probe times out → down; its rows go back
+    uncharged; the runner sees the process stopped, stops it (SIGCONT + TERM), relaunches it
+    with its launch spec, smokes it and re-admits it; every row ends exactly once, no errors.
+    Server 0 is slow (one row at a time) so the job outlasts the relaunch whatever the load."""
+    import random
+
+    from fleet.demo import free_port_block
+    from fleet.node import LocalNode
+    from fleet.servers import launch, plan_servers, stop_servers, wait_ready
+
+    n_rows = 160
+    base = free_port_block(2, start=random.randrange(20000, 50000, 100))
+    cfg = sim_fleet(tmp_path, base, 2, extra_args_by_index={0: ["--max-running-requests", "1", "--tokens-per-s", "24"]})
+    cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"stall_s": 1.0})})
+    node = LocalNode("local")
+    specs = plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable)
+    entries, pids = [], []
+    try:
+        for spec in specs:
+            res = launch(node, cfg, spec)
+            ready = wait_ready(node, cfg, spec, res.pid)
+            pids.append(res.pid)
+            entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
+                                       spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+        rows = write_input(inp, n_rows)
+        stopped: dict[str, float] = {}
+
+        def stop_server_1() -> None:
+            def served() -> bool:
+                p = progress(out)
+                return bool(p and p.get("servers") and p["servers"][1]["requests"] >= 20)
+            wait_for(served, 60, "server 1 serving")
+            os.kill(pids[1], signal.SIGSTOP)
+            stopped["at"] = time.monotonic()
+
+        t = threading.Thread(target=stop_server_1, daemon=True)
+        t.start()
+        rc = run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.1,
+                       dispatch={"stall_probe_timeout_s": 1.0, "stall_poll_s": 0.1})
+        t.join(5)
+        assert rc == 0 and "at" in stopped
+        ids = result_ids(out)
+        assert len(ids) == rows == len(set(ids)) and not list(read_errors(out))
+        attempts = [a for p in shard_paths(out) for a in pq.read_table(p, columns=["attempts"]).column(0).to_pylist()]
+        assert set(attempts) == {1}, "no row was charged for the stopped server"
+        manifest = json.loads((out / "manifest.json").read_text())
+        s1 = {s["name"]: s for s in manifest["servers"]}["local/1"]
+        assert s1["downs"] == 1 and s1["restarts"] == 1 and s1["stalls"] >= 1
+        assert s1["requests"] > 20 and s1["state"] == "up", "relaunched, re-admitted, served again"
+        new_pid = int((Path(cfg.nodes[0].workdir) / "servers" / "gen-1.pid").read_text())
+        assert new_pid != pids[1]
+        record = json.loads((Path(cfg.nodes[0].workdir) / "servers" / "gen-1.json").read_text())
+        assert record["smoke"]["ok"], "the relaunch was smoked before re-admission"
+    finally:
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        stop_servers(node, cfg, cfg.nodes[0])

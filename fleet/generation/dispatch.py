@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from fleet.config import GenerationConfig
-from fleet.generation.client import Outcome, chat, loads, new_session
+from fleet.generation.client import Outcome, chat, dumps, loads, new_session
 from fleet.generation.work import RowPlan
 
 log = logging.getLogger("fleet.generation")
@@ -212,6 +212,31 @@ class _Rate:
         return (total - v0) / (now - t0) if now - t0 > 0.5 else 0.0
 
 
+class _Timeline:
+    """Per server, over the whole job, in bounded memory: (elapsed s, rows in flight, rows
+    completed, completion tokens) every `every_s`; when `cap` samples are kept, every other one
+    is dropped and the interval doubles, so a two-day job keeps ~cap evenly spaced points."""
+
+    __slots__ = ("every_s", "cap", "points", "_next")
+
+    def __init__(self, every_s: float = 2.0, cap: int = 240) -> None:
+        self.every_s, self.cap = every_s, cap
+        self.points: list[tuple[float, int, int, int]] = []
+        self._next = 0.0
+
+    def sample(self, t: float, in_flight: int, completed: int, tokens: int) -> None:
+        if t < self._next:
+            return
+        self.points.append((round(t, 1), in_flight, completed, tokens))
+        if len(self.points) >= self.cap:
+            self.points = self.points[::2]
+            self.every_s *= 2
+        self._next = t + self.every_s
+
+    def rows(self) -> list[list[float | int]]:
+        return [list(p) for p in self.points]
+
+
 class _Server:
     """Runtime state of one server."""
 
@@ -241,9 +266,23 @@ class _Server:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.latency_sum = 0.0
-        self.lat: float | None = None    # recent mean latency of a completed row (EWMA)
+        self.lat: float | None = None    # recent typical row time: median of `lats`
+        self.lats: collections.deque[float] = collections.deque(maxlen=64)  # recent completed row times
+        self.lat_at = 0.0                # monotonic time `lat` was last refreshed
         self.rate = _Rate()
         self.tok_s = 0.0
+        # the watchdog: a server with rows in flight and no row done for stall_s is probed
+        self.epoch = 0                   # bumped at every admission: a worker of an older epoch stops
+        self.last_done = 0.0             # monotonic: last row completed (or the moment it became busy)
+        self.probing = False             # a stall probe is running
+        self.stalls = 0                  # stall probes sent
+        self.sent = 0                    # requests sent (tests compare it with what reached the server)
+        self.timeline = _Timeline()
+
+    def alive_in(self, epoch: int) -> bool:
+        """May a worker of `epoch` still send rows here? (Checked before and after every request:
+        a cancellation can be lost when it races aiohttp's own timeout, this cannot.)"""
+        return self.state == "up" and self.epoch == epoch
 
     def snapshot(self, now: float) -> dict[str, Any]:
         self.tok_s = self.rate.update(now, self.completion_tokens)
@@ -255,6 +294,9 @@ class _Server:
             "tok_s": round(self.tok_s, 1),
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
             "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
+            "stalls": self.stalls, "sent": self.sent,
+            "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
+            "timeline": self.timeline.rows(),
         }
 
 
@@ -290,6 +332,15 @@ def _max_running(info: dict[str, Any]) -> int | None:
     return None
 
 
+def _quantile(values: Iterable[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _median(values: Iterable[float]) -> float:
+    return _quantile(values, 0.5)
+
+
 OnServerDown = Callable[[Endpoint], Awaitable[bool]]
 IsAlive = Callable[[Endpoint], bool | None]
 
@@ -319,6 +370,8 @@ class Dispatcher:
         health_timeout_s: float = 60.0,
         stats_poll_s: float = 10.0,
         liveness_poll_s: float = 2.0,
+        stall_poll_s: float = 1.0,
+        stall_probe_timeout_s: float = 20.0,
         feed_batch: int = 256,
         seed: int | None = None,
     ) -> None:
@@ -342,6 +395,8 @@ class Dispatcher:
         self.health_timeout_s = health_timeout_s
         self.stats_poll_s = stats_poll_s
         self.liveness_poll_s = liveness_poll_s
+        self.stall_poll_s = stall_poll_s
+        self.stall_probe_timeout_s = stall_probe_timeout_s   # SGLang's own health check allows 20 s
         self.feed_batch = feed_batch
         self.rng = random.Random(seed)
         self.max_requeues = max(10, 2 * gen.max_attempts)  # a row that kills every server it meets
@@ -366,6 +421,7 @@ class Dispatcher:
         self.quality_rejects = 0
         self._rate = _Rate()
         self._first_error: str | None = None
+        self._lats: collections.deque[float] = collections.deque(maxlen=256)  # recent row times, every server
 
     # ------------------------------------------------------------------ public
     async def run(self, items: Iterable[Any]) -> Summary:
@@ -381,6 +437,7 @@ class Dispatcher:
         self._update_state()
         self._spawn(self._feed(items), "feeder")
         self._spawn(self._poll_stats(), "stats")
+        self._spawn(self._watchdog(), "watchdog")
         if self.is_alive is not None:
             self._spawn(self._poll_liveness(), "liveness")
         try:
@@ -533,7 +590,9 @@ class Dispatcher:
         srv.state = "up"
         srv.down_reason = None
         srv.conn_streak = srv.err_streak = 0
-        srv.workers = [asyncio.ensure_future(self._worker(srv)) for _ in range(srv.concurrency)]
+        srv.epoch += 1
+        srv.last_done = time.monotonic()
+        srv.workers = [asyncio.ensure_future(self._worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
         log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
         self._update_state()
         return True
@@ -587,7 +646,7 @@ class Dispatcher:
         srv.downs += 1
         suspects, srv.suspects = srv.suspects, []
         for job in suspects:
-            self._requeue(job)
+            self._requeue(job, poison=True)
         me = asyncio.current_task()
         if srv.probe is not None and srv.probe is not me:
             srv.probe.cancel()
@@ -603,10 +662,13 @@ class Dispatcher:
     async def _recover(self, srv: _Server) -> None:
         """Until the server is back: the callback (relaunch + smoke) or a health poll."""
         workers, srv.workers = srv.workers, []
-        await asyncio.gather(*workers, return_exceptions=True)
+        # Cancelled in _mark_down; a worker whose cancellation was lost (it raced aiohttp's own
+        # timeout) stops at its next state check. Never let one hold the relaunch back.
+        if workers:
+            await asyncio.wait(workers, timeout=5.0)
         if srv.session is not None:
-            await srv.session.close()
-            srv.session = None
+            session, srv.session = srv.session, None
+            await session.close()
         delay = self.recovery_backoff_s
         while not self._stopping:
             srv.state = "recovering"
@@ -657,6 +719,81 @@ class Dispatcher:
                 if alive is False:
                     self._mark_down(srv, "server process exited")
 
+    # ------------------------------------------------------------------ the stall watchdog
+    def stall_s(self, srv: _Server) -> float:
+        """How long `srv` may hold rows without finishing one before it is probed."""
+        g = self.gen
+        if g.stall_s is not None:
+            return g.stall_s
+        lats = srv.lats if len(srv.lats) >= 8 else self._lats
+        if not lats:
+            return g.stall_max_s
+        return min(g.stall_max_s, max(g.stall_min_s, 3.0 * _quantile(lats, 0.99)))
+
+    async def _watchdog(self) -> None:
+        """A server with rows in flight and none finished for stall_s gets a generation probe.
+
+        "No row finished" is a strong signal: workers only take a new row when one ends, so
+        every row it holds has then run for longer than 3 x the recent p99 row time. The probe
+        keeps a slow-but-working server in (SGLang answers /health_generate from its recent
+        scheduler activity when busy); a stopped or wedged one fails it and is taken out.
+        """
+        while True:
+            await asyncio.sleep(self.stall_poll_s)
+            now = time.monotonic()
+            for srv in self.servers:
+                srv.timeline.sample(now - self._t0, srv.in_flight, srv.requests, srv.completion_tokens)
+                if srv.state != "up" or not srv.in_flight or srv.probing:
+                    continue
+                idle = now - srv.last_done
+                if idle >= self.stall_s(srv):
+                    self._spawn(self._stall_probe(srv, f"no row finished for {idle:.0f} s with {srv.in_flight} "
+                                                       f"in flight"), f"stall-{srv.name}")
+
+    async def _stall_probe(self, srv: _Server, why: str) -> None:
+        srv.probing = True
+        srv.stalls += 1
+        epoch = srv.epoch
+        try:
+            ok, detail = await self._generation_probe(srv)
+        finally:
+            srv.probing = False
+        if not srv.alive_in(epoch):
+            return
+        if ok:
+            log.info("server %s: %s, but its generation probe answers: kept", srv.name, why)
+            srv.last_done = time.monotonic()   # judged again after another stall_s
+            if srv.suspects:
+                self._resolve_suspects(srv)    # the server works: the timeouts were the rows' own
+            return
+        self._mark_down(srv, f"stalled: {why}; {detail}")
+
+    async def _generation_probe(self, srv: _Server) -> tuple[bool, str]:
+        """(answers, why not): /health_generate (SGLang runs a generation for it), or a one-token
+        chat where there is none (vLLM, transformers). Its own connection: the worker pool is full."""
+        t = self.stall_probe_timeout_s
+        path = "/health_generate"
+        session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {srv.ep.api_key}"}
+                                        if srv.ep.api_key else None)
+        try:
+            async with session.get(srv.ep.url + path, timeout=aiohttp.ClientTimeout(total=t)) as r:
+                await r.read()
+                if r.status != 404:
+                    return r.status == 200, f"{path} answered HTTP {r.status}"
+            path = "a one-token chat"
+            body = {"model": srv.ep.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+            async with session.post(srv.ep.url + "/v1/chat/completions", data=dumps(body),
+                                    headers={"Content-Type": "application/json"},
+                                    timeout=aiohttp.ClientTimeout(total=t)) as r:
+                await r.read()
+                return r.status == 200, f"{path} answered HTTP {r.status}"
+        except asyncio.TimeoutError:
+            return False, f"{path} did not answer within {t:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return False, f"{path} failed: {type(exc).__name__}: {exc}"[:300]
+        finally:
+            await session.close()
+
     async def _poll_stats(self) -> None:
         """Speculative accept length (and liveness of the numbers) every stats_poll_s."""
         while True:
@@ -685,27 +822,45 @@ class Dispatcher:
         return srv.accept_len
 
     # ------------------------------------------------------------------ the hot path
-    async def _worker(self, srv: _Server) -> None:
+    async def _worker(self, srv: _Server, epoch: int) -> None:
         q = self.queue
         timeout = self.gen.request_timeout_s
         job: _Job | None = None
+        sent = False   # job reached (or may have reached) the server
         try:
-            while True:
+            while srv.alive_in(epoch):
                 if self._feed_done and srv.lat is not None and len(q):
                     await self._hold_at_tail(srv)
-                job = await q.get()
+                    if not srv.alive_in(epoch):
+                        return
+                job, sent = await q.get(), False
                 if job is None:
                     return
+                if not srv.alive_in(epoch):   # went down while we waited: the row never left
+                    j, job = job, None
+                    q.put_again(j)
+                    return
+                if srv.in_flight == 0:
+                    srv.last_done = time.monotonic()   # idle until now: the stall clock starts here
                 srv.in_flight += 1
+                srv.sent += 1
+                sent = True
                 try:
                     out = await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout)  # type: ignore[arg-type]
+                except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
+                    out = Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
                 finally:
                     srv.in_flight -= 1
                 j, job = job, None
+                if not srv.alive_in(epoch) and not out.ok:
+                    # Taken out while this row was on it (a cancellation lost to aiohttp's timeout
+                    # ends here): not the row's fault. A real answer is kept whatever happened.
+                    self._requeue(j, poison=True)
+                    return
                 self._handle(srv, j, out)
         except asyncio.CancelledError:
             if job is not None:
-                self._requeue(job)
+                self._requeue(job, poison=sent)
             raise
         except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
             log.exception("worker of %s failed", srv.name)
@@ -761,15 +916,19 @@ class Dispatcher:
             if srv.err_streak >= self.down_after_5xx and srv.state == "up":
                 self._mark_down(srv, f"{srv.err_streak} HTTP 5xx answers in a row; last: {out.error}")
         elif kind == "unusable":
-            self._requeue(job)
+            self._requeue(job, poison=False)
             self._mark_down(srv, f"{out.error} (check the API key, the model name and the URL)")
         elif srv.state != "up":
-            self._requeue(job)            # its server is already out: not the row's fault
+            self._requeue(job, poison=True)   # its server is already out: not the row's fault
         elif kind == "timeout":
-            srv.conn_streak += 1
-            self._charge_and_retry(job)   # a server that answers nothing for this long is charged
-            if srv.conn_streak >= self.down_after:
-                self._mark_down(srv, f"{srv.conn_streak} requests in a row timed out ({out.error})")
+            if srv.last_done >= time.monotonic() - out.latency_s:
+                self._charge_and_retry(job)   # the server finished other rows meanwhile: this row is slow
+            else:
+                # nothing finished on this server for as long as the row waited: the server's
+                # fault unless a generation probe says it is fine (then the row is charged)
+                srv.suspects.append(job)
+                if not srv.probing:
+                    self._spawn(self._stall_probe(srv, f"a request timed out ({out.error})"), f"stall-{srv.name}")
         else:  # connection: a suspect until the server is known dead or alive
             srv.conn_streak += 1
             srv.suspects.append(job)
@@ -818,8 +977,13 @@ class Dispatcher:
         handle = loop.call_later(delay, due)
         self._retry_handles.add(handle)
 
-    def _requeue(self, job: _Job) -> None:
-        """Back to the queue, uncharged: its server died under it."""
+    def _requeue(self, job: _Job, poison: bool = True) -> None:
+        """Back to the queue, uncharged: its server died under it (`poison`: while serving it,
+        so the row might be what kills servers), or it never reached the server."""
+        if not poison:
+            if not self._stopping:
+                self.queue.put_again(job)
+            return
         job.requeues += 1
         if job.requeues > self.max_requeues:
             job.last_error = (f"{job.requeues - 1} servers went down while serving this row "
@@ -835,10 +999,22 @@ class Dispatcher:
         server may take it; failures are charged per request, so the count starts again."""
         srv.prompt_tokens += out.prompt_tokens or 0
         srv.completion_tokens += out.completion_tokens or 0
+        self._note_done(srv, out.latency_s)
         job.attempts = 0
         if self._stopping:
             return  # left unwritten: resume regenerates the whole row
         self.queue.put_again(job)
+
+    def _note_done(self, srv: _Server, latency_s: float) -> None:
+        """A request finished on `srv`: the watchdog's clock and the row-time estimate."""
+        now = time.monotonic()
+        srv.last_done = now
+        srv.lats.append(latency_s)
+        self._lats.append(latency_s)
+        if srv.lat is None or len(srv.lats) <= 8 or now - srv.lat_at >= 0.5:
+            # the median of recent rows: one warm-up row (first request: seconds) must not
+            # decide how fast the server is for the next hundred
+            srv.lat, srv.lat_at = _median(srv.lats), now
 
     def _finish_ok(self, srv: _Server, job: _Job, out: Outcome) -> None:
         req = job.req
@@ -858,7 +1034,7 @@ class Dispatcher:
         srv.prompt_tokens += pt
         srv.completion_tokens += ct
         srv.latency_sum += out.latency_s
-        srv.lat = out.latency_s if srv.lat is None else srv.lat + 0.05 * (out.latency_s - srv.lat)
+        self._note_done(srv, out.latency_s)
         if reasons:
             self.quality_rejects += 1
         else:

@@ -152,12 +152,31 @@ async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
     return await fut
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_state(pid: int) -> str | None:
+    """The process state letter from /proc (R, S, D, T stopped, Z zombie, ...), None when gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:][:1]
+
+
+def _pid_alive(pid: int) -> bool:
+    return _pid_state(pid) not in (None, "Z", "X")
+
+
+def _generation_answers(ep: Endpoint, timeout: float = 20.0) -> bool:
+    """Does the server run a generation now? /health_generate (SGLang), else /health."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
+    try:
+        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers)
+        if r.status_code == 404:
+            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers)
+        return r.status_code == 200
+    except httpx.HTTPError:
         return False
-    return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
 
 
 class _Servers:
@@ -227,11 +246,19 @@ class _Servers:
         paths = server_paths(spec.workdir, self.cfg.name, spec.index)
         pid = node.read_pid(paths.pid)
         if pid is not None and node.is_alive(pid):
-            # Alive but taken out (hung, or answering garbage): is it fine after all?
-            if self._healthy_and_smoked(ep):
+            # Alive but taken out (stopped, hung, or answering garbage): is it fine after all?
+            # A stopped process (SIGSTOP) cannot be; a wedged one fails a generation probe in
+            # seconds (never wait for a smoke's first-request timeout on it).
+            stopped = _pid_state(pid) == "T"
+            if not stopped and _generation_answers(ep) and self._healthy_and_smoked(ep):
                 log.info("server %s is healthy again without a relaunch", ep.name)
                 return True
-            log.warning("server %s: process %d alive but not serving: stopping it", ep.name, pid)
+            log.warning("server %s: process %d %s: stopping it", ep.name, pid,
+                        "is stopped (SIGSTOP)" if stopped else "alive but not serving")
+            try:
+                os.killpg(pid, signal.SIGCONT)   # a stopped group acts on SIGTERM only once continued
+            except OSError:
+                pass
             node.stop(pid, grace_s=self.cfg.servers.stop_grace_s)
         log.warning("relaunching server %s on GPUs %s", ep.name, list(spec.gpus))
         res = launch(node, self.cfg, spec)

@@ -23,7 +23,7 @@ What it imitates (see DESIGN.md, "Facts: SGLang"):
   ``--max-running-requests`` slots (the rest queue, first come first served).
 * While running: ``Prefill batch. ...`` and ``Decode batch. ...`` lines once a second.
 * Faults: ``--oom-at-start``, ``--hang-at-start``, ``--crash-after N``,
-  ``--hang-requests``, ``--error-rate F``.
+  ``--hang-requests``, ``--hang-after N``, ``--error-rate F``.
 
 Where real SGLang differs between versions, the older dotted form is printed
 (``Decode batch. #running-req``; newer versions print ``Decode batch, #running-req``), so
@@ -105,6 +105,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
       help="die (exit 1) when the N-th generation request arrives")
     a("--hang-requests", action="store_true",
       help="ready and /health ok, but generations (and /health_generate) never answer")
+    a("--hang-after", type=int, default=None, metavar="N",
+      help="serve N generation requests, then hang like --hang-requests (a wedged scheduler: "
+           "/health still answers, /health_generate and generations never do)")
     a("--error-rate", type=float, default=0.0,
       help="share 0..1 of generation requests answered with HTTP 500 (deterministic)")
     a("--empty-rate", type=float, default=0.0,
@@ -749,7 +752,7 @@ class App:
     def health_generate(self, req: Request, conn: HttpConnection):
         if not self.engine.ready:
             return Resp(503, b"", _TEXT)
-        if self.args.hang_requests:
+        if self._hung():
             return self._hang()
         # a one-token generation that does not wait for a slot (SGLang answers health
         # checks from recent scheduler activity when busy)
@@ -758,6 +761,10 @@ class App:
     async def _after(self, seconds: float, resp: Resp) -> Resp:
         await asyncio.sleep(seconds)
         return resp
+
+    def _hung(self) -> bool:
+        a = self.args
+        return a.hang_requests or (a.hang_after is not None and self.engine.gen_counter >= a.hang_after)
 
     async def _hang(self):
         await asyncio.get_running_loop().create_future()  # never resolves; cancelled on disconnect
@@ -828,6 +835,7 @@ class App:
                 "first_request_delay_s": a.first_request_delay_s,
                 "max_output_tokens_default": a.max_output_tokens_default,
                 "ready": e.ready,
+                "generation_requests": e.gen_counter,   # arrived (tests count what reached the server)
                 "faults": self.faults(),
             },
         })
@@ -840,6 +848,7 @@ class App:
             "hang_at_start": a.hang_at_start,
             "crash_after": a.crash_after,
             "hang_requests": a.hang_requests,
+            "hang_after": a.hang_after,
             "error_rate": a.error_rate,
         }
 
@@ -970,7 +979,7 @@ class App:
 
     def _faults(self, n: int):
         """After validation: --hang-requests and --error-rate. Returns a response or None."""
-        if self.args.hang_requests:
+        if self.args.hang_requests or (self.args.hang_after is not None and n > self.args.hang_after):
             return self._hang()
         rate = self.args.error_rate
         if rate > 0 and _unit(self.args.seed, _SALT_ERR, n) < rate:
