@@ -562,3 +562,52 @@ def test_slow_row_on_a_working_server_is_charged_a_stalled_server_is_not(sims) -
     assert [e["id"] for e in store.errors] == ["long"] and store.errors[0]["attempts"] == 2
     assert summary.servers[0]["downs"] == 0 and summary.servers[0]["state"] == "up"
     assert all(r["attempts"] == 1 for r in store.results)
+
+
+# ----------------------------------------------------------------------------- the tail rule
+
+
+def test_two_equal_servers_input_exhausted_at_once_both_work_to_the_end(sims) -> None:
+    """Fault (the GPU half-speed suspect): with the input exhausted from the first row, the tail
+    rule judged a server on its first, warm-up row (the first request of a real engine takes
+    seconds) and, once held, that server never refreshed its estimate. Here two equal servers
+    (one row at a time, every row the same length) get every row at once, and one's first
+    request carries a warm-up delay: neither may be held at the tail, both serve to the end."""
+    a = sims("--tokens-per-s", "200", "--max-running-requests", "1", "--first-request-delay-s", "1.5")
+    b = sims("--tokens-per-s", "200", "--max-running-requests", "1")
+    store = MemStore()
+    items = [Request(f"r{i}", i + 1, [{"role": "user", "content": f"q {i}"}], {"max_tokens": 16, "ignore_eos": True})
+             for i in range(80)]
+    d = Dispatcher([a.endpoint("a"), b.endpoint("b")], store, gen(max_concurrency_per_server=1), **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 80 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    by = {s["name"]: s for s in summary.servers}
+    assert by["a"]["held_s"] == 0 and by["b"]["held_s"] == 0, "an equal server was held back at the tail"
+    assert by["a"]["requests"] >= 25 and by["b"]["requests"] >= 25, by
+
+
+def test_slower_server_is_not_held_for_a_faster_one_that_stopped_finishing(sims) -> None:
+    """Fault: at the tail a slower server leaves the last rows to a faster one — judged on the
+    faster one's latency estimate, which goes stale the moment it wedges (nothing finishes, but
+    until the watchdog takes it out it is still "up"). The slower server must take the rows
+    instead of waiting for the watchdog: when the wedged server is marked down, no fresh row
+    is left waiting in the queue."""
+    slow = sims("--tokens-per-s", "100", "--max-running-requests", "4")
+    fast_ = sims("--tokens-per-s", "400", "--max-running-requests", "8", "--hang-after", "150")
+    store = MemStore()
+    items = [Request(f"r{i}", i + 1, [{"role": "user", "content": f"q {i}"}], {"max_tokens": 16, "ignore_eos": True})
+             for i in range(220)]
+    at_down: dict[str, int] = {}
+
+    async def recover(ep: Endpoint) -> bool:
+        at_down.setdefault("queued", len(d.queue._fresh))   # its own rows, put back, are not counted
+        await asyncio.Event().wait()
+        return False
+
+    d = Dispatcher([slow.endpoint("slow"), fast_.endpoint("fast")], store,
+                   gen(stall_s=3, request_timeout_s=600), on_server_down=recover, **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 220 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    assert at_down["queued"] == 0, "the slower server was held while the faster one finished nothing"

@@ -277,6 +277,8 @@ class _Server:
         self.probing = False             # a stall probe is running
         self.stalls = 0                  # stall probes sent
         self.sent = 0                    # requests sent (tests compare it with what reached the server)
+        self.held_s = 0.0                # worker-seconds held back by the tail rule
+        self.refreshes = 0               # rows given to a held server to refresh a stale estimate
         self.timeline = _Timeline()
 
     def alive_in(self, epoch: int) -> bool:
@@ -294,7 +296,8 @@ class _Server:
             "tok_s": round(self.tok_s, 1),
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
             "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
-            "stalls": self.stalls, "sent": self.sent,
+            "stalls": self.stalls, "sent": self.sent, "held_s": round(self.held_s, 1),
+            "refreshes": self.refreshes, "lat_s": round(self.lat, 3) if self.lat is not None else None,
             "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
             "timeline": self.timeline.rows(),
         }
@@ -873,11 +876,20 @@ class Dispatcher:
         exhausted, a markedly slower server that takes one of the last rows becomes the
         job's last finisher: it then leaves them to the others if they would drain the
         queue *and* finish that row before it would (its recent latency per row).
+
+        Never on a stale estimate: a server's row time is the median of its recent rows (a
+        warm-up row does not count for a hundred) and needs three of them; the others count
+        only while they finish rows; and a held server idle for two of its row times takes a
+        row to refresh its estimate (`_hold_at_tail`).
         """
         lat = srv.lat
-        others = [s for s in self.servers if s is not srv and s.state == "up" and s.lat]
-        if lat is None or not others:
-            return False
+        now = time.monotonic()
+        # only servers that are finishing rows: one that has finished nothing for three of its
+        # row times (stopped, wedged: not yet caught by the watchdog) will not drain the queue
+        others = [s for s in self.servers if s is not srv and s.state == "up" and s.lat
+                  and (s.in_flight == 0 or now - s.last_done < 3 * s.lat)]
+        if lat is None or len(srv.lats) < 3 or not others:
+            return False   # no estimate yet (one warm-up row says nothing): never hold on it
         best = min(s.lat for s in others)  # type: ignore[type-var]
         if lat <= 1.5 * best:
             return False
@@ -887,8 +899,19 @@ class Dispatcher:
     async def _hold_at_tail(self, srv: _Server) -> None:
         # a slow server may have hundreds of workers here: poll at a tenth of its row time
         pause = max(0.02, min(0.25, (srv.lat or 0.0) / 10))
-        while len(self.queue) and not self._stopping and self._others_sooner(srv):
-            await asyncio.sleep(pause)
+        t0 = time.monotonic()
+        try:
+            while len(self.queue) and not self._stopping and self._others_sooner(srv):
+                lat = srv.lat or 0.0
+                if srv.in_flight == 0 and time.monotonic() - srv.last_done > 2 * lat:
+                    # Held, idle, and its estimate is older than two of its rows: it may be
+                    # stale (a held server learns nothing). One row refreshes it; the others
+                    # stay held (in_flight is 1 before they look again).
+                    srv.refreshes += 1
+                    return
+                await asyncio.sleep(pause)
+        finally:
+            srv.held_s += time.monotonic() - t0
 
     def _handle(self, srv: _Server, job: _Job, out: Outcome) -> None:
         kind = out.kind
