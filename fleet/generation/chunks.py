@@ -1,0 +1,561 @@
+"""One job over several nodes: the chunk plan, the assignment state and the merge (Prefect-free).
+
+A multi-node job is many ordinary single-node jobs. The input is cut once, at the job's start,
+into chunks of whole input lines (JSONL) or rows (Parquet); each chunk is a file of its own,
+run by the usual detached runner on one node into its own output directory, so exactly-once
+within a chunk, resume, crash recovery and server relaunch are the single-node machinery's.
+What is new lives here:
+
+- `plan_sizes`: chunk sizes by *factoring* (guided self-scheduling): each round of one chunk
+  per node takes half of what is left, between a floor and a ceiling. Early chunks are big (few
+  runner starts), the last ones small, so the node that finishes last waits on a small chunk:
+  the tail is short without knowing any node's rate in advance. The sizes depend only on the
+  row count, the node count and `chunk_rows`, and are written to `plan.json`: a re-run reads
+  them back, never re-derives different ones.
+- `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
+  with the input's schema) and the plan, atomically.
+- `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
+  asks for work when it has none (`claim`), so a faster node takes more chunks. Kept in
+  `state.json` (written atomically on every change), so a killed controller loses nothing: the
+  next one reads it and re-attaches to the runners it names.
+- `merge`: every chunk's output into one directory `fleet export` reads unchanged.
+
+The merge rule (first wins, keyed by id). Chunk outputs are read in chunk order, and within a
+chunk attempt by attempt in the order the attempts ended (the attempt that finished the chunk
+first, then any attempt abandoned on a lost node). Then:
+
+1. a completed id is kept from the first shard that holds it; any later copy is dropped
+   (a chunk re-run after a node loss, a lost node's runner that finished anyway, or the same
+   id on two input lines in different chunks) and counted in `manifest.merge.duplicates_dropped`;
+2. an error is kept only for an id completed nowhere, once (the first);
+3. rejects and quality rejects are kept once per id/original line, their `line` turned from
+   the chunk file's line into the input's.
+
+So every id of the input appears exactly once, in exactly one of results / errors / rejects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
+           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock"]
+
+PLAN_FILE = "plan.json"
+STATE_FILE = "state.json"
+PLAN_VERSION = 1
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def plan_sizes(total: int, nodes: int, chunk_rows: int | None = None) -> list[int]:
+    """Chunk sizes for `total` rows over `nodes` nodes (factoring, see the module docstring).
+
+    `chunk_rows` is the ceiling (default: total / (8 × nodes), between 100 and 20,000); the
+    floor is a sixteenth of it, so the last chunks are small but a runner start still pays."""
+    if total <= 0:
+        return []
+    nodes = max(1, nodes)
+    ceiling = chunk_rows or min(20_000, max(100, math.ceil(total / (8 * nodes))))
+    floor = max(1, ceiling // 16)
+    sizes: list[int] = []
+    left = total
+    while left > 0:
+        size = min(ceiling, max(floor, math.ceil(left / (2 * nodes))))
+        for _ in range(nodes):
+            take = min(size, left)
+            if take <= 0:
+                break
+            sizes.append(take)
+            left -= take
+    return sizes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    first_line: int     # 1-based line (JSONL) / row (Parquet) of the input where the chunk starts
+    lines: int          # input lines (or rows) in the chunk, blank lines included
+    file: str           # the chunk's input file, relative to the plan directory
+
+    @property
+    def name(self) -> str:
+        return f"chunk-{self.index:05d}"
+
+
+@dataclass
+class Plan:
+    input: str
+    input_id: dict[str, Any]          # size and mtime of the input when it was cut
+    total_lines: int
+    chunk_rows: int | None
+    nodes: list[str]
+    chunks: list[Chunk]
+    fmt: str                          # "jsonl" or "parquet"
+    created_at: float = field(default_factory=time.time)
+    version: int = PLAN_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        d = dict(d)
+        d["chunks"] = [Chunk(**c) for c in d["chunks"]]
+        return cls(**d)
+
+
+def plan_dir_for(root: str | Path, fleet_name: str, output: str) -> Path:
+    """The controller's directory of one multi-node job: plan, state, chunk files, gathered outputs."""
+    key = hashlib.sha256(output.encode()).hexdigest()[:10]
+    return Path(root) / f"{fleet_name}-{key}"
+
+
+def input_id(path: str | Path) -> dict[str, Any]:
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _is_parquet(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PAR1"
+
+
+def _open_lines(path: Path):
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")
+
+
+def _count(path: Path, limit: int | None) -> tuple[str, int]:
+    """(format, lines to take): every line (JSONL) / row (Parquet), up to `limit` non-blank rows."""
+    if _is_parquet(path):
+        import pyarrow.parquet as pq
+
+        n = pq.ParquetFile(path).metadata.num_rows
+        return "parquet", n if limit is None else min(n, limit)
+    lines = rows = 0
+    with _open_lines(path) as f:
+        for line in f:
+            if limit is not None and rows >= limit:
+                break
+            lines += 1
+            if not line.isspace():
+                rows += 1
+    return "jsonl", lines
+
+
+def load_plan(plan_dir: str | Path) -> Plan | None:
+    try:
+        return Plan.from_dict(json.loads((Path(plan_dir) / PLAN_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], *, chunk_rows: int | None = None,
+                limit: int | None = None) -> Plan:
+    """Cut the input into chunk files under `plan_dir/inputs/` and write `plan.json` (last, atomically).
+
+    An existing plan for the same input (same size and mtime) is returned as it is, whatever the
+    nodes now are: the chunks of a job never change once cut. A plan for another input raises
+    ValueError (one output, one job)."""
+    from fleet.errors import ConfigError
+
+    src = Path(input_path)
+    pdir = Path(plan_dir)
+    old = load_plan(pdir)
+    ident = input_id(src)
+    if old is not None:
+        if {k: old.input_id.get(k) for k in ("size", "mtime_ns")} != {k: ident[k] for k in ("size", "mtime_ns")} \
+                or old.input_id.get("path") != ident["path"]:
+            raise ConfigError(f"this output already belongs to a multi-node job over {old.input} "
+                              f"({old.input_id.get('size')} bytes); the input now is {ident['path']} "
+                              f"({ident['size']} bytes)",
+                              remedy="give another --output for another input, or run the same input again to resume")
+        return old
+    fmt, total = _count(src, limit)
+    sizes = plan_sizes(total, len(nodes), chunk_rows)
+    inputs = pdir / "inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    chunks: list[Chunk] = []
+    first = 1
+    for i, n in enumerate(sizes):
+        chunks.append(Chunk(index=i, first_line=first, lines=n,
+                            file=f"inputs/chunk-{i:05d}.{'parquet' if fmt == 'parquet' else 'jsonl'}"))
+        first += n
+    if fmt == "parquet":
+        _split_parquet(src, pdir, chunks)
+    else:
+        _split_jsonl(src, pdir, chunks)
+    plan = Plan(input=str(src.resolve()), input_id=ident, total_lines=total, chunk_rows=chunk_rows, nodes=list(nodes),
+                chunks=chunks, fmt=fmt)
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    return plan
+
+
+def _split_jsonl(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
+    with _open_lines(src) as f:
+        for c in chunks:
+            tmp = pdir / (c.file + ".tmp")
+            with open(tmp, "wb") as out:
+                for _ in range(c.lines):
+                    line = f.readline()
+                    out.write(line if line.endswith(b"\n") else line + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, pdir / c.file)
+
+
+def _split_parquet(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(src)
+    batches = pf.iter_batches(batch_size=8192)
+    pending: list[pa.RecordBatch] = []
+    have = 0
+    for c in chunks:
+        while have < c.lines:
+            b = next(batches)
+            pending.append(b)
+            have += b.num_rows
+        table = pa.Table.from_batches(pending, schema=pf.schema_arrow)
+        tmp = pdir / (c.file + ".tmp")
+        pq.write_table(table.slice(0, c.lines), tmp)
+        os.replace(tmp, pdir / c.file)
+        rest = table.slice(c.lines)
+        pending = rest.to_batches()
+        have = rest.num_rows
+
+
+# ---------------------------------------------------------------------------- assignment state
+
+
+@dataclass
+class Attempt:
+    node: str
+    output: str                      # the chunk's output directory on that node
+    started_at: float
+    ended_at: float | None = None
+    outcome: str | None = None       # done / lost / failed / None while it runs
+    detail: str | None = None
+    fetched: bool = False            # its output (or its committed shards so far) are gathered locally
+
+
+@dataclass
+class ChunkState:
+    state: str = "pending"           # pending / running / done
+    node: str | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+
+
+class Assignments:
+    """Pull-based assignment of chunks to nodes, persisted to `state.json` on every change.
+
+    Thread-safe (one controller, one thread per node). A chunk is claimed by one node at a time;
+    a lost node's chunks go back to pending (their attempts stay, for the merge and the audit)."""
+
+    def __init__(self, plan_dir: str | Path, plan: Plan) -> None:
+        self.path = Path(plan_dir) / STATE_FILE
+        self.plan = plan
+        self._lock = threading.RLock()
+        self.chunks: dict[int, ChunkState] = {c.index: ChunkState() for c in plan.chunks}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.started_at = time.time()
+        if self.path.exists():
+            d = json.loads(self.path.read_text())
+            for k, v in d.get("chunks", {}).items():
+                self.chunks[int(k)] = ChunkState(state=v["state"], node=v.get("node"),
+                                                 attempts=[Attempt(**a) for a in v.get("attempts", [])])
+            self.nodes = d.get("nodes", {})
+            self.events = d.get("events", [])
+            self.started_at = d.get("started_at", self.started_at)
+
+    def _save(self) -> None:
+        write_json_atomic(self.path, {
+            "started_at": self.started_at, "updated_at": time.time(),
+            "chunks": {str(i): asdict(c) for i, c in self.chunks.items()},
+            "nodes": self.nodes, "events": self.events[-500:],
+        })
+
+    def _event(self, what: str, **kw: Any) -> None:
+        self.events.append({"at": time.time(), "event": what, **kw})
+
+    def running_on(self, node: str) -> list[int]:
+        with self._lock:
+            return sorted(i for i, c in self.chunks.items() if c.state == "running" and c.node == node)
+
+    def claim(self, node: str) -> int | None:
+        """The chunk `node` should work on next: one it already runs (re-attach), else the lowest pending."""
+        with self._lock:
+            if self.nodes.get(node, {}).get("state") == "lost":
+                return None
+            mine = self.running_on(node)
+            if mine:
+                return mine[0]
+            for i in sorted(self.chunks):
+                if self.chunks[i].state == "pending":
+                    return i
+            return None
+
+    def start(self, index: int, node: str, output: str) -> tuple[Attempt, bool]:
+        """Record `node` running chunk `index` into `output`: (the attempt, True when it is new).
+        A running attempt of the same node is kept (a new controller re-attaching)."""
+        with self._lock:
+            c = self.chunks[index]
+            if c.state == "running" and c.node == node and c.attempts and c.attempts[-1].outcome is None:
+                return c.attempts[-1], False
+            if c.state == "done":
+                raise ValueError(f"chunk {index} is already done")
+            c.state, c.node = "running", node
+            a = Attempt(node=node, output=output, started_at=time.time())
+            c.attempts.append(a)
+            self._event("start", chunk=index, node=node)
+            self._save()
+            return a, True
+
+    def finish(self, index: int, node: str, outcome: str, detail: str | None = None, fetched: bool = False) -> None:
+        """End the running attempt of `node` on chunk `index`: done, or failed/lost (back to pending)."""
+        with self._lock:
+            c = self.chunks[index]
+            for a in reversed(c.attempts):
+                if a.node == node and a.outcome is None:
+                    a.outcome, a.detail, a.ended_at = outcome, detail, time.time()
+                    a.fetched = a.fetched or fetched
+                    break
+            if c.state == "running" and c.node == node:
+                if outcome == "done":
+                    c.state = "done"
+                else:
+                    c.state, c.node = "pending", None
+            self._event(outcome, chunk=index, node=node, detail=detail)
+            self._save()
+
+    def mark_fetched(self, index: int, output: str) -> None:
+        with self._lock:
+            for a in self.chunks[index].attempts:
+                if a.output == output:
+                    a.fetched = True
+            self._save()
+
+    def node_lost(self, node: str, reason: str) -> list[int]:
+        """Mark `node` lost: its running chunks go back to pending. Returns them."""
+        with self._lock:
+            released = self.running_on(node)
+            for i in released:
+                self.finish(i, node, "lost", reason)
+            self.nodes[node] = {"state": "lost", "since": time.time(), "reason": reason,
+                                "losses": self.nodes.get(node, {}).get("losses", 0) + 1}
+            self._event("node-lost", node=node, detail=reason, released=released)
+            self._save()
+            return released
+
+    def node_ok(self, node: str) -> None:
+        with self._lock:
+            prev = self.nodes.get(node, {})
+            if prev.get("state") == "ok":
+                return
+            self.nodes[node] = {**prev, "state": "ok", "since": time.time()}
+            if prev.get("state") == "lost":
+                self._event("node-rejoined", node=node)
+            self._save()
+
+    def attempts_failed(self, index: int) -> int:
+        with self._lock:
+            return sum(1 for a in self.chunks[index].attempts if a.outcome == "failed")
+
+    def all_done(self) -> bool:
+        with self._lock:
+            return all(c.state == "done" for c in self.chunks.values())
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {"pending": 0, "running": 0, "done": 0}
+            for c in self.chunks.values():
+                out[c.state] = out.get(c.state, 0) + 1
+            return out
+
+    def sources(self) -> list[tuple[Chunk, list[Attempt]]]:
+        """Each chunk with its attempts in merge order: the one that finished it first, then the others
+        by when they ended (see the merge rule in the module docstring)."""
+        with self._lock:
+            out = []
+            for c in self.plan.chunks:
+                atts = list(self.chunks[c.index].attempts)
+                atts.sort(key=lambda a: (a.outcome != "done", a.ended_at or float("inf")))
+                out.append((c, atts))
+            return out
+
+
+class ControllerLock:
+    """One controller per multi-node job: an fcntl lock on `plan_dir/.controller.lock`."""
+
+    def __init__(self, plan_dir: str | Path) -> None:
+        self.path = Path(plan_dir) / ".controller.lock"
+        self._f: Any = None
+
+    def __enter__(self) -> ControllerLock:
+        from fleet.errors import FatalError
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise FatalError(f"another controller (pid {holder}) is running this multi-node job",
+                             remedy="wait for it, or stop it (its runners keep going) and run the command again")
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._f = f
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+            self._f = None
+
+
+# ---------------------------------------------------------------------------- the merge
+
+
+@dataclass
+class Source:
+    """One chunk attempt's output directory, gathered locally."""
+
+    chunk: Chunk
+    node: str
+    dir: Path
+
+
+def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    from fleet.generation.store import _read_jsonl
+
+    return _read_jsonl(path)
+
+
+def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Merge chunk outputs (in merge order, see the module docstring) into `dest`; return its manifest.
+
+    `dest` gets shards/part-NNNNNN.parquet (a shard with no duplicate is copied as it is, one
+    with duplicates is rewritten without them), errors.jsonl, rejects.jsonl,
+    quality_rejects.jsonl and manifest.json — the layout of a single-node output."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fleet.generation.inputs import digest
+    from fleet.generation.store import QUALITY_REJECTS, shard_paths, write_manifest
+
+    dest = Path(dest)
+    shards_dir = dest / "shards"
+    if shards_dir.exists():
+        shutil.rmtree(shards_dir)
+    shards_dir.mkdir(parents=True)
+    seen: set[int] = set()
+    dropped = 0
+    n_shard = 0
+    completed = 0
+    for src in sources:
+        for shard in shard_paths(src.dir):
+            ids = pq.read_table(shard, columns=["id"]).column(0).to_pylist()
+            keep = []
+            for i, rid in enumerate(ids):
+                d = digest(rid)
+                if d in seen:
+                    dropped += 1
+                else:
+                    seen.add(d)
+                    keep.append(i)
+            if not keep:
+                continue
+            n_shard += 1
+            target = shards_dir / f"part-{n_shard:06d}.parquet"
+            if len(keep) == len(ids):
+                shutil.copyfile(shard, target)
+            else:
+                table = pq.read_table(shard)
+                pq.write_table(table.take(pa.array(keep, type=pa.int64())), target)
+            completed += len(keep)
+
+    def write_lines(name: str, records: Iterator[dict[str, Any]]) -> int:
+        n = 0
+        tmp = dest / f".{name}.tmp"
+        with open(tmp, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                n += 1
+        os.replace(tmp, dest / name)
+        return n
+
+    def errors() -> Iterator[dict[str, Any]]:
+        for src in sources:
+            for rec in _jsonl(src.dir / "errors.jsonl"):
+                d = digest(str(rec.get("id")))
+                if d in seen:
+                    continue
+                seen.add(d)
+                rec = dict(rec)
+                if isinstance(rec.get("line"), int):
+                    rec["line"] = rec["line"] + src.chunk.first_line - 1
+                rec["chunk"] = src.chunk.index
+                yield rec
+
+    def by_line(name: str) -> Iterator[dict[str, Any]]:
+        lines: set[int] = set()
+        for src in sources:
+            for rec in _jsonl(src.dir / name):
+                rec = dict(rec)
+                if isinstance(rec.get("line"), int):
+                    rec["line"] = rec["line"] + src.chunk.first_line - 1
+                    if rec["line"] in lines:
+                        continue
+                    lines.add(rec["line"])
+                rec["chunk"] = src.chunk.index
+                yield rec
+
+    n_err = write_lines("errors.jsonl", errors())
+    n_rej = write_lines("rejects.jsonl", by_line("rejects.jsonl"))
+    n_qrej = write_lines(QUALITY_REJECTS, by_line(QUALITY_REJECTS))
+    manifest = {
+        "state": "done", "complete": True,
+        "counts": {"completed": completed, "errors": n_err, "rejects": n_rej, "quality_rejects": n_qrej,
+                   "shards": n_shard},
+        "accounted": completed + n_err + n_rej + n_qrej,
+        "merge": {"rule": "first wins by id: chunk order, then the attempt that finished the chunk, then "
+                          "abandoned attempts by end time; an error only for an id completed nowhere",
+                  "sources": len(sources), "duplicates_dropped": dropped},
+        **(extra_manifest or {}),
+    }
+    write_manifest(dest, manifest)
+    return manifest

@@ -1,0 +1,157 @@
+"""One job over several nodes, the pure parts: the chunk plan, the assignment state, the merge.
+
+Real files, real Parquet shards written by the real ResultStore; no network."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fleet.generation.chunks import (
+    Assignments, ControllerLock, Source, load_plan, merge, plan_sizes, split_input,
+)
+from fleet.generation.store import ResultStore, read_errors, read_rejects, shard_paths
+
+
+def lines_file(path: Path, n: int, *, blank_every: int = 0) -> Path:
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n")
+            if blank_every and i % blank_every == 0:
+                f.write("\n")
+    return path
+
+
+@pytest.mark.parametrize("total,nodes,chunk_rows", [(1, 2, None), (5000, 2, None), (902_087, 2, None),
+                                                    (10_000, 3, 700), (37, 5, 4)])
+def test_plan_sizes_cover_every_row_and_shrink_to_the_tail(total: int, nodes: int, chunk_rows: int | None) -> None:
+    """The split: every row in exactly one chunk, none above the ceiling, sizes never grow (the tail is small)."""
+    sizes = plan_sizes(total, nodes, chunk_rows)
+    assert sum(sizes) == total and all(s >= 1 for s in sizes)
+    ceiling = chunk_rows or min(20_000, max(100, -(-total // (8 * nodes))))
+    assert max(sizes) <= ceiling
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    if total >= 16 * ceiling:
+        # the last round is a small fraction of the first: a node waits on a short chunk at the end
+        assert sizes[-1] <= max(1, ceiling // 16) or sizes[-1] < sizes[0] / 4
+    assert plan_sizes(total, nodes, chunk_rows) == sizes   # deterministic
+
+
+def test_split_jsonl_keeps_every_line_and_a_rerun_reads_the_same_plan(tmp_path: Path) -> None:
+    """Chunk files concatenated are the input byte for byte (blank lines included, so lines map back);
+    a second split of the same input returns the recorded plan; another input into the same job is refused."""
+    inp = lines_file(tmp_path / "in.jsonl", 1000, blank_every=97)
+    pdir = tmp_path / "plan"
+    plan = split_input(inp, pdir, ["a", "b"], chunk_rows=90)
+    joined = b"".join((pdir / c.file).read_bytes() for c in plan.chunks)
+    assert joined == inp.read_bytes()
+    assert [c.first_line for c in plan.chunks] == [1 + sum(c.lines for c in plan.chunks[:i])
+                                                    for i in range(len(plan.chunks))]
+    again = split_input(inp, pdir, ["a", "b", "c"], chunk_rows=5)
+    assert again.chunks == plan.chunks and load_plan(pdir).chunks == plan.chunks
+    other = lines_file(tmp_path / "other.jsonl", 10)
+    from fleet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="another --output"):
+        split_input(other, pdir, ["a", "b"])
+
+
+def test_split_gz_with_limit_and_parquet(tmp_path: Path) -> None:
+    """A gzip input is cut into plain JSONL chunks; --limit counts rows, not lines; Parquet keeps its schema."""
+    raw = lines_file(tmp_path / "in.jsonl", 300, blank_every=50).read_bytes()
+    gz = tmp_path / "in.jsonl.gz"
+    gz.write_bytes(gzip.compress(raw))
+    plan = split_input(gz, tmp_path / "p1", ["a", "b"], chunk_rows=40, limit=120)
+    text = b"".join((tmp_path / "p1" / c.file).read_bytes() for c in plan.chunks)
+    assert sum(1 for ln in text.splitlines() if ln.strip()) == 120
+    assert raw.startswith(text)
+
+    table = pa.table({"id": [f"p{i}" for i in range(500)], "prompt": [f"x{i}" for i in range(500)]})
+    pq.write_table(table, tmp_path / "in.parquet", row_group_size=64)
+    plan = split_input(tmp_path / "in.parquet", tmp_path / "p2", ["a", "b"], chunk_rows=70)
+    parts = [pq.read_table(tmp_path / "p2" / c.file) for c in plan.chunks]
+    assert pa.concat_tables(parts).equals(table) and plan.fmt == "parquet"
+
+
+def test_assignments_pull_lose_rejoin_and_survive_a_new_controller(tmp_path: Path) -> None:
+    """Pull order, a lost node's running chunk going back to the queue (its attempt kept), rejoin, and the
+    state read back by a new controller (the old one killed): it re-attaches to the same running attempt."""
+    inp = lines_file(tmp_path / "in.jsonl", 100)
+    plan = split_input(inp, tmp_path / "p", ["a", "b"], chunk_rows=30)
+    st = Assignments(tmp_path / "p", plan)
+    assert st.claim("a") == 0
+    st.start(0, "a", "/o/a/c0")
+    assert st.claim("b") == 1 and st.claim("a") == 0     # a node's own running chunk first
+    st.start(1, "b", "/o/b/c1")
+    st.finish(0, "a", "done", fetched=True)
+    assert st.claim("a") == 2
+    st.start(2, "a", "/o/a/c2")
+    assert st.node_lost("b", "no answer") == [1]
+    assert st.claim("b") is None                          # a lost node claims nothing
+    assert st.claim("a") == 2
+    # a killed controller: the next one reads the same state
+    st2 = Assignments(tmp_path / "p", plan)
+    assert st2.chunks[1].state == "pending" and st2.chunks[1].attempts[0].outcome == "lost"
+    assert st2.claim("a") == 2
+    att, new = st2.start(2, "a", "/o/a/c2")
+    assert not new and att.output == "/o/a/c2"            # re-attach, not a second attempt
+    st2.node_ok("b")
+    assert st2.claim("b") == 1                            # rejoined: takes the released chunk
+    assert any(e["event"] == "node-rejoined" for e in st2.events)
+
+
+def test_one_controller_per_job(tmp_path: Path) -> None:
+    """A second controller on the same job is refused while the first holds it (two would double-assign)."""
+    from fleet.errors import FatalError
+
+    with ControllerLock(tmp_path):
+        with pytest.raises(FatalError, match="another controller"):
+            with ControllerLock(tmp_path):
+                pass
+    with ControllerLock(tmp_path):   # released on exit
+        pass
+
+
+def _store(d: Path, ids: list[str], *, errors: list[str] = (), reject_line: int | None = None) -> None:
+    from fleet.generation.inputs import Reject
+
+    s = ResultStore(d, shard_rows=3)
+    for i in ids:
+        s.add_result({"id": i, "completion": f"answer {i}", "completion_tokens": 2, "prompt_tokens": 1})
+    for e in errors:
+        s.add_error(e, error="boom", attempts=6, line=1)
+    if reject_line is not None:
+        s.add_reject(Reject(line=reject_line, id=None, reason="not JSON", raw="{x"))
+    s.close()
+
+
+def test_merge_first_wins_and_every_id_once(tmp_path: Path) -> None:
+    """The merge rule: a chunk re-run after a node loss (and the lost node's runner that finished anyway)
+    gives duplicate ids; the merge keeps the first, drops the rest, drops an error for an id completed
+    elsewhere, maps rejects' lines back to the input, and `fleet export` reads the result unchanged."""
+    inp = lines_file(tmp_path / "in.jsonl", 20)
+    plan = split_input(inp, tmp_path / "p", ["a", "b"], chunk_rows=10)
+    c0, c1 = plan.chunks[0], plan.chunks[1]
+    _store(tmp_path / "a0", [f"r{i}" for i in range(c0.lines)], reject_line=2)
+    # chunk 1 finished on b; a had done part of it (then was lost) and errored r19 there
+    done_b = [f"r{i}" for i in range(c0.lines, 20)]
+    _store(tmp_path / "b1", done_b)
+    _store(tmp_path / "a1", done_b[:4], errors=["r19"])
+    srcs = [Source(c0, "a", tmp_path / "a0"), Source(c1, "b", tmp_path / "b1"), Source(c1, "a", tmp_path / "a1")]
+    m = merge(srcs, tmp_path / "out")
+    ids = [i for p in shard_paths(tmp_path / "out") for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(20)) and len(ids) == len(set(ids))
+    assert m["merge"]["duplicates_dropped"] == 4
+    assert list(read_errors(tmp_path / "out")) == []      # r19 completed on b: the error is dropped
+    rej = list(read_rejects(tmp_path / "out"))
+    assert [r["line"] for r in rej] == [2]
+    assert m["counts"] == {"completed": 20, "errors": 0, "rejects": 1, "quality_rejects": 0,
+                           "shards": m["counts"]["shards"]}
+    from fleet.generation.export import export
+
+    assert export(tmp_path / "out", "jsonl", tmp_path / "x.jsonl") == 20
