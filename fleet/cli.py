@@ -204,7 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise data
     if isinstance(data, dict):
         print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
-                                                    "throughput", "cost", "checks")}, indent=2, default=str))
+                                                    "quality_rejects", "throughput", "cost", "checks", "quality")}, indent=2, default=str))
     ok = state.is_completed()
     print(("fleet generate: " if ok else "fleet generate: FAILED: ") + (state.message or ""),
           file=sys.stdout if ok else sys.stderr)

@@ -86,8 +86,10 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
               "attached": handle.attached, "state": final.get("state"), "detail": final.get("detail"),
               "rows_total": final.get("rows_total"), "completed": final.get("completed"),
               "errors": final.get("errors"), "rejects": final.get("rejects"),
+              "quality_rejects": final.get("quality_rejects"),
               "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
-              "checks": manifest.get("checks"), "seconds": round(time.monotonic() - t0, 1)}
+              "checks": manifest.get("checks"), "quality": manifest.get("quality"),
+              "seconds": round(time.monotonic() - t0, 1)}
     ok = final.get("state") == "done"
     write_stage(cfg, (node_name, "generate"), f"generate on {node_name}", ok=ok, seconds=time.monotonic() - t0,
                 result=result, log=None if ok else final.get("log_tail"))

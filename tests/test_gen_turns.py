@@ -178,3 +178,27 @@ def test_all_turns_kill_mid_conversation_then_resume_is_whole(tmp_path: Path, si
     cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 24, "regenerate": "all-turns"})
     assert account(inp, out, cfg.generation)["ok"]
     assert progress(out)["state"] == "done"
+
+
+def test_the_drafter_example_config_and_sample_give_a_specforge_file(tmp_path: Path, sims) -> None:  # noqa: F811
+    """README "Regenerating a drafter's training set": deployments/configs/drafter-sim.toml and
+    tests/data/drafter-sharegpt.jsonl, run on sims with the config's own fault flags, end in a
+    SpecForge file every line of which its validator accepts, with the gates' findings counted."""
+    from fleet.config import load_config
+    from fleet.generation.export import export
+    from test_gen_export import read_lines, specforge_problem
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "deployments" / "configs" / "drafter-sim.toml")
+    servers = [sims(*cfg.engine.extra_args, "--seed", str(i)) for i in range(cfg.servers.count)]
+    inp, out = root / "tests" / "data" / "drafter-sharegpt.jsonl", tmp_path / "out"
+    entries = [ServerEntry(node="local", index=i, url=s.url, model="sim-model") for i, s in enumerate(servers)]
+    assert run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.2) == 0
+    acc = account(inp, out, cfg.generation)
+    assert acc["ok"] and acc["rejects"] == 2 and acc["completed"] + acc["quality_rejects"] == 20, acc
+    n = export(out, "specforge", tmp_path / "train.jsonl")
+    lines = read_lines(tmp_path / "train.jsonl")
+    assert n == len(lines) == acc["completed"] and all(specforge_problem(ln) is None for ln in lines)
+    assert all(ln["source"] == "tutor-mix" and "ORIGINAL" not in json.dumps(ln) for ln in lines)
+    assert all("older model" not in json.dumps(ln) for ln in lines), "an input assistant turn leaked"
+    assert all(m.get("reasoning_content") for ln in lines for m in ln["conversations"] if m["role"] == "assistant")

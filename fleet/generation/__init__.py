@@ -4,12 +4,14 @@ Data layer (no network, no orchestrator):
 
     inputs.py   stream JSONL / JSONL.gz / Parquet rows -> Request | Reject (ids, defaults, duplicates)
     store.py    ResultStore: exactly-once results keyed by id, atomic Parquet shards, resume
-    export.py   openai-batch / jsonl / sharegpt files from a job's output directory
-    checks.py   data checks for drafter training sets; the exactly-once accounting
+    export.py   openai-batch / jsonl / sharegpt / specforge / speculators files from a job's output
+    checks.py   data checks for drafter training sets; quality counts; the exactly-once accounting
+    gates.py    per-answer quality gates (empty, missing reasoning, <think> left, cut, loops)
     plan.py     wall time and $ per M tokens of a job, before it runs
 
 Hot path (the data plane's runner):
 
+    work.py     one row's requests in order (all-turns regeneration, gate retries) -> its result row
     client.py   one chat completion over aiohttp
     dispatch.py one queue, every healthy server pulls from it
     runner.py   the detached process that ties input, dispatcher and store together

@@ -23,7 +23,13 @@ Rules (each one documented here because it decides what ends up generated):
 - **ShareGPT.** `from` maps human/user -> user, gpt/assistant/model/chatgpt -> assistant,
   system -> system, tool/observation/function_response -> tool, and function_call -> an
   assistant message with `tool_calls` (value: JSON `{"name", "arguments"}` or a list of them).
-  A trailing assistant turn is dropped: it is the answer being regenerated.
+  A trailing assistant turn is dropped: it is the answer being regenerated (with
+  `generation.regenerate = "all-turns"` it is kept: every assistant turn is regenerated,
+  see `fleet.generation.work`, and the turn order is checked: the conversation may not open
+  with an assistant turn nor hold two in a row).
+- **Extra fields.** A row's other top-level keys (source, category, ...) are kept in
+  `Request.extra` (the `extra` column), for exports that hand the input row back.
+- **Limit.** `generation.limit = N` reads only the first N rows (blank lines not counted).
 - **Ids.** `custom_id`, else `id` (a string, or an integer turned into its decimal string).
   A row without one gets `content_id(messages, row params)`: "h-" + the first 24 hex digits
   of the SHA-256 of the canonical JSON (sorted keys, no spaces, UTF-8) of the normalized
