@@ -69,10 +69,11 @@ def make_config(args: argparse.Namespace, model: Path, gpus: int, stage: bool, b
 
 def bringup(cfg: Any) -> tuple[bool, list[dict[str, Any]], float]:
     from flows.fleet import fleet
+    from flows.outcome import run_data
 
     t0 = time.monotonic()
     state = fleet(config=cfg, action="bringup", return_state=True)
-    rows = state.result(raise_on_failure=False)
+    rows = run_data(state)
     return state.is_completed(), rows if isinstance(rows, list) else [], time.monotonic() - t0
 
 

@@ -80,12 +80,11 @@ def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped
     """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
     _prefect_env()
     from flows.fleet import SUMMARY_COLUMNS, fleet
+    from flows.outcome import run_data
 
     state = fleet(config=cfg, action="bringup", return_state=True)
-    data = state.result(raise_on_failure=False)
+    data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
     rows = data if isinstance(data, list) else []
-    if isinstance(data, BaseException) and not isinstance(data, FleetError):
-        raise data  # a bug, not a failed server: show the traceback
     _print_rows(rows, SUMMARY_COLUMNS)
     return state.is_completed(), rows, state.message or ""
 
@@ -193,15 +192,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _prefect_env()
     from flows.fleet import fleet
+    from flows.outcome import run_data
 
     cfg = load_config(args.config)
     if args.limit is not None:
         cfg.generation.limit = args.limit
     state = fleet(config=cfg, action="generate", input=args.input, output=args.output,
                   retry_errors=args.retry_errors, return_state=True)
-    data = state.result(raise_on_failure=False)
-    if isinstance(data, BaseException) and not isinstance(data, FleetError):
-        raise data
+    data = run_data(state)  # a bug raises here, with its traceback
     if isinstance(data, dict):
         print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
                                                     "quality_rejects", "throughput", "cost", "checks", "quality")}, indent=2, default=str))

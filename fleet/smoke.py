@@ -3,21 +3,31 @@
 The first request to a fresh server can pay for CUDA graph capture and kernel
 compilation (well over 30 s), so it gets its own, longer timeout. Later attempts use the
 normal timeout and back off exponentially with jitter.
+
+Like readiness, a smoke watches the server while it waits (`ServerWatch`, passed as
+`watch`): before each attempt, every `watch_every_s` while a request is in flight, and
+through each backoff. A process that dies or logs a fatal line during its smoke fails it
+at once with what the log says, instead of retrying a dead port until the attempts run out.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
+
+if TYPE_CHECKING:
+    from fleet.engines import LogVerdict
+    from fleet.node import Node
 
 
 @dataclass
@@ -74,8 +84,13 @@ def check_answer(body: Any) -> tuple[str, int | None, int | None, str | None]:
 
 def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int = 0,
           api_key: str | None = None, seed: int | None = None, temperature: float = 0.0,
-          sleep: Callable[[float], None] = time.sleep) -> SmokeResult:
+          sleep: Callable[[float], None] = time.sleep, watch: Callable[[], None] | None = None,
+          watch_every_s: float = 0.5) -> SmokeResult:
     """Smoke one server; raise ServerFailed with the attempt timeline when every attempt failed.
+
+    `watch` (a `ServerWatch`) raises ServerFailed the moment the server dies or logs a
+    fatal line; it is called before each attempt, every `watch_every_s` while one is in
+    flight, after a failed one and through the backoff.
 
     `temperature` should be the job's: `transformers serve --continuous-batching` fixes its
     sampling settings from the first request it sees.
@@ -86,20 +101,34 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
                "max_tokens": cfg.max_tokens, "temperature": temperature}
     result = SmokeResult(node, index, url, False, None, "", None, None, None)
     t0 = time.monotonic()
+
+    def pause(seconds: float) -> None:
+        if watch is None:
+            sleep(seconds)
+            return
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            sleep(min(left, watch_every_s))
+            watch()
+
     with httpx.Client(headers=headers) as client:
         for n in range(1, cfg.attempts + 1):
             timeout = cfg.first_timeout_s if n == 1 else cfg.timeout_s
+            if watch is not None:
+                watch()
             start = time.monotonic()
             try:
-                r = client.post(f"{url}/v1/chat/completions", json=payload, timeout=timeout)
+                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, watch, watch_every_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
                 content, pt, ct, fr = check_answer(r.json())
             except (httpx.HTTPError, ValueError) as exc:
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
                 result.attempts.append(Attempt(n, start - t0, time.monotonic() - start, timeout, f"{kind}: {exc}"[:300]))
+                if watch is not None:
+                    watch()  # a refused or reset connection is often the process dying: say so now
                 if n < cfg.attempts:
-                    sleep(backoff_delay(n, cfg, rng))
+                    pause(backoff_delay(n, cfg, rng))
                 continue
             latency = time.monotonic() - start
             result.attempts.append(Attempt(n, start - t0, latency, timeout, "ok"))
@@ -113,6 +142,96 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
         remedy="read the server log; if the first request only needs longer (large model, graph capture), "
                "raise smoke.first_timeout_s",
     )
+
+
+def _post(client: httpx.Client, url: str, payload: dict[str, Any], timeout: float,
+          watch: Callable[[], None] | None, watch_every_s: float) -> httpx.Response:
+    """POST, calling `watch` every `watch_every_s` while the request is in flight (it raises to give up).
+
+    The request runs in a daemon thread so that a server stuck after a fatal error (its
+    process alive, its connection open) does not hold the smoke for the whole timeout; a
+    request given up on ends by its own timeout, on its own.
+    """
+    if watch is None:
+        return client.post(url, json=payload, timeout=timeout)
+    box: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            box["response"] = client.post(url, json=payload, timeout=timeout)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=send, name="fleet-smoke-request", daemon=True)
+    thread.start()
+    while True:
+        thread.join(watch_every_s)
+        if not thread.is_alive():
+            break
+        watch()
+    if "error" in box:
+        raise box["error"]
+    return box["response"]
+
+
+@dataclass
+class ServerWatch:
+    """Is the server still alive, and has its log printed a fatal line since the smoke began?
+
+    Called by `smoke` between and during attempts; raises ServerFailed naming the exit or
+    the fatal line, with the log's tail, at the first sign. One round trip per call
+    (`Node.watch`); the log is read from where it stood when the watch was made, so a
+    long-running server's whole log is never read.
+    """
+
+    node: Node
+    pid: int
+    log_path: str
+    classify: Callable[[str], LogVerdict]
+    index: int = 0
+    port: int | None = None
+    secrets: list[str | None] = field(default_factory=list)
+    offset: int = 0
+    text: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def start(cls, node: Node, pid: int, log_path: str, classify: Callable[[str], LogVerdict], *,
+              index: int = 0, port: int | None = None, secrets: list[str | None] | None = None) -> ServerWatch:
+        res = node.run(["sh", "-c", 'wc -c < "$1" 2>/dev/null || echo 0', "fleet-log-size", log_path],
+                       check=False, timeout=60)
+        size = res.stdout.strip()
+        return cls(node, pid, log_path, classify, index, port, list(secrets or []),
+                   offset=int(size) if size.isdigit() else 0)
+
+    def _where(self) -> str:
+        return f"server {self.index}" + (f" on port {self.port}" if self.port else "")
+
+    def _tail(self) -> str:
+        from fleet.servers import excerpt
+
+        return excerpt(self.node.read_text(self.log_path, tail_bytes=64_000), 0, 25, self.secrets)
+
+    def __call__(self) -> None:
+        alive, new = self.node.watch(self.pid, self.log_path, self.offset)
+        self.offset += len(new.encode())
+        self.text = (self.text + new)[-1_000_000:]
+        verdict = self.classify(self.text)
+        after = time.monotonic() - self.started
+        if verdict.fatal:
+            raise ServerFailed(
+                f"{self._where()}: fatal log line during the smoke, after {after:.1f} s: "
+                f"{(verdict.reason or '')[:300]}" + ("" if alive else f"; process {self.pid} exited"),
+                host=self.node.host, stderr=self._tail(),
+                remedy=f"read {self.log_path} on the node: the server failed on a real request; fix the cause "
+                       "(memory fraction, model, engine flags) and re-run",
+            )
+        if not alive:
+            raise ServerFailed(
+                f"{self._where()}: process {self.pid} exited during the smoke, after {after:.1f} s",
+                host=self.node.host, stderr=self._tail(),
+                remedy=f"read {self.log_path} on the node for the cause: the server died on its first requests",
+            )
 
 
 def fetch_server_info(url: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, Any]:

@@ -20,18 +20,22 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
-from prefect.states import Completed, Failed
+from prefect.states import Completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
+from flows.outcome import failed, quiet_expected_failures
 from flows.params import resolve_config, run_name
 from tasks.audit import write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
 from tasks.locks import hold_nodes
 from tasks.nodes import close_all
+
+# The engine's traceback for a run this flow failed on purpose is noise (flows/outcome.py).
+quiet_expected_failures()
 
 Action = Literal["bringup", "revalidate", "teardown", "generate"]
 LOCKED_ACTIONS = frozenset({"bringup", "revalidate", "teardown"})
@@ -158,7 +162,7 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
                + (f"; {len(failures)} error(s)" if failures else ""))
     write_table(cfg, ("teardown",), rows, summary)
     if failures:
-        return Failed(message=summary + ": " + " | ".join(failures), data=rows)
+        return failed(summary + ": " + " | ".join(failures), rows)
     return Completed(message=summary, data=rows)
 
 
@@ -170,8 +174,8 @@ def revalidate_action(cfg: FleetConfig) -> Any:
     rows, failures = revalidate(cfg)
     healthy = sum(1 for r in rows if r["state"] == "healthy")
     if failures:
-        return Failed(message=f"{len(failures)} server(s) unhealthy, {healthy} healthy: " + " | ".join(failures),
-                      data=rows)
+        return failed(f"{len(failures)} server(s) unhealthy, {healthy} healthy: " + " | ".join(failures),
+                      rows)
     return Completed(message=f"{healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=rows)
 
 
@@ -192,7 +196,7 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
     for spec in specs:
         by_node.setdefault(spec.node, []).append(spec)
     if not by_node:
-        return Failed(message="no server came up; nothing to generate with: " + " | ".join(failures), data=rows)
+        return failed("no server came up; nothing to generate with: " + " | ".join(failures), rows)
     node_name = max(by_node, key=lambda n: len(by_node[n]))
     if len(by_node) > 1:
         # The runner runs next to its servers; one job spans one node (see the README).
@@ -204,7 +208,7 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
              for r in rows if r["node"] == node_name and r["state"] in ("up", "adopted")}
     res, err = _outcome(generate.submit(cfg, node_name, by_node[node_name], facts, input, output, retry_errors))
     if err:
-        return Failed(message=f"generation: {err}", data=res)
+        return failed(f"generation: {err}", res)
     return Completed(message=f"generated {res['completed']} row(s), {res['errors']} error(s), "
                              f"{res['rejects']} reject(s) into {output}", data=res)
 
@@ -231,10 +235,11 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
         output: generate only: the output directory on the node (Parquet shards, errors, manifest).
         retry_errors: generate only: send the rows of the errors file again.
     """
+    quiet_expected_failures()
     cfg = resolve_config(config)
     t0 = time.monotonic()
     if action == "generate" and not (input and output):
-        return Failed(message="action 'generate' needs the parameters input and output")
+        return failed("action 'generate' needs the parameters input and output")
     try:
         # Every action that launches, probes or stops servers holds its nodes; a long-running
         # action (generation) must not: it would block bring-ups and revalidations for days.
@@ -255,5 +260,5 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
         close_all()
     up = _write_summary(cfg, rows, failures, t0)
     if failures:
-        return Failed(message=f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), data=rows)
+        return failed(f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), rows)
     return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=rows)

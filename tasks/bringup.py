@@ -18,8 +18,8 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import FleetError, PreflightFailed, is_transient
 from fleet.preflight import gather
-from fleet.servers import excerpt, launch, record_smoke, wait_ready
-from fleet.smoke import fetch_server_info, max_running_requests, smoke
+from fleet.servers import excerpt, launch, record_smoke, server_paths, wait_ready
+from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet.staging import stage_model
 from fleet.venv import ensure_venv
 from tasks.audit import write_stage
@@ -133,8 +133,13 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -
         node = node_for(cfg, spec.node)
         url = launched["url"]
         model = get_profile(cfg.engine.kind).request_model(spec)
+        # Watch the process and its log as readiness did: a server dying on its first request
+        # fails here at once with its log, not after every attempt against a dead port.
+        watch = ServerWatch.start(node, launched["pid"], server_paths(spec.workdir, cfg.name, spec.index).log,
+                                  get_profile(cfg.engine.kind).classify, index=spec.index, port=spec.port,
+                                  secrets=[spec.api_key])
         res = smoke(url, model, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key,
-                    temperature=cfg.generation.temperature)
+                    temperature=cfg.generation.temperature, watch=watch)
         info = fetch_server_info(url, spec.api_key)
         d = res.as_dict()
         d["max_running_requests"] = max_running_requests(info, launched.get("facts", {}))
@@ -145,8 +150,6 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -
 
 
 def log_excerpt_of(cfg: FleetConfig, spec: ServerSpec) -> str:
-    from fleet.servers import server_paths
-
     node = node_for(cfg, spec.node)
     return excerpt(node.read_text(server_paths(spec.workdir, cfg.name, spec.index).log, tail_bytes=200_000),
                    secrets=[spec.api_key])

@@ -24,15 +24,15 @@ from typing import Any
 import httpx
 from prefect import get_run_logger, task
 from prefect.futures import PrefectFuture
-from prefect.states import Failed
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import FleetError, ServerFailed
 from fleet.node import Node
 from fleet.servers import excerpt, record_smoke, records, server_paths
-from fleet.smoke import smoke
+from fleet.smoke import ServerWatch, smoke
 from fleet.staging import staged_path
+from flows.outcome import RunFailed, failed
 from tasks.audit import write_stage, write_table
 from tasks.bringup import TASK_OPTS
 from tasks.nodes import node_for
@@ -138,8 +138,10 @@ def check_server(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, rec: dict[s
             # The server is warm: no first-request allowance.
             warm = cfg.smoke.model_copy(update={"first_timeout_s": cfg.smoke.timeout_s})
             try:
+                watch = ServerWatch.start(node, pid, paths.log, profile.classify, index=spec.index, port=spec.port,
+                                          secrets=[spec.api_key])
                 res = smoke(url, profile.request_model(spec), warm, node=node_cfg.name, index=spec.index,
-                            api_key=spec.api_key, temperature=cfg.generation.temperature)
+                            api_key=spec.api_key, temperature=cfg.generation.temperature, watch=watch)
                 check.smoke_latency_s = round(res.latency_s or 0.0, 3)
                 record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s,
                                                "by": "revalidate"})
@@ -156,7 +158,7 @@ def check_server(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, rec: dict[s
         check.log_verdict = verdict.state
         kv = verdict.facts.get("kv_cache_tokens")
         check.kv_cache_tokens = int(kv) if isinstance(kv, int | float) else None
-        if verdict.fatal:
+        if verdict.fatal and not any("fatal log line" in p for p in check.problems):  # once, not twice
             check.problems.append(f"fatal log line: {(verdict.reason or '')[:300]}")
         check.log_excerpt = excerpt(text, 10, 40, [spec.api_key])
     check.seconds = round(time.monotonic() - t0, 3)
@@ -198,7 +200,7 @@ def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) 
                 seconds=check.seconds, result=check.as_dict(), error=error, log=check.log_excerpt)
     if not check.healthy:
         get_run_logger().error("%s: unhealthy: %s", check.label(), "; ".join(check.problems))
-        return Failed(message=f"{check.label()}: " + "; ".join(check.problems), data=check.row())
+        return failed(f"{check.label()}: " + "; ".join(check.problems), check.row())
     get_run_logger().info("%s: healthy (smoke %.2f s)", check.label(), check.smoke_latency_s or 0)
     return check.row()
 
@@ -210,6 +212,8 @@ def _outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
     if state.is_completed():
         return fut.result(), None
     data = fut.result(raise_on_failure=False)
+    if isinstance(data, RunFailed):
+        data = data.data
     if isinstance(data, dict):  # an unhealthy server: its row, and the state's message
         return data, state.message or "unhealthy"
     if isinstance(data, FleetError):

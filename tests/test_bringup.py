@@ -50,8 +50,10 @@ def port_block(n: int) -> int:
 def run(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
     from flows.fleet import fleet
 
+    from flows.outcome import run_data
+
     state = fleet(config=cfg, action="bringup", return_state=True)
-    rows = state.result(raise_on_failure=False)
+    rows = run_data(state)
     assert isinstance(rows, list), rows
     return state.is_completed(), rows, state.message or ""
 
@@ -198,6 +200,24 @@ def test_first_request_hangs_backoff_then_clear_failure(tmp_path: Path, teardown
     err = r[1]["error"]
     assert "smoke failed after 3 attempts" in err
     assert re.search(r"#1 at 0\.\ds: timeout", err) and "(timeout 1.5s)" in err and "(timeout 0.5s)" in err
+
+
+def test_server_dying_on_its_first_request_fails_its_smoke_with_the_log(tmp_path: Path, teardown_after) -> None:
+    """Fault: a server that comes up, then dies on its first request (sim --crash-after 1). Its smoke
+    task fails at once naming the exit / fatal line, with the log's tail in its artifact, instead of
+    "RemoteProtocolError … Connection refused" after every attempt; its peer stays up."""
+    cfg = sim_config(tmp_path, port_block(2), n=2, name="sd",
+                     servers={"extra_args_by_index": {1: ["--crash-after", "1"]}},
+                     smoke={"first_timeout_s": 30, "timeout_s": 30, "attempts": 4, "backoff_s": 30})
+    teardown_after(cfg)
+    ok, rows, msg = run(cfg)
+    r = by_server(rows)
+    assert not ok and r[0]["state"] == "up" and r[1]["state"] == "smoke failed"
+    assert "during the smoke" in r[1]["error"] and "smoke failed after" not in r[1]["error"]
+    assert "server 1" in msg and "during the smoke" in msg
+    art = read_artifacts(["sd-local-server-1-smoke"])["sd-local-server-1-smoke"]
+    assert "FAILED" in art.data and "illegal memory access" in art.data
+    assert "remedy" in art.data
 
 
 def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:

@@ -284,6 +284,58 @@ def test_bringup_revalidate_teardown_through_a_worker(deployed: PrefectServer, h
     assert list((tmp_path / "ram").iterdir()) == []
 
 
+def executed_events(s: PrefectServer, flow_run_id: str) -> list[dict[str, Any]]:
+    body = {"filter": {"event": {"name": ["prefect.worker.executed-flow-run"]},
+                       "related": {"id": [f"prefect.flow-run.{flow_run_id}"]}}}
+    return s.post("/events/filter", body)["events"]
+
+
+def run_logs(s: PrefectServer, flow_run_id: str) -> list[dict[str, Any]]:
+    return s.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
+
+
+def test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback(
+        deployed: PrefectServer, tmp_path: Path) -> None:
+    """Fault: a failed run under a worker used to log "Engine execution exited with unexpected
+    exception … TypeError: Unexpected result for failed state … list cannot be resolved into an
+    exception" (the flow returned Failed(data=rows)): it read like a crash and hid the message.
+    Now the run ends Failed with its one-line message, the summary table is an artifact, and
+    neither the worker's output nor the run's logs carry a traceback."""
+    s = deployed
+    cfg_path, data = sim_toml(tmp_path, n=2)
+    data["name"] = "dep-fail"
+    data["servers"]["extra_args_by_index"] = {1: ["--oom-at-start"]}
+    from fleet.demo import to_toml
+    cfg_path.write_text(to_toml(data))
+    worker_log = s.home / "worker.log"
+    seen = worker_log.stat().st_size
+    try:
+        rc, fr = run_deployment(s, "fleet/bringup", f"config={cfg_path}")
+        assert rc == 1 and fr["state"]["type"] == "FAILED", fr["state"]
+        msg = fr["state"]["message"]
+        assert msg.startswith("1 server(s) up; 1 failed: local server 1") and "Not enough memory" in msg
+        # The worker emits this once the run's process has ended and its output is in the log.
+        (done,) = poll(lambda: executed_events(s, fr["id"]), timeout=60, what="the worker's executed-flow-run event")
+        status = {r["prefect.resource.role"]: r for r in done["related"]}["flow-run"]
+        assert status["prefect.infrastructure.status-code"] == "0", done
+        out = worker_log.read_text()[seen:]
+        # (the server's own log, quoted in the launch error, holds SGLang's indented traceback: fine)
+        python_traceback = re.compile(r"^Traceback \(most recent call last\)", re.M)
+        for bad in ("cannot be resolved into an exception", "Engine execution exited", "exited with unexpected exception"):
+            assert bad not in out, f"{bad!r} in the worker's output:\n{out[-4000:]}"
+        assert not python_traceback.search(out), out[-4000:]
+        logs = run_logs(s, fr["id"])
+        assert any(lg["message"].startswith("Finished in state Failed('1 server(s) up; 1 failed") for lg in logs)
+        for lg in logs:
+            assert "Engine execution" not in lg["message"] and not python_traceback.search(lg["message"]), lg
+        (summary,) = s.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fr["id"]]},
+                                                                "type": {"any_": ["table"]}}})
+        rows = json.loads(summary["data"])
+        assert [(r["server"], r["state"]) for r in rows] == [(0, "up"), (1, "launch failed")]
+    finally:
+        run_deployment(s, "fleet/teardown", f"config={cfg_path}")
+
+
 def test_default_config_is_read_relative_to_the_repo(deployed: PrefectServer) -> None:
     """`prefect deployment run fleet/revalidate` with the YAML's default, a relative TOML path:
     the run is named after the fleet in that file, so the worker read it from the repo root."""

@@ -55,7 +55,9 @@ def run(cfg: FleetConfig | str, action: str, **params: Any):
 
 
 def rows_of(state) -> dict[Any, dict[str, Any]]:
-    rows = state.result(raise_on_failure=False)
+    from flows.outcome import run_data
+
+    rows = run_data(state)
     assert isinstance(rows, list), rows
     return {r.get("server", r.get("what")): r for r in rows}
 
@@ -131,7 +133,7 @@ def test_revalidate_names_every_unhealthy_server_and_relaunches_nothing(tmp_path
     msg = bad.message or ""
     assert msg.startswith("2 server(s) unhealthy, 1 healthy")
     assert f"local server 1 (port {cfg.servers.port_for(1)}): process {killed} is not running" in msg
-    assert f"local server 2 (port {cfg.servers.port_for(2)})" in msg and "smoke failed" in msg
+    assert f"local server 2 (port {cfg.servers.port_for(2)})" in msg and "during the smoke" in msg
     rows = rows_of(bad)
     assert rows[0]["state"] == "healthy" and rows[1]["process"] == "dead"
     assert rows[2]["state"] == "unhealthy" and rows[2]["log_verdict"] == "failed"  # the crash's log line

@@ -1,0 +1,80 @@
+"""How a fleet run ends Failed on purpose: a clear message, its table kept, no engine traceback.
+
+A flow run that returns `Failed(...)` makes Prefect's engine re-raise "the state's
+exception" once the run has ended, and under a worker (or `flow.serve`) the engine logs
+that re-raise as "Engine execution exited with unexpected exception" with a traceback.
+With `data=<list of rows>` it is worse: the engine cannot turn a list into an exception
+and logs `TypeError: Unexpected result for failed state … cannot be resolved into an
+exception` instead of the message. Both read like a crash and hide the real message.
+
+So every deliberate failure is `failed(message, data)`: a Failed state whose data is a
+`RunFailed` exception carrying the message and the run's result (summary rows, job
+summary). The engine re-raises exactly that exception, and `quiet_expected_failures`
+drops the engine's duplicate report of it (only of a `RunFailed`: a real crash keeps
+its traceback). The table itself lives in an artifact; `run_data(state)` gives callers
+in the same process (`fleet up`, tests) the rows of a run whichever way it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect.states import Failed, State
+
+from fleet.errors import FatalError, FleetError
+
+# What prefect.flow_engine.run_flow logs (through the flow run's logger) when the final state's
+# exception is re-raised at the end of a run; checked on Prefect 3.9.1.
+_ENGINE_REPORT = "Engine execution exited with unexpected exception"
+_FLOW_RUN_LOGGERS = ("prefect.flow_runs", "prefect.engine")
+
+
+class RunFailed(FatalError):
+    """A fleet run (or one of its tasks) ended Failed on purpose; `data` is what it produced."""
+
+    def __init__(self, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (result persistence, process boundaries)
+        return (type(self), (self.reason, self.data))
+
+
+def failed(message: str, data: Any = None) -> State:
+    """A Failed state with `message` that the engine can resolve into an exception (never a bare list)."""
+    return Failed(message=message, data=RunFailed(message, data))
+
+
+def run_data(state: State) -> Any:
+    """What a finished run produced: its return value, or the data of a deliberate failure.
+
+    A failure that was not deliberate (a bug: any other exception) is raised, so it shows
+    its traceback; a FleetError is returned as it is (the caller prints its one line).
+    """
+    data = state.result(raise_on_failure=False)
+    if isinstance(data, RunFailed):
+        return data.data
+    if isinstance(data, BaseException) and not isinstance(data, FleetError):
+        raise data
+    return data
+
+
+class _QuietExpectedFailures(logging.Filter):
+    """Drop the engine's traceback for a run that ended with `failed(...)`: the state says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, RunFailed) and str(record.msg).startswith(
+            (_ENGINE_REPORT, "Execution of flow run")))
+
+
+_FILTER = _QuietExpectedFailures()
+
+
+def quiet_expected_failures() -> None:
+    """Install the filter on the loggers the engine reports a run's end through (idempotent)."""
+    for name in _FLOW_RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)

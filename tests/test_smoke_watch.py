@@ -1,0 +1,89 @@
+"""The smoke watches the server's process and log, as readiness does (fleet/smoke.py ServerWatch).
+
+Real parts: sim server processes on 127.0.0.1, their log files, the local node's watch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleet.config import SmokeConfig
+from fleet.engines import get_profile
+from fleet.errors import ServerFailed
+from fleet.node import LocalNode
+from fleet.smoke import ServerWatch, smoke
+from test_sim import FAST, Sim
+
+SIM_CLASSIFY = get_profile("sim").classify
+
+
+@pytest.fixture
+def sims(tmp_path: Path):
+    started: list[Sim] = []
+
+    def start(*flags: str) -> Sim:
+        sim = Sim(tmp_path, "--startup-s", "0", *FAST, *flags)
+        started.append(sim)
+        sim.wait_ready()
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()
+
+
+def watch_of(sim: Sim) -> ServerWatch:
+    return ServerWatch.start(LocalNode(), sim.proc.pid, str(sim.log_path), SIM_CLASSIFY, index=1, port=sim.port)
+
+
+def test_server_dying_on_its_first_request_fails_the_smoke_at_once_with_its_log(sims) -> None:
+    """Fault: a server that dies on its first real request. The smoke used to retry the dead port
+    ("RemoteProtocolError … Connection refused" × attempts, 16 s of backoff) and never said why;
+    now the first failed attempt checks the process and the log and fails with the log's fatal
+    line, the exit and the log tail, with no further attempt."""
+    sim = sims("--crash-after", "1")
+    cfg = SmokeConfig(first_timeout_s=30, timeout_s=30, attempts=4, backoff_s=30)  # exhausting would take minutes
+    with pytest.raises(ServerFailed) as err:
+        smoke(sim.url, "sim-model", cfg, node="local", index=1, watch=watch_of(sim))
+    exc = err.value
+    assert "server 1 on port" in exc.reason and "during the smoke" in exc.reason
+    assert "Scheduler hit an exception" in exc.reason or f"process {sim.proc.pid} exited" in exc.reason
+    assert "smoke failed after" not in exc.reason  # the attempts were not run out against a dead port
+    assert "illegal memory access" in exc.stderr_tail  # the log's tail: the cause
+    assert exc.remedy and str(sim.log_path) in exc.remedy
+
+
+def test_fatal_log_line_while_a_request_hangs_fails_without_waiting_for_the_timeout(sims, tmp_path: Path) -> None:
+    """Fault: the server's scheduler dies but its HTTP front end keeps the connection open (the
+    request hangs). The watch runs while the request is in flight: the fatal line fails the smoke
+    without waiting out smoke.first_timeout_s."""
+    sim = sims("--hang-requests")
+    real = watch_of(sim)
+    calls = 0
+
+    def watch() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # call 1 is before the attempt; call 2 is with the request in flight
+            with open(sim.log_path, "a") as f:
+                f.write("Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access\n")
+        real()
+
+    cfg = SmokeConfig(first_timeout_s=600, timeout_s=600, attempts=1)
+    with pytest.raises(ServerFailed) as err:
+        smoke(sim.url, "sim-model", cfg, node="local", index=1, watch=watch, watch_every_s=0.2)
+    assert "fatal log line during the smoke" in err.value.reason
+    assert "Scheduler hit an exception" in err.value.reason
+    assert sim.proc.poll() is None  # alive all along: only the log told
+
+
+def test_watch_reads_only_what_the_log_gained(sims) -> None:
+    """A fatal line logged before the smoke began (e.g. an old crash in a relaunched server's
+    appended log) is not blamed on this smoke: the watch starts at the log's current end."""
+    sim = sims()
+    with open(sim.log_path, "a") as f:
+        f.write("Scheduler hit an exception: an old crash, before this smoke\n")
+    res = smoke(sim.url, "sim-model", SmokeConfig(first_timeout_s=30, attempts=1), watch=watch_of(sim))
+    assert res.ok and res.completion_tokens
