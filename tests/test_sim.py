@@ -47,7 +47,9 @@ class Sim:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 10.0) -> float:
+    # Deadlines below are generous on purpose: they fail only when something is broken, never
+    # because the machine is busy (the CI runs beside other work).
+    def wait_ready(self, timeout: float = 60.0) -> float:
         """Seconds from launch until /health answered 200; fails at once if the process dies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -61,7 +63,7 @@ class Sim:
             time.sleep(0.01)
         pytest.fail(f"sim not ready within {timeout}s:\n{self.log()[-2000:]}")
 
-    def wait_log(self, pattern: str, timeout: float = 5.0) -> re.Match:
+    def wait_log(self, pattern: str, timeout: float = 30.0) -> re.Match:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             m = re.search(pattern, self.log())
@@ -70,7 +72,7 @@ class Sim:
             time.sleep(0.02)
         pytest.fail(f"{pattern!r} not in the log within {timeout}s:\n{self.log()[-2000:]}")
 
-    def wait_exit(self, timeout: float = 5.0) -> int:
+    def wait_exit(self, timeout: float = 30.0) -> int:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -128,11 +130,12 @@ def sse_events(text: str) -> list:
 
 
 def test_ready_after_startup_s_with_sglang_log_lines(sims):
-    """503 while starting, 200 after ~--startup-s; the log carries SGLang's startup lines."""
-    s = sims("--startup-s", "1.0", "--kv-cache-tokens", "777777", "--max-running-requests", "37",
+    """503 while starting, 200 after --startup-s; the log carries SGLang's startup lines.
+    Not timed from above: under load the first poll may come late (3 s of 503 leaves room)."""
+    s = sims("--startup-s", "3.0", "--kv-cache-tokens", "777777", "--max-running-requests", "37",
              "--context-length", "16384")
     seen_503 = False
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             code = httpx.get(s.url + "/health", timeout=1).status_code
@@ -146,8 +149,8 @@ def test_ready_after_startup_s_with_sglang_log_lines(sims):
             break
         time.sleep(0.01)
     ready_s = time.monotonic() - s.started
-    assert seen_503
-    assert 1.0 <= ready_s < 2.5, ready_s
+    assert seen_503 and code == 200
+    assert ready_s >= 3.0, ready_s
     log = s.log()
     for line in (
         r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] Load weight end\. type=\w+, dtype=\S+, avail mem=[\d.]+ GB, mem usage=[\d.]+ GB\.",
@@ -398,7 +401,7 @@ def test_crash_after_n(sims):
             assert c.get("/health_generate").status_code == 200  # probes do not count
         with pytest.raises(httpx.TransportError):
             c.post("/v1/chat/completions", json=chat_body())
-    assert s.wait_exit(3) == 1
+    assert s.wait_exit() == 1
     log = s.log()
     assert "Scheduler hit an exception:" in log and "Received sigquit from a child process" in log
 
@@ -430,55 +433,67 @@ def test_error_rate_share_and_determinism(sims):
 
 
 def test_queueing_beyond_max_running_requests(sims):
-    """2x the slot count of equal requests takes ~2x as long: the extra ones queue."""
+    """8 requests on 4 slots: 4 run and 4 queue (seen in /metrics), and the queued ones run only
+    once slots free, so the 8 end in two waves. Checked by counts and lower bounds, which a busy
+    machine cannot break (it only makes things slower), not by how long the waves take."""
     s = sims("--startup-s", "0", "--tokens-per-s", "50", "--max-running-requests", "4")
     s.wait_ready()
-    body = chat_body(max_tokens=20, ignore_eos=True)  # 0.4 s each
+    per_request = 2.0
+    body = chat_body(max_tokens=int(50 * per_request), ignore_eos=True)
 
-    async def bursts() -> tuple[float, float, list[str]]:
-        async with httpx.AsyncClient(base_url=s.url, timeout=10) as c:
-            await asyncio.gather(*(c.get("/health") for _ in range(8)))  # open the connections first
+    def counts(metrics: str) -> tuple[float, float]:
+        running, queued = re.findall(r"^sglang:num_(?:running|queue)_reqs\{[^}]*\} (\S+)$", metrics, re.M)
+        return float(running), float(queued)
 
-            async def burst(n: int) -> float:
-                t = time.monotonic()
-                rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(n)))
-                assert all(r.status_code == 200 for r in rs)
+    async def burst() -> tuple[list[float], list[tuple[float, float]]]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            await asyncio.gather(*(c.get("/health") for _ in range(9)))  # open the connections first
+            t = time.monotonic()
+
+            async def one() -> float:
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200
                 return time.monotonic() - t
 
-            one = await burst(4)
-            task = asyncio.ensure_future(burst(8))
-            await asyncio.sleep(0.2)
-            metrics = (await c.get("/metrics")).text
-            return one, await task, re.findall(r"^sglang:num_(?:running|queue)_reqs\{[^}]*\} (\S+)$", metrics, re.M)
+            tasks = [asyncio.ensure_future(one()) for _ in range(8)]
+            seen = []
+            while not all(task.done() for task in tasks):
+                seen.append(counts((await c.get("/metrics")).text))
+                await asyncio.sleep(0.05)
+            return sorted(await asyncio.gather(*tasks)), seen
 
-    one, two, (running, queued) = asyncio.run(bursts())
-    assert 0.4 <= one < 0.75, one  # within the limit: all at once
-    assert 0.8 <= two < 1.5, two  # 8 requests, 4 slots: two waves
-    assert (float(running), float(queued)) == (4, 4)
+    ends, seen = asyncio.run(burst())
+    assert max(running for running, _ in seen) == 4, seen     # never more than the slots
+    assert (4, 4) in seen, seen   # the extra four waited in the queue (a 2 s window to see it)
+    # a queued request starts only when a running one ends: the second wave ends at least two
+    # request-times after the burst began (the first wave cannot end before one)
+    assert all(e >= per_request for e in ends[:4]) and all(e >= 2 * per_request for e in ends[4:]), ends
 
 
 def test_disconnect_frees_the_slot(sims):
-    """A client that gives up must not keep its slot (SGLang aborts the request)."""
+    """A client that gives up must not keep its slot (SGLang aborts the request). The abandoned
+    request would hold the only slot for 500 s; the next one must be answered well before."""
     s = sims("--startup-s", "0", "--tokens-per-s", "10", "--max-running-requests", "1")
     s.wait_ready()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=100, ignore_eos=True), timeout=0.3)
-    t = time.monotonic()
-    r = httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=2, ignore_eos=True), timeout=5)
-    assert r.status_code == 200 and time.monotonic() - t < 1.0
+        httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=5000, ignore_eos=True), timeout=0.3)
+    r = httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=2, ignore_eos=True), timeout=60)
+    assert r.status_code == 200
 
 
 def test_first_request_delay(sims):
-    s = sims("--startup-s", "0", *FAST, "--first-request-delay-s", "0.6")
+    """The first generation waits --first-request-delay-s, later ones do not: the second one
+    ends before the delay would have (a wide margin: the delay is 3 s, the request instant)."""
+    s = sims("--startup-s", "0", *FAST, "--first-request-delay-s", "3")
     s.wait_ready()
-    with httpx.Client(base_url=s.url) as c:
+    with httpx.Client(base_url=s.url, timeout=60) as c:
         t = time.monotonic()
         c.post("/v1/chat/completions", json=chat_body())
         first = time.monotonic() - t
         t = time.monotonic()
         c.post("/v1/chat/completions", json=chat_body())
         second = time.monotonic() - t
-    assert first >= 0.6 and second < 0.3
+    assert first >= 3 and second < 3
 
 
 def test_speculative_accept_length_and_decode_log(sims):
@@ -489,10 +504,15 @@ def test_speculative_accept_length_and_decode_log(sims):
     assert info["speculative_algorithm"] == "EAGLE"
     assert 2.5 <= info["internal_states"][0]["avg_spec_accept_length"] <= 3.5
     assert re.search(r"^sglang:spec_accept_length\{[^}]*\} [\d.]+$", httpx.get(s.url + "/metrics").text, re.M)
-    httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=100, ignore_eos=True), timeout=5)
-    m = s.wait_log(r"TP0\] Decode batch\. #running-req: \d+, #token: \d+, token usage: [\d.]+, "
-                   r"accept len: ([\d.]+), cuda graph: True, gen throughput \(token/s\): ([\d.]+), #queue-req: \d+")
-    assert 2.3 <= float(m[1]) <= 3.7 and float(m[2]) > 0
+    httpx.post(s.url + "/v1/chat/completions", json=chat_body(max_tokens=100, ignore_eos=True), timeout=60)
+    # Fault (CI under load): the first Decode line can come before any token (gen throughput
+    # 0.00, as in SGLang); the line after the request's tokens has a rate > 0, so wait for one.
+    line = (r"TP0\] Decode batch\. #running-req: \d+, #token: \d+, token usage: [\d.]+, "
+            r"accept len: ([\d.]+), cuda graph: True, gen throughput \(token/s\): ([\d.]+), #queue-req: \d+")
+    s.wait_log(line.replace(r"([\d.]+), #queue", r"(0*[1-9][\d.]*|0\.\d*[1-9]\d*), #queue"))
+    found = re.findall(line, s.log())
+    assert found and all(2.3 <= float(accept) <= 3.7 for accept, _ in found), found
+    assert any(float(rate) > 0 for _, rate in found), found
 
 
 # --------------------------------------------------------------------------- process
@@ -512,8 +532,9 @@ def test_sigterm_exits_zero_promptly(sims):
         c.post("/v1/chat/completions", json=chat_body(max_tokens=50, ignore_eos=True), timeout=0.2)
     t = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
-    assert s.wait_exit(3) == 0
-    assert time.monotonic() - t < 1.5
+    assert s.wait_exit() == 0
+    # the in-flight request would take 50 s: exiting well before that is "promptly"
+    assert time.monotonic() - t < 25
     assert "INFO:     Shutting down" in s.log()
 
 
@@ -521,7 +542,7 @@ def test_port_in_use_fails_like_uvicorn(sims):
     s = sims("--startup-s", "0", *FAST)
     s.wait_ready()
     other = sims("--startup-s", "0", port=s.port)
-    assert other.wait_exit(3) == 1
+    assert other.wait_exit() == 1
     assert "error while attempting to bind on address" in other.log()
 
 
