@@ -81,11 +81,17 @@ def result_ids(out: Path) -> list[str]:
     return ids
 
 
+# Servers slow enough that a poll arriving late on a busy machine still finds the job mid-run
+# (~33 rows/s: 1200 rows would take 36 s), restarted fast on the same ports for the resume.
+SLOW = ("--tokens-per-s", "100", "--max-running-requests", "8")
+FAST = ("--tokens-per-s", "100000", "--max-running-requests", "8")
+
+
 def test_sigkill_mid_run_then_resume_exact_counts(tmp_path: Path, sims) -> None:
-    # ~250 rows/s: under CPU load the poll below sees 250 committed late (up to ~750 done was
-    # seen at 2x this speed); the kill must still land well before the last of 1200 rows
-    a = sims("--tokens-per-s", "750", "--max-running-requests", "8", "--context-length", "256")
-    b = sims("--tokens-per-s", "750", "--max-running-requests", "8", "--context-length", "256")
+    """Fault guarded in the test itself: at ~250 rows/s the kill sometimes landed after the last
+    row on a loaded CI machine; the first run now cannot finish before the poll sees it."""
+    a = sims(*SLOW, "--context-length", "256")
+    b = sims(*SLOW, "--context-length", "256")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     rows = write_input(inp, 1200, bad_lines=(5, 700), long_prompt_at=11)
     job = job_file(tmp_path, inp, out, [a, b])
@@ -93,13 +99,16 @@ def test_sigkill_mid_run_then_resume_exact_counts(tmp_path: Path, sims) -> None:
 
     first = start_runner(job, log)
     try:
-        wait_for(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 250, 30, "a few committed shards")
+        wait_for(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 100, 60, "a few committed shards")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     killed_at = progress(out)
     assert killed_at["state"] == "running" and killed_at["rows_done"] < rows, "killed mid-run"
     assert (out / ".lock").exists()
+    for sim in (a, b):
+        sim.kill()
+        sim.start(*FAST, "--context-length", "256")
 
     second = start_runner(job, log)
     assert second.wait(timeout=60) == 0, log.read_text()[-3000:]
@@ -116,7 +125,7 @@ def test_sigkill_mid_run_then_resume_exact_counts(tmp_path: Path, sims) -> None:
 
     final = progress(out)
     assert final["state"] == "done" and final["rows_done"] == final["rows_total"] == rows
-    assert final["this_run"]["fed"] < 1200 - 250, "the resume skipped what was committed"
+    assert final["this_run"]["fed"] <= rows - killed_at["committed"], "the resume skipped what was committed"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["state"] == "done" and manifest["complete"] and manifest["accounted"] == rows
     assert manifest["counts"]["completed"] == len(ids) and manifest["checks"]["rows"] == len(ids)
@@ -126,7 +135,7 @@ def test_sigkill_mid_run_then_resume_exact_counts(tmp_path: Path, sims) -> None:
 
 
 def test_sigterm_stops_cleanly_then_resume_finishes(tmp_path: Path, sims) -> None:
-    a = sims("--tokens-per-s", "600", "--max-running-requests", "8")
+    a = sims(*SLOW)   # 400 rows take 25 s: the SIGTERM lands mid-run however busy the machine
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     rows = write_input(inp, 400)
     job = job_file(tmp_path, inp, out, [a], config={"generation": {"max_tokens": 48, "price_per_gpu_hour": 2.5}})
@@ -142,6 +151,8 @@ def test_sigterm_stops_cleanly_then_resume_finishes(tmp_path: Path, sims) -> Non
     assert manifest["state"] == "stopped" and not manifest["complete"]
     assert manifest["cost"]["usd_per_m_completion_tokens"] > 0 and manifest["cost"]["gpus"] == 1
 
+    a.kill()
+    a.start(*FAST)
     proc = start_runner(job, log)
     assert proc.wait(timeout=60) == 0
     ids = result_ids(out)
@@ -236,7 +247,7 @@ def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path
 
 
 def test_all_servers_down_shows_paused_then_finishes(tmp_path: Path, sims) -> None:
-    s = sims("--tokens-per-s", "800", "--max-running-requests", "4")
+    s = sims(*SLOW)   # 300 rows take 18 s: the kill lands mid-run however busy the machine
     cfg = FleetConfig(engine={"kind": "sim"}, generation={"max_tokens": 48},
                       smoke={"first_timeout_s": 5, "timeout_s": 5, "attempts": 1})
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -255,7 +266,7 @@ def test_all_servers_down_shows_paused_then_finishes(tmp_path: Path, sims) -> No
         assert paused["servers"][0]["state"] in ("down", "recovering")
         time.sleep(0.5)
         assert progress(out)["errors"] == 0, "nothing goes to errors while paused"
-        s.start()
+        s.start(*FAST)
         t.join(timeout=60)
         assert not t.is_alive()
     finally:
