@@ -331,6 +331,10 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_PYTHON": "the interpreter dev.sh builds the venv with",
     "FLEET_WHEELS": "local wheel directories dev.sh installs from",
     "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
+    # set by fleet in the servers' own environment (never read as config, but a process
+    # started from a server's shell may inherit them)
+    "FLEET_ENGINE_API_KEY": "the API key handed to a server",
+    "FLEET_ENGINE_ENV": "engine.env handed to a server",
 }
 
 
