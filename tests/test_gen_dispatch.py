@@ -51,7 +51,7 @@ class Sim:
                 *(args or self.args)]
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60   # a deadline, not a speed check (busy machines)
         while True:
             if self.proc.poll() is not None:
                 pytest.fail(f"sim on {self.port} exited with {self.proc.returncode}")
@@ -63,7 +63,7 @@ class Sim:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"sim on {self.port} not healthy within 15 s")
+                pytest.fail(f"sim on {self.port} not healthy within 60 s")
             time.sleep(0.02)
 
     def kill(self) -> None:
@@ -237,8 +237,11 @@ def test_client_outcomes_against_sim(sims) -> None:
 
 
 def test_heterogeneous_speeds_fast_server_takes_more(sims) -> None:
-    fast_s = sims("--tokens-per-s", "4000", "--max-running-requests", "8", "--speculative-algorithm", "EAGLE")
-    slow_s = sims("--tokens-per-s", "1000", "--max-running-requests", "8")
+    """Work stealing: the faster server takes more rows. The speeds differ by a lot (a row takes
+    ~0 s against 3 s), so per-request overhead on a busy machine cannot close the gap (at 4x
+    speeds of 8 and 32 ms per row, 50 ms of overhead each made them nearly equal)."""
+    fast_s = sims("--tokens-per-s", "100000", "--max-running-requests", "8", "--speculative-algorithm", "EAGLE")
+    slow_s = sims("--tokens-per-s", "10", "--max-running-requests", "8")
     store = MemStore()
     items = rows(400, 32)
     d = Dispatcher([fast_s.endpoint("fast"), slow_s.endpoint("slow")], store, gen(), **fast())
@@ -351,7 +354,7 @@ def test_all_servers_down_pauses_without_burning_retries_then_resumes(sims) -> N
         s.kill()
         t0 = time.monotonic()
         while not d.state.startswith("paused"):
-            assert time.monotonic() - t0 < 10, d.state
+            assert time.monotonic() - t0 < 60, d.state
             await asyncio.sleep(0.02)
         seen["paused"] = d.snapshot()
         await asyncio.sleep(1.0)  # several recovery polls while paused

@@ -141,7 +141,7 @@ def test_sigterm_stops_cleanly_then_resume_finishes(tmp_path: Path, sims) -> Non
     job = job_file(tmp_path, inp, out, [a], config={"generation": {"max_tokens": 48, "price_per_gpu_hour": 2.5}})
     log = tmp_path / "runner.log"
     proc = start_runner(job, log)
-    wait_for(lambda: (p := progress(out)) and p["completed"] >= 40, 30, "some rows done")
+    wait_for(lambda: (p := progress(out)) and p["completed"] >= 40, 60, "some rows done")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
     p = progress(out)
@@ -259,9 +259,9 @@ def test_all_servers_down_shows_paused_then_finishes(tmp_path: Path, sims) -> No
                                                             flush_interval_s=0.5, dispatch=fast)))
     t.start()
     try:
-        wait_for(lambda: (p := progress(out)) and p["completed"] >= 30, 30, "rows done before the kill")
+        wait_for(lambda: (p := progress(out)) and p["completed"] >= 30, 60, "rows done before the kill")
         s.kill()
-        paused = wait_for(lambda: (p := progress(out)) and p["state"] == "paused" and p, 15, "paused state")
+        paused = wait_for(lambda: (p := progress(out)) and p["state"] == "paused" and p, 60, "paused state")
         assert paused["detail"] == "paused: all servers down" and paused["servers_up"] == 0
         assert paused["servers"][0]["state"] in ("down", "recovering")
         time.sleep(0.5)

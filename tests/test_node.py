@@ -90,10 +90,10 @@ def test_timeout_raises_quickly_and_kills_the_command(node: Node, tmp_path: Path
     t0 = time.monotonic()
     with pytest.raises(CommandTimeout) as info:
         node.run(["sh", "-c", script], timeout=1)
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < 30   # the command would run 60 s; a busy machine is slow, not that slow
     assert info.value.transient
     shell, child = (int(p) for p in pids.read_text().split())
-    wait_until(lambda: not node.is_alive(shell) and not node.is_alive(child), timeout=10,
+    wait_until(lambda: not node.is_alive(shell) and not node.is_alive(child), timeout=30,
                what="the timed-out command and its child to be gone")
 
 
@@ -162,7 +162,7 @@ def test_stop_kills_a_process_that_ignores_sigterm(node: Node, tmp_path: Path) -
     wait_until(lambda: "ready" in node.read_text(str(log)), what="the TERM trap to be set")
     res = node.stop(d.pid, grace_s=1)
     assert res.was_running and res.killed
-    wait_until(lambda: not node.is_alive(d.pid), timeout=5, what="the stubborn process to die")
+    wait_until(lambda: not node.is_alive(d.pid), timeout=30, what="the stubborn process to die")
 
 
 # -- port forwarding --------------------------------------------------------------------------

@@ -3,6 +3,7 @@ checks the error class (transient vs fatal), the message and the recovery."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ from fleet.errors import (
     NodeUnreachable,
     is_transient,
 )
-from fleet.node.ssh import SSHNode, fingerprint, load_private_key, remote_argv
+from fleet.node.ssh import CONNECT_ATTEMPTS, SSHNode, fingerprint, load_private_key, remote_argv
 
 pytestmark = pytest.mark.ssh
 
@@ -121,13 +122,16 @@ def test_key_text_with_literal_backslash_n_parses(sshd: Sshd) -> None:
 
 # -- network -------------------------------------------------------------------------------
 
-def test_no_sshd_on_port(sshd: Sshd) -> None:
-    """Connection refused: transient, and it gives up fast (a couple of quick retries)."""
+def test_no_sshd_on_port(sshd: Sshd, caplog: pytest.LogCaptureFixture) -> None:
+    """Connection refused: transient, and it gives up fast (a couple of quick retries), counted
+    rather than timed so a busy machine cannot fail it."""
     node = _node(sshd, port=free_port())
     t0 = time.monotonic()
-    with pytest.raises(NodeUnreachable) as info:
+    with caplog.at_level(logging.INFO, logger="fleet"), pytest.raises(NodeUnreachable) as info:
         node.run(["true"])
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 60
+    retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+    assert len(retries) <= CONNECT_ATTEMPTS - 1, [r.getMessage() for r in retries]
     assert info.value.transient and is_transient(info.value)
     assert "remedy:" in str(info.value)
 
@@ -184,8 +188,9 @@ def test_sshd_session_killed_mid_command(sshd: Sshd) -> None:
     for pid in ours:  # the per-connection sshd and its privilege-separated child
         for p in [pid, *(d.pid for d in descendants(pid) if d.comm.startswith("sshd"))]:
             _kill(p)
-    thread.join(timeout=10)
-    assert not thread.is_alive() and time.monotonic() - t0 < 5
+    thread.join(timeout=25)
+    # the remote sleep lasts 31.5 s: ending well before means the loss was noticed, not waited out
+    assert not thread.is_alive() and time.monotonic() - t0 < 25
     assert len(errors) == 1 and isinstance(errors[0], ConnectionLost), errors
     assert errors[0].transient and "sleep 31.5" in str(errors[0])
     assert node.run(["echo", "back"]).stdout == "back\n"  # transparently reconnected

@@ -152,7 +152,7 @@ def test_second_run_adopts_without_copying(node, model, ramdisk, tmp_path) -> No
     t0 = time.monotonic()
     res = stage(node, model, ramdisk, tmp_path)
     assert res.adopted and res.copied_files == 0 and res.bytes_copied == 0 and res.skipped_files == 7
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60   # the counts above prove no copy; this only catches a hang
     # never rewritten, so never even briefly "incomplete" under servers that read the copy
     assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert tree(ramdisk / "Qwen3-Tiny") == tree(model)
@@ -238,14 +238,18 @@ def test_interrupted_copy_is_finished_never_served(node, model, ramdisk, tmp_pat
 def test_killed_copy_is_resumed(node, model, ramdisk, tmp_path) -> None:
     """Kill -9 the stage script mid-file: the copy must read as incomplete, then be finished."""
     dst = ramdisk / "Qwen3-Tiny"
+    # 5 MB/s: the 50 MB file takes 10 s, so the kill lands mid-file even when the poll runs late
     proc = subprocess.Popen([PY, str(STAGE_SCRIPT), "--src", str(model), "--dst", str(dst), "--streams", "1",
-                             "--max-mb-s", "20"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--max-mb-s", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     part = dst / "weights" / "model-00001-of-00002.safetensors.fleet-part"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not part.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "stage script never started the big file"
         time.sleep(0.02)
-    time.sleep(0.3)
+    # mid-file: some bytes written (polled, not slept for)
+    while part.exists() and part.stat().st_size == 0:
+        assert proc.poll() is None and time.monotonic() < deadline + 30, "no byte of the big file copied"
+        time.sleep(0.02)
     proc.kill()
     proc.wait()
     assert part.exists()

