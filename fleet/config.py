@@ -11,6 +11,7 @@ description (it becomes the UI form and the README's schema table).
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import re
 import tomllib
@@ -59,6 +60,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _expand_home(path: Any) -> Any:
+    """`~` / `~/x` -> this user's home (only for paths on this machine)."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -80,7 +86,7 @@ class NodeConfig(_Section):
     trust_on_first_use: bool = Field(False, description="Accept an unknown host key once and record it in known_hosts. Off by default.")
     connect_timeout_s: float = Field(15.0, gt=0, le=600, description="TCP + SSH handshake timeout.")
     keepalive_s: int = Field(15, ge=0, le=3600, description="SSH keepalive interval (0 = off).")
-    workdir: str = Field("/tmp/fleet", description="Directory on the node for logs, pid files and manifests.")
+    workdir: str = Field("/tmp/fleet", description="Directory on the node for logs, pid files and manifests (on a local node, ~ is your home).")
     ramdisk: str = Field("/dev/shm", description="RAM disk on the node where the model is staged.")
     gpus: list[int] | None = Field(None, description="GPU indices to use on this node (default: all that nvidia-smi lists).")
 
@@ -103,6 +109,15 @@ class NodeConfig(_Section):
         if v and not v.startswith("/"):
             raise ValueError(f"nodes[].{info.field_name} must be an absolute path (got {v!r})")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_home(cls, data: Any) -> Any:
+        # A local node is this machine and this user: `~` in its paths is our home, so one
+        # config (deployments/configs/local-sim.toml) gives each user their own directories.
+        if isinstance(data, dict) and data.get("kind", "local") == "local":
+            data = {**data, **{k: _expand_home(data[k]) for k in ("workdir", "ramdisk") if k in data}}
+        return data
 
     @model_validator(mode="after")
     def _ssh_needs_host(self) -> NodeConfig:
@@ -174,7 +189,7 @@ class ModelConfig(_Section):
 class VenvConfig(_Section):
     """The engine's virtual environment on the node's local disk."""
 
-    path: str = Field("/opt/fleet/venv", description="Venv path on the node; must be on a local (not network) filesystem.")
+    path: str = Field("/opt/fleet/venv", description="Venv path on the node; must be on a local (not network) filesystem (with only local nodes, ~ is your home).")
     python: str | None = Field(None, description="Python version or interpreter uv creates the venv with (default: uv's choice).")
     use_existing: bool = Field(False, description="Use the venv at 'path' as it is: no create, no install (only the import check).")
     index_url: str | None = Field(None, description="Package index for uv (default: uv's default).")
@@ -369,6 +384,20 @@ class FleetConfig(BaseSettings):
                                      if k.upper() not in NOT_CONFIG_ENV}
         return (env_settings, init_settings)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _local_venv_home(cls, data: Any) -> Any:
+        # `~` in venv.path is our home when every node is this machine (see NodeConfig._local_home)
+        if not isinstance(data, dict):
+            return data
+        nodes = data.get("nodes") or [{}]
+        local = isinstance(nodes, list) and all(
+            (n.get("kind", "local") if isinstance(n, dict) else getattr(n, "kind", None)) == "local" for n in nodes)
+        venv = data.get("venv")
+        if local and isinstance(venv, dict) and "path" in venv:
+            data = {**data, "venv": {**venv, "path": _expand_home(venv["path"])}}
+        return data
+
     @model_validator(mode="after")
     def _unique_nodes(self) -> FleetConfig:
         names = [n.name for n in self.nodes]
@@ -459,8 +488,6 @@ def _env_problem(name: str) -> str | None:
 
 def env_problems(environ: dict[str, str] | None = None) -> list[str]:
     """One line per FLEET_* environment variable that names no config setting."""
-    import os
-
     env = os.environ if environ is None else environ
     out = []
     for name in sorted(env):
@@ -474,8 +501,6 @@ def env_problems(environ: dict[str, str] | None = None) -> list[str]:
 
 def _env_var_for(loc: tuple[Any, ...], environ: dict[str, str] | None = None) -> str | None:
     """The FLEET_* variable that supplied the value at `loc`, if one did (env beats the file)."""
-    import os
-
     env = os.environ if environ is None else environ
     want = [str(p).lower() for p in loc]
     best: str | None = None

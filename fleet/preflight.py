@@ -91,6 +91,7 @@ class NodeReport:
     mem_available_bytes: int | None = None
     paths: list[PathInfo] = field(default_factory=list)
     ports: dict[int, bool] = field(default_factory=dict)   # port -> free
+    listening: set[int] = field(default_factory=set, repr=False)   # every port listening on the node
     python: str | None = None
     uv: str | None = None
     checks: list[Check] = field(default_factory=list)
@@ -107,6 +108,7 @@ class NodeReport:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("listening")   # internal: for suggesting free ports
         d["ok"] = self.ok
         d["ports"] = [{"port": p, "free": free} for p, free in sorted(self.ports.items())]
         return d
@@ -189,6 +191,29 @@ def parse_listening_ports(text: str) -> set[int]:
             except ValueError:
                 continue
     return ports
+
+
+def free_port_block(listening: set[int], n: int, after: int, stop: int = 65535) -> int | None:
+    """The first port p > `after` with p .. p+n-1 all not listening (a base_port to suggest)."""
+    p = after + 1
+    while p + n - 1 <= stop:
+        clash = [q for q in range(p, p + n) if q in listening]
+        if not clash:
+            return p
+        p = clash[-1] + 1
+    return None
+
+
+def port_remedy(cfg: FleetConfig, busy: list[int], listening: set[int], n: int) -> str:
+    """What to change when a server's port is held by a process that is not this fleet's server
+    (another user's fleet on a shared machine, or another program)."""
+    stop = f"or stop what listens there (`ss -ltnp 'sport = :{busy[0]}'` on the node)"
+    if cfg.servers.ports is not None:
+        return f"give servers.ports other ports (or FLEET_SERVERS__PORTS='[…]'), {stop}"
+    base = free_port_block(listening, n, max(busy))
+    free = (f" (ports {base}-{base + n - 1} are free now: base_port = {base}, or FLEET_SERVERS__BASE_PORT={base})"
+            if base else "")
+    return f"change servers.base_port{free}, {stop}"
 
 
 def split_sections(text: str) -> dict[str, str]:
@@ -296,6 +321,7 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
     report.mem_total_bytes, report.mem_available_bytes = parse_meminfo(sec.get("meminfo", ""))
     mounts = parse_mounts(sec.get("mounts", ""))
     listening = parse_listening_ports(sec.get("tcp", ""))
+    report.listening = listening
     du = sec.get("du", "").strip()
     for name, body in sec.items():
         if not name.startswith("path "):
@@ -395,7 +421,8 @@ def evaluate(report: NodeReport, cfg: FleetConfig, node_cfg: NodeConfig) -> list
     checks.append(Check(
         "ports", not busy, False,
         f"ports {sorted(report.ports)} " + ("free" if not busy else f"— in use: {busy}"),
-        "a fleet server already there is adopted at launch; otherwise stop what holds the port or change servers.base_port",
+        "a server this fleet recorded there is adopted at launch; otherwise "
+        + (port_remedy(cfg, busy, report.listening | set(busy), len(report.ports)) if busy else "nothing to do"),
     ))
     if not report.python:
         checks.append(Check("python3", False, True, "no python3 on the node's PATH",

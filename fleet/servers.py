@@ -134,11 +134,17 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
         node.stop(pid, grace_s=cfg.servers.stop_grace_s)
         replaced = pid
 
-    if spec.port in listening_ports(node):
+    listening = listening_ports(node)
+    if spec.port in listening:
+        from fleet.preflight import port_remedy
+
+        # Not a server this fleet recorded in its workdir (that one was adopted above): another
+        # user's fleet on a shared machine, or another program. Never take it over.
         raise ServerFailed(
-            f"server {spec.index}: port {spec.port} is already in use by another process", host=node.host,
-            remedy=f"stop what listens on {spec.port} (`ss -ltnp 'sport = :{spec.port}'` on the node) "
-                   "or change servers.base_port",
+            f"server {spec.index}: port {spec.port} is already in use by another process (not a server of "
+            f"fleet {cfg.name!r} recorded in {spec.workdir}: another user's fleet, or another program)",
+            host=node.host,
+            remedy=port_remedy(cfg, [spec.port], listening, max(cfg.servers.count or 1, spec.index + 1)),
         )
     if cfg.engine.kind == "sim":
         upload_sim_script(node, spec.workdir)

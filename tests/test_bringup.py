@@ -158,7 +158,7 @@ def test_one_server_crashing_at_start_fails_fast_peers_stay_up(tmp_path: Path, t
     a re-run (fault fixed) relaunches only it."""
     base = port_block(3)
     cfg = sim_config(tmp_path, base, servers={"extra_args_by_index": {1: ["--oom-at-start"], 2: ["--startup-s", "30"]}})
-    cfg = sim_config(tmp_path, base, servers={"extra_args_by_index": {1: ["--oom-at-start"]}})
+    cfg = sim_config(tmp_path, base, servers={"ready_timeout_s": 600, "extra_args_by_index": {1: ["--oom-at-start"]}})
     teardown_after(cfg)
     t0 = time.monotonic()
     ok, rows, msg = run(cfg)
@@ -167,7 +167,8 @@ def test_one_server_crashing_at_start_fails_fast_peers_stay_up(tmp_path: Path, t
     assert r[0]["state"] == "up" and r[2]["state"] == "up"
     assert r[1]["state"] == "launch failed" and "Not enough memory" in r[1]["error"]
     assert "server 1" in msg
-    assert time.monotonic() - t0 < 30
+    # fast = from the log line, not the 600 s ready timeout (a busy machine may take a while)
+    assert time.monotonic() - t0 < 300
     pids = {i: r[i]["pid"] for i in (0, 2)}
     fixed = sim_config(tmp_path, base)
     ok, rows, _ = run(fixed)
@@ -186,7 +187,7 @@ def test_crash_detected_within_seconds_not_after_timeout(tmp_path: Path, teardow
     ok, rows, _ = run(cfg)
     assert not ok and rows[0]["state"] == "launch failed"
     assert "out of memory" in rows[0]["error"].lower()
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 300   # far below the 600 s timeout, however busy the machine
 
 
 def test_first_request_hangs_backoff_then_clear_failure(tmp_path: Path, teardown_after) -> None:
@@ -221,6 +222,9 @@ def test_server_dying_on_its_first_request_fails_its_smoke_with_the_log(tmp_path
 
 
 def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:
+    """A port held by a process that is not this fleet's server (on a shared machine: another
+    user's fleet) is never taken over; the failure names the port, the server and the setting to
+    change, with a free base_port to use."""
     base = port_block(2)
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", base + 1))
@@ -233,7 +237,11 @@ def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:
         squatter.close()
     r = by_server(rows)
     assert not ok and r[0]["state"] == "up"
-    assert r[1]["state"] == "launch failed" and f"port {base + 1} is already in use" in r[1]["error"]
+    assert r[1]["state"] == "launch failed" and f"server 1: port {base + 1} is already in use" in r[1]["error"]
+    assert "another user's fleet, or another program" in r[1]["error"]
+    m = re.search(r"change servers\.base_port \(ports (\d+)-(\d+) are free now: base_port = (\d+), "
+                  r"or FLEET_SERVERS__BASE_PORT=(\d+)\)", r[1]["error"])
+    assert m and len({m[1], m[3], m[4]}) == 1 and int(m[2]) == int(m[1]) + 1 and int(m[1]) > base + 1, r[1]["error"]
 
 
 def test_ramdisk_too_small_refused_before_copying(tmp_path: Path, teardown_after) -> None:

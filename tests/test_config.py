@@ -24,6 +24,40 @@ def test_example_configs_load(name: str) -> None:
     assert cfg.nodes and cfg.engine.kind in ("sim", "sglang", "vllm", "transformers")
 
 
+def test_local_sim_example_is_per_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: local-sim.toml used a fixed /tmp/fleet-local-sim (workdir and venv), so two people
+    trying fleet on one machine adopted each other's servers and jobs. Its paths are now under
+    each user's home."""
+    dirs = []
+    for user in ("alice", "bob"):
+        monkeypatch.setenv("HOME", str(tmp_path / user))
+        cfg = load_config(CONFIGS / "local-sim.toml")
+        assert cfg.nodes[0].workdir.startswith(str(tmp_path / user) + "/")
+        assert cfg.venv.path.startswith(str(tmp_path / user) + "/")
+        dirs.append((cfg.nodes[0].workdir, cfg.venv.path))
+    assert dirs[0][0] != dirs[1][0] and dirs[0][1] != dirs[1][1]
+    for path in CONFIGS.glob("*.toml"):   # every example that runs on this machine
+        cfg = load_config(path)
+        if all(n.kind == "local" for n in cfg.nodes):
+            for where in [n.workdir for n in cfg.nodes] + [cfg.venv.path]:
+                assert where.startswith(str(tmp_path / "bob") + "/"), f"{path.name}: {where} is shared by all users"
+
+
+def test_tilde_is_this_users_home_only_on_local_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~` means this user's home where the path is on this machine (a local node; venv.path when
+    every node is local); on an SSH node it is not expanded here (a workdir must be absolute)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    local = load_config(write(tmp_path, '[[nodes]]\nname = "a"\nworkdir = "~/w"\nramdisk = "~/ram"\n'
+                                        '[venv]\npath = "~/v"\n'))
+    assert (local.nodes[0].workdir, local.nodes[0].ramdisk, local.venv.path) == (
+        f"{tmp_path}/w", f"{tmp_path}/ram", f"{tmp_path}/v")
+    ssh = load_config(write(tmp_path, '[[nodes]]\nname = "b"\nkind = "ssh"\nhost = "h"\nworkdir = "/w"\n'
+                                      '[venv]\npath = "~/v"\n'))
+    assert ssh.venv.path == "~/v"
+    with pytest.raises(ConfigError, match=r"nodes.0.workdir: .*must be an absolute path \(got '~/w'\)"):
+        load_config(write(tmp_path, '[[nodes]]\nname = "b"\nkind = "ssh"\nhost = "h"\nworkdir = "~/w"\n'))
+
+
 def test_seed_job_flags_in_ssh_example() -> None:
     cfg = load_config(CONFIGS / "ssh-sglang.toml")
     assert (cfg.engine.kind, cfg.engine.context_length, cfg.engine.speculative_algorithm) == ("sglang", 8192, "EAGLE")

@@ -227,3 +227,20 @@ def test_cli_preflight_unreachable_node_is_one_line_exit_2(tmp_path: Path) -> No
     r = _fleet("preflight", "-c", str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "gone unreachable" in r.stderr
+
+
+def test_free_port_block_and_port_remedy() -> None:
+    """A busy port's remedy names the setting to change (servers.base_port, or servers.ports when
+    ports are explicit) and a block of ports that is free now."""
+    from fleet.config import FleetConfig
+    from fleet.preflight import free_port_block, port_remedy
+
+    assert free_port_block({30100, 30101, 30105}, 4, 30099) == 30106
+    assert free_port_block({30100, 30103}, 2, 30099) == 30101
+    assert free_port_block({65531, 65533, 65535}, 2, 65530) is None
+    cfg = FleetConfig(servers={"count": 2, "base_port": 30100})
+    fix = port_remedy(cfg, [30101], {30100, 30101, 30102}, 2)
+    assert fix.startswith("change servers.base_port (ports 30103-30104 are free now: base_port = 30103, "
+                          "or FLEET_SERVERS__BASE_PORT=30103), or stop what listens there")
+    explicit = FleetConfig(servers={"count": 1, "ports": [30100]})
+    assert port_remedy(explicit, [30100], {30100}, 1).startswith("give servers.ports other ports")
