@@ -53,7 +53,10 @@ def _outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
     try:
         fut.result(raise_on_failure=True)
     except Exception as exc:  # the task's exception, re-raised by Prefect
-        return None, str(exc).splitlines()[0][:500]
+        from fleet.errors import FleetError
+
+        # a fleet error's one line keeps its remedy (which setting to change), not just the reason
+        return None, (exc.one_line() if isinstance(exc, FleetError) else str(exc).splitlines()[0])[:800]
     return None, f"task ended {state.name}"
 
 
