@@ -515,9 +515,10 @@ def test_a_long_generation_log_is_classified_quickly() -> None:
     line = ("[2025-10-22 10:27:58 TP0] Decode batch. #running-req: 64, #token: 412, token usage: 0.31, accept len: 2.80, "
             "accept rate: 0.45, cuda graph: True, gen throughput (token/s): 4165.59, #queue-req: 7, \n")
     text = log("sglang_startup_hybrid_tp2.log") + log("sglang_ready_line.log") + line * 100_000
-    t0 = time.perf_counter()
+    # CPU time of this process, not wall time: other work on a busy machine does not count
+    t0 = time.process_time()
     v = inspect_log(text, "sglang")
-    assert time.perf_counter() - t0 < 15
+    assert time.process_time() - t0 < 15
     assert v.ok and v.facts["running_req"] == 64 and v.facts["queue_req"] == 7
 
 
