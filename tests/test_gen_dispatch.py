@@ -250,8 +250,8 @@ def test_heterogeneous_speeds_fast_server_takes_more(sims) -> None:
     assert_exactly_once(store, [r.id for r in items])
     by = {s["name"]: s for s in summary.servers}
     assert by["fast"]["concurrency"] == 8 == by["slow"]["concurrency"], "K comes from /server_info"
-    # 4x the speed; the share is less than 4x on a loaded machine (HTTP overhead is the same for
-    # both), so only the direction is asserted, never a ratio
+    # only the direction is asserted, never a ratio: on a loaded machine HTTP overhead (the same
+    # for both) shrinks the share; the wide speed gap keeps the direction safe
     assert by["fast"]["requests"] > by["slow"]["requests"], by
     assert by["fast"]["accept_len"] and by["slow"]["accept_len"] is None
     row = store.results[0]
