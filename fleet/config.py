@@ -31,6 +31,10 @@ EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
 # flow-run parameter read back from the API) lost its secret on the way and must not be used.
 MASK = "**********"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Environment variables fleet sets on the servers itself (the API key travels in them).
+OWNED_ENV = {"VLLM_API_KEY": "servers.api_key", "FLEET_ENGINE_API_KEY": "servers.api_key",
+             "FLEET_API_KEY": "servers.api_key", "FLEET_ENGINE_ENV": "engine.env"}
 
 
 def no_control(value: Any, what: str) -> Any:
@@ -157,13 +161,37 @@ class EngineConfig(_Section):
     device: str | None = Field(None, description="transformers serve --device (cpu, cuda); default cuda when GPUs exist, else cpu.")
     continuous_batching: bool = Field(True, description="transformers serve --continuous-batching.")
     extra_args: list[str] = Field(default_factory=list, description="Extra argv appended to every server's command line.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for every server.")
+    env: dict[str, SecretStr] = Field(default_factory=dict, description="Extra environment variables for every server (values are secrets: masked everywhere fleet writes or logs, except names in env_public).")
+    env_public: list[str] = Field(default_factory=list, description="Names in engine.env whose values are not secret and may be shown (e.g. ['NCCL_DEBUG']).")
     sim: SimConfig = Field(default_factory=SimConfig, description="Simulated server behaviour (kind='sim').")
 
     @field_validator("packages", "import_check", "speculative_draft_model_path", "extra_args", mode="before")
     @classmethod
     def _no_control(cls, v: Any, info: Any) -> Any:
         return no_control(v, f"engine.{info.field_name}")
+
+    @field_validator("env", mode="after")
+    @classmethod
+    def _env_names(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        for name, value in v.items():
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"engine.env: {name!r} is not a valid environment variable name "
+                                 "(letters, digits and _, not starting with a digit)")
+            if name in OWNED_ENV:
+                raise ValueError(f"engine.env sets {name}, which fleet sets itself; use {OWNED_ENV[name]} instead")
+            if value.get_secret_value() == MASK:
+                raise ValueError(f"engine.env.{name} arrived masked ('**********'): the secret was lost on the way "
+                                 "(flow-run parameters never carry secrets); pass the config as a TOML path or a "
+                                 "block (block:…)")
+        return v
+
+    def env_values(self) -> dict[str, str]:
+        """engine.env with the real values (for the server's environment only)."""
+        return {k: v.get_secret_value() for k, v in self.env.items()}
+
+    def shown_env(self) -> dict[str, str]:
+        """engine.env as records, manifests and logs may show it: secret values masked."""
+        return {k: v.get_secret_value() if k in self.env_public else MASK for k, v in self.env.items()}
 
 
 class ModelConfig(_Section):
@@ -431,6 +459,13 @@ class FleetConfig(BaseSettings):
     def api_key(self) -> str | None:
         return self.servers.api_key.get_secret_value() if self.servers.api_key else None
 
+    def secrets(self) -> list[str]:
+        """Every secret value in this config (the API key, engine.env values not in env_public),
+        longest first: what redaction replaces in any text fleet shows."""
+        found = [self.api_key() or ""]
+        found += [v.get_secret_value() for k, v in self.engine.env.items() if k not in self.engine.env_public]
+        return sorted({s for s in found if s}, key=len, reverse=True)
+
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names allowed at `loc` (used to say what a typo should have been)."""
@@ -528,7 +563,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             continue
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
-        shown = "" if isinstance(given, dict | list) or given is None else f" (got {given!r})"
+        secret = any(str(p) in ("api_key", "env", "private_key") for p in loc)
+        shown = "" if secret or isinstance(given, dict | list) or given is None else f" (got {given!r})"
         lines.append(f"{where}: {key}: {msg}{shown}")
     return "\n".join(lines)
 
@@ -548,7 +584,8 @@ def _build(data: dict[str, Any], source: str) -> FleetConfig:
         # an unknown variable also breaks validation (FLEET_NODES__0__X): say it once, the clear way
         bad = {ln.split(":", 1)[0] for ln in problems}
         lines = [ln for ln in format_validation_error(exc, source).splitlines() if ln.split(":", 1)[0] not in bad]
-        raise ConfigError("\n".join(problems + lines), remedy=_ENV_REMEDY if problems else None) from exc
+        # from None: pydantic's own text echoes every input (secrets too) into a traceback
+        raise ConfigError("\n".join(problems + lines), remedy=_ENV_REMEDY if problems else None) from None
     except SettingsError as exc:
         # a whole section given as one variable that is not valid JSON
         import re

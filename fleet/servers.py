@@ -121,10 +121,11 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     env = dict(profile.env(cfg, spec))
     key = launch_hash(argv, env)
     paths = server_paths(spec.workdir, cfg.name, spec.index)
-    shown = describe(redact(argv, [spec.api_key]))
+    secrets = [spec.api_key, *cfg.secrets()]
+    shown = describe(redact(argv, secrets))
 
     record = read_record(node, paths)
-    pid = node.read_pid(paths.pid)
+    pid = node.read_pid(paths.pid, expect=f"--port {spec.port}")
     replaced = None
     if pid is not None and node.is_alive(pid):
         if record.get("hash") == key:
@@ -155,7 +156,7 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     node.write_text(paths.record, json.dumps({
         "fleet": cfg.name, "node": spec.node, "index": spec.index, "port": spec.port, "host": spec.host,
         "gpus": list(spec.gpus), "pid": det.pid, "hash": key, "engine": cfg.engine.kind,
-        "command": redact(argv, [spec.api_key]), "env": env, "started_at": time.time(),
+        "command": redact(argv, secrets), "env": profile.shown_env(cfg, env), "started_at": time.time(),
         "log": paths.log, "model": spec.served_name,
     }, indent=2))
     return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), det.pid, False, replaced, shown,
@@ -279,13 +280,18 @@ def states(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[ServerSta
     now = time.time()
     for rec in records(node, node_cfg.workdir, cfg.name):
         paths = server_paths(node_cfg.workdir, cfg.name, int(rec.get("index", 0)))
-        pid = node.read_pid(paths.pid)
+        pid = node.read_pid(paths.pid, expect=_expect(rec))
         alive = pid is not None and node.is_alive(pid)
         state = "running" if alive else ("stopped" if pid is None else "dead")
         out.append(ServerState(node_cfg.name, int(rec.get("index", 0)), int(rec.get("port", 0)), pid, state,
                                (now - rec["started_at"]) if alive and rec.get("started_at") else None,
                                list(rec.get("gpus", [])), rec.get("smoke"), paths.log))
     return out
+
+
+def _expect(rec: dict[str, Any]) -> str | None:
+    """What the command line of a record's process must contain: its port."""
+    return f"--port {int(rec['port'])}" if str(rec.get("port", "")).isdigit() else None
 
 
 def record_smoke(node: Node, cfg: FleetConfig, spec: ServerSpec, smoke: dict[str, Any]) -> None:
@@ -301,7 +307,7 @@ def stop_servers(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dic
     out = []
     for rec in records(node, node_cfg.workdir, cfg.name):
         paths = server_paths(node_cfg.workdir, cfg.name, int(rec.get("index", 0)))
-        pid = node.read_pid(paths.pid)
+        pid = node.read_pid(paths.pid, expect=_expect(rec))
         result: dict[str, Any] = {"node": node_cfg.name, "index": rec.get("index"), "port": rec.get("port"),
                                   "pid": pid, "action": "none"}
         if pid is not None:

@@ -100,8 +100,11 @@ def test_sglang_argv_every_option_in_order_then_extras() -> None:
         servers={"tensor_parallel": 2, "host": "0.0.0.0", "api_key": "sk-test"},
     )
     spec = spec_of(gpus=(2, 3), host="0.0.0.0", api_key="sk-test", extra_args=("--log-level", "debug"))
+    # with a key, the shim runs the module and adds --api-key from the environment (never argv)
+    from fleet.engines.sglang import KEY_SHIM
+
     assert get_profile("sglang").argv(cfg, spec) == [
-        PY, "-m", "sglang.launch_server", "--model-path", MODEL, "--served-model-name", "qwen3-next",
+        PY, "-c", KEY_SHIM, "sglang.launch_server", "--model-path", MODEL, "--served-model-name", "qwen3-next",
         "--host", "0.0.0.0", "--port", "30000",
         "--context-length", "32768",
         "--mem-fraction-static", "0.85",
@@ -113,7 +116,6 @@ def test_sglang_argv_every_option_in_order_then_extras() -> None:
         "--speculative-num-draft-tokens", "32",
         "--speculative-draft-model-path", "/dev/shm/draft",
         "--mamba-scheduler-strategy", "no_buffer",
-        "--api-key", "sk-test",
         "--enable-metrics",
         "--log-level", "debug",
     ]
@@ -147,7 +149,6 @@ def test_vllm_argv_with_speculative_config() -> None:
         "--gpu-memory-utilization", "0.9",
         "--tensor-parallel-size", "2",
         "--trust-remote-code",
-        "--api-key", "k1",
         "--speculative-config", '{"method":"eagle3","model":"/dev/shm/eagle3","num_speculative_tokens":3}',
         "--max-num-seqs", "256",
         "--seed", "7",
@@ -237,8 +238,9 @@ def test_sim_argv_optional_flags() -> None:
                  servers={"host": "0.0.0.0", "api_key": "sk"})
     argv = get_profile("sim").argv(cfg, spec_of(host="0.0.0.0", api_key="sk", extra_args=("--x",)))
     assert argv[argv.index("--context-length") + 1] == "4096"
-    assert argv[argv.index("--seed"):] == ["--seed", "0", "--speculative-algorithm", "EAGLE", "--api-key", "sk",
+    assert argv[argv.index("--seed"):] == ["--seed", "0", "--speculative-algorithm", "EAGLE",
                                            "--fail-rate", "0.1", "--x"]
+    assert "sk" not in argv
 
 
 def test_every_argv_item_is_a_string() -> None:
@@ -258,6 +260,23 @@ def test_env_pins_gpus_and_adds_the_users_env() -> None:
         env = profile.env(cfg, spec_of(gpus=(4, 5)))
         # fleet's per-server GPUs win over a global value, which would stack every server on the same GPUs
         assert env == {"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "4,5"}
+
+
+def test_the_api_key_travels_in_the_environment_never_in_argv() -> None:
+    """`--api-key sk-…` stayed in /proc/<pid>/cmdline (readable by every user) for the server's
+    life. Each engine gets the key in the variable it reads (vLLM: VLLM_API_KEY; SGLang through
+    fleet's shim; the sim: FLEET_ENGINE_API_KEY); transformers serve has no key at all."""
+    key = "sk-in-env-only-7f3a"
+    cfg = cfg_of(servers={"api_key": key})
+    expect = {"sglang": "FLEET_ENGINE_API_KEY", "vllm": "VLLM_API_KEY", "sim": "FLEET_ENGINE_API_KEY",
+              "transformers": None}
+    for name, var in expect.items():
+        profile = get_profile(name)
+        argv = profile.argv(cfg_of(engine={"kind": name}, servers={"api_key": key}), spec_of(api_key=key))
+        assert not any(key in a for a in argv), (name, argv)
+        env = profile.env(cfg, spec_of(api_key=key))
+        assert (env.get(var) == key) if var else (key not in env.values()), (name, env)
+        assert key not in json.dumps(profile.shown_env(cfg, env))
 
 
 def test_env_on_cpu_sets_no_gpus_and_the_user_may_override_unbuffered() -> None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from fleet.config import FleetConfig
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# How SGLang and the sim receive servers.api_key (vLLM reads its own VLLM_API_KEY).
+API_KEY_ENV = "FLEET_ENGINE_API_KEY"
 
 # Facts that are whole numbers; every other numeric fact is a float.
 INT_FACTS = frozenset({
@@ -142,8 +144,22 @@ class BaseProfile:
     # name them (see `owned_flag`). Every spelling the engine's parser accepts.
     owned_flags: dict[str, str] = {}
 
+    # The environment variable that carries servers.api_key into the server (None: the
+    # engine has no key). Never argv: /proc/<pid>/cmdline is readable by every local user.
+    key_env: str | None = None
+
     def env(self, cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
-        return gpu_env(cfg, spec)
+        env = gpu_env(cfg, spec)
+        if spec.api_key and self.key_env:
+            env[self.key_env] = spec.api_key
+        return env
+
+    def shown_env(self, cfg: FleetConfig, env: dict[str, str]) -> dict[str, str]:
+        """`env` as records and logs may show it: the key and secret engine.env values masked."""
+        from fleet.config import MASK
+
+        hidden = {self.key_env} | {k for k in cfg.engine.env if k not in cfg.engine.env_public}
+        return {k: MASK if k in hidden else v for k, v in env.items()}
 
     def classify(self, log_text: str) -> LogVerdict:
         return self.rules.classify(log_text)
@@ -288,7 +304,7 @@ def gpu_env(cfg: FleetConfig, spec: ServerSpec) -> dict[str, str]:
     GPUs per server, and one global value would put every server on the same GPUs.
     """
     env = {"PYTHONUNBUFFERED": "1"}
-    env.update({str(k): str(v) for k, v in cfg.engine.env.items()})
+    env.update(cfg.engine.env_values())
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     return env

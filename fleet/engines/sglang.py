@@ -17,6 +17,7 @@ import re
 from typing import TYPE_CHECKING
 
 from fleet.engines.base import (
+    API_KEY_ENV,
     BaseProfile,
     COMMON_FATAL,
     Fact,
@@ -115,12 +116,24 @@ SGLANG_RULES = LogRules(
 )
 
 
+# SGLang takes its key only as --api-key (server_args.py has no environment fallback), and
+# argv sits in /proc/<pid>/cmdline, readable by every local user, for the server's whole
+# life. This shim runs sglang's entry module in-process (as `python -m` does: runpy, same
+# __main__ semantics, so spawned workers import it the same way) with the key appended to
+# sys.argv from the environment; the kernel's copy of argv, what `ps` shows, never holds it,
+# and the variable is dropped before any worker starts.
+KEY_SHIM = ("import os,runpy,sys;k=os.environ.pop('FLEET_ENGINE_API_KEY','');m=sys.argv[1];"
+            "sys.argv=[m,*sys.argv[2:],*(['--api-key',k] if k else [])];"
+            "runpy.run_module(m,run_name='__main__',alter_sys=True)")
+
+
 class SGLangProfile(BaseProfile):
     """SGLang's launch_server. Clients send `model = served_name` (set by --served-model-name)."""
 
     name = "sglang"
     default_import = "sglang"
     rules: LogRules = SGLANG_RULES
+    key_env = API_KEY_ENV
     # server_args.py: model_path has the alias --model, tp_size the aliases --tp and
     # --tensor-parallel-size; admin_api_key is a key too.
     owned_flags = {
@@ -136,8 +149,10 @@ class SGLangProfile(BaseProfile):
         check_gpu_count(cfg, spec, self.name)
         e = cfg.engine
         tp = cfg.servers.tensor_parallel
+        # With a key: the shim (see KEY_SHIM) runs the same module with the same flags.
+        entry = ["-c", KEY_SHIM] if spec.api_key else ["-m"]
         return [
-            spec.python, "-m", "sglang.launch_server",
+            spec.python, *entry, "sglang.launch_server",
             "--model-path", spec.model_path,
             "--served-model-name", spec.served_name,
             "--host", spec.host,
@@ -152,6 +167,5 @@ class SGLangProfile(BaseProfile):
             *opt("--speculative-num-draft-tokens", e.speculative_num_draft_tokens),
             *opt("--speculative-draft-model-path", e.speculative_draft_model_path),
             *opt("--mamba-scheduler-strategy", e.mamba_scheduler_strategy),
-            *opt("--api-key", spec.api_key),
             *extras(cfg, spec),
         ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fleet.engines.base import BaseProfile, LogRules, ServerSpec, extras, opt
+from fleet.engines.base import API_KEY_ENV, BaseProfile, LogRules, ServerSpec, extras, opt
 from fleet.engines.sglang import SGLANG_RULES
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class SimProfile(BaseProfile):
     name = "sim"
     default_import = "json"
     rules: LogRules = SGLANG_RULES
+    key_env = API_KEY_ENV   # the sim's --api-key defaults to it
     owned_flags = {
         "--host": "servers.host", "--port": "servers.base_port / servers.ports",
         "--api-key": "servers.api_key", "--model-path": "model.source", "--model-name": "model.served_name",
@@ -51,6 +52,5 @@ class SimProfile(BaseProfile):
             # Each server its own seed, so faults differ between servers but repeat per run.
             "--seed", str(s.seed + spec.index),
             *opt("--speculative-algorithm", e.speculative_algorithm),
-            *opt("--api-key", spec.api_key),
             *extras(cfg, spec),
         ]

@@ -145,6 +145,8 @@ class VLLMProfile(BaseProfile):
     name = "vllm"
     default_import = "vllm"
     rules: LogRules = VLLM_RULES
+    # api_server.py: `args.api_key or envs.VLLM_API_KEY` (the environment, not argv)
+    key_env = "VLLM_API_KEY"
     # vllm's arg parser: --tensor-parallel-size has the short form -tp; the model is
     # --model here (a positional only for `vllm serve`).
     owned_flags = {
@@ -168,7 +170,6 @@ class VLLMProfile(BaseProfile):
             *opt("--gpu-memory-utilization", e.mem_fraction_static),
             *opt("--tensor-parallel-size", tp if tp > 1 else None),
             *switch("--trust-remote-code", e.trust_remote_code),
-            *opt("--api-key", spec.api_key),
             *opt("--speculative-config", speculative_config(e)),
             *extras(cfg, spec),
         ]

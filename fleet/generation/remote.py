@@ -101,13 +101,23 @@ def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, d
     return out
 
 
+def runner_secret_env(cfg: FleetConfig) -> dict[str, str]:
+    """The secrets the runner needs, as environment: job.json holds them masked, and the runner
+    relaunches servers with the real engine.env. Delivered through start_detached's 0600 env
+    file, never argv."""
+    env = {"FLEET_API_KEY": cfg.api_key()} if cfg.api_key() else {}
+    if cfg.engine.env:
+        env["FLEET_ENGINE_ENV"] = json.dumps(cfg.engine.env_values())
+    return env
+
+
 def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
               specs: list[ServerSpec], retry_errors: bool = False,
               facts: dict[int, dict[str, Any]] | None = None) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`."""
     jdir = job_dir(node_cfg, cfg, output)
     pid_path, log_path = f"{jdir}/runner.pid", f"{jdir}/runner.log"
-    pid = node.read_pid(pid_path)
+    pid = node.read_pid(pid_path, expect=f"--job {jdir}/job.json")
     if pid is not None and node.is_alive(pid):
         return JobHandle(node_cfg.name, jdir, output, pid, True, log_path)
     if not node.exists(input_path):
@@ -120,7 +130,7 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         "retry_errors": retry_errors, "relaunch": True,
     }
     node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
-    env = {"FLEET_API_KEY": cfg.api_key()} if cfg.api_key() else {}
+    env = runner_secret_env(cfg)
     env["PYTHONUNBUFFERED"] = "1"
     det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                               env=env, cwd=jdir)

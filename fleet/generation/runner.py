@@ -118,6 +118,11 @@ def _fleet_config(data: dict[str, Any]) -> FleetConfig:
     key = os.environ.get("FLEET_API_KEY")
     if key:
         servers["api_key"] = key
+    # engine.env values arrive masked in the file; the real ones come from the environment
+    # (fleet.generation.remote.runner_secret_env), so a relaunch gets the real HF_TOKEN & co.
+    env_json = os.environ.get("FLEET_ENGINE_ENV")
+    if env_json:
+        data.setdefault("engine", {})["env"] = json.loads(env_json)
     return FleetConfig(**data)
 
 
@@ -244,7 +249,7 @@ class _Servers:
         spec = ServerSpec(**{**spec_fields, "api_key": ep.api_key})
         node = LocalNode(spec.node)
         paths = server_paths(spec.workdir, self.cfg.name, spec.index)
-        pid = node.read_pid(paths.pid)
+        pid = node.read_pid(paths.pid, expect=f"--port {spec.port}")
         if pid is not None and node.is_alive(pid):
             # Alive but taken out (stopped, hung, or answering garbage): is it fine after all?
             # A stopped process (SIGSTOP) cannot be; a wedged one fails a generation probe in
@@ -544,15 +549,18 @@ def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: 
         progress_interval_s=progress_interval_s, console_interval_s=console_interval_s, stop_grace_s=stop_grace_s,
         dispatch=dict(dispatch or {}),
     )
-    key = cfg.api_key()
-    env_set = key is not None and os.environ.get("FLEET_API_KEY") != key
-    if env_set:
-        os.environ["FLEET_API_KEY"] = key  # type: ignore[assignment]
+    from fleet.generation.remote import runner_secret_env
+
+    saved = {k: os.environ.get(k) for k in ("FLEET_API_KEY", "FLEET_ENGINE_ENV")}
+    os.environ.update(runner_secret_env(cfg))
     try:
         return asyncio.run(run_job(job, install_signals=install_signals, console=console))
     finally:
-        if env_set:
-            os.environ.pop("FLEET_API_KEY", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ implementation, `subprocess` argv in the local one).
 from __future__ import annotations
 
 import abc
+import re
 import shlex
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.errors import CommandFailed, CommandNotFound
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,25 @@ class PortForward:
         self.close()
 
 
-# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD [K=V ...] -- ARGV...
-# The shell writes its own pid (== the session and process group, thanks to setsid),
-# then execs the command with stdio on the log, so the pid file names the real process.
+# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
+# The environment comes from ENVFILE (0600, written through stdin, removed once read), never
+# from argv: `setsid sh -c … K=V` put every value (API keys, HF tokens) in /proc/*/cmdline,
+# which every local user can read. The shell writes its own pid and start time (== the
+# session and process group, thanks to setsid) to the pid file, then execs the command with
+# stdio on the log, so the pid file names the real process and proves it is the same one.
 _LAUNCH = r"""
-pidfile=$1; log=$2; cwd=$3; shift 3
-while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do export "$1"; shift; done
-shift
-mkdir -p "$(dirname "$pidfile")" "$(dirname "$log")"
-cd "$cwd" || exit 97
-echo $$ > "$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
+pidfile=$1; log=$2; cwd=$3; envfile=$4; shift 4
+[ "$1" = "--" ] && shift
+umask 077
+if [ -n "$envfile" ]; then
+  set -a; . "$envfile" || exit 96; set +a
+  rm -f -- "$envfile"
+fi
+mkdir -p -- "$(dirname -- "$pidfile")" "$(dirname -- "$log")"
+cd -- "$cwd" || exit 97
+start=$(sed 's/^.*) //' "/proc/$$/stat" | cut -d' ' -f20)
+tmp=$(mktemp "$pidfile.XXXXXX") || exit 98
+echo "$$ $start" > "$tmp" && mv -f -- "$tmp" "$pidfile"
 exec "$@" >>"$log" 2>&1 </dev/null
 """
 
@@ -116,6 +128,32 @@ while running; do
   sleep 0.1
 done
 echo stopped
+"""
+
+# sh -c WRITE fleet-write PATH < TEXT
+_WRITE = r"""
+umask 077
+mkdir -p -- "$(dirname -- "$1")" || exit 1
+tmp=$(mktemp "$1.XXXXXX") || exit 1
+if cat > "$tmp" && mv -f -- "$tmp" "$1"; then exit 0; fi
+rm -f -- "$tmp"; exit 1
+"""
+
+# sh -c READ_PID fleet-pid PIDFILE EXPECT: the pid, when the process it names is the one that
+# wrote the file (same start time) and its command line holds EXPECT; nothing otherwise.
+_READ_PID = r"""
+[ -f "$1" ] || exit 1
+read -r pid start rest < "$1" || [ -n "$pid" ] || exit 1
+case $pid in ''|*[!0-9]*) exit 1;; esac
+if [ -n "$start" ] && [ -r "/proc/$pid/stat" ]; then
+  now=$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f20)
+  [ "$now" = "$start" ] || exit 3
+fi
+if [ -n "$2" ] && [ -r "/proc/$pid/cmdline" ]; then
+  cmd=" $(tr '\0' ' ' < "/proc/$pid/cmdline")"
+  case $cmd in *" $2 "*|*" $2") ;; *) exit 4;; esac
+fi
+echo "$pid"
 """
 
 # sh -c ALIVE fleet-alive PID: 0 when the process exists and is not a zombie.
@@ -191,11 +229,20 @@ class Node(abc.ABC):
 
     def start_detached(self, argv: Sequence[str], *, log_path: str, pid_path: str,
                        env: Mapping[str, str] | None = None, cwd: str = "/") -> Detached:
-        """Start argv in a new session with its own log and pid file; return once the pid is known."""
-        env_args = [f"{k}={v}" for k, v in (env or {}).items()]
-        launch = ["setsid", "--fork", "sh", "-c", _LAUNCH, "fleet-launch", pid_path, log_path, cwd,
-                  *env_args, "--", *[str(a) for a in argv]]
-        self.run(["rm", "-f", pid_path], timeout=30)
+        """Start argv in a new session with its own log and pid file; return once the pid is known.
+
+        `env` reaches the process through a 0600 file, never through any command line."""
+        env_file = ""
+        if env:
+            bad = [k for k in env if not _ENV_NAME.match(k)]
+            if bad:
+                raise CommandFailed(f"invalid environment variable names: {bad}", host=self.host,
+                                    remedy="use letters, digits and _ only")
+            env_file = f"{pid_path}.env"
+            self.write_text(env_file, "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()))
+        launch = ["setsid", "--fork", "sh", "-c", _LAUNCH, "fleet-launch", pid_path, log_path, cwd, env_file,
+                  "--", *[str(a) for a in argv]]
+        self.run(["rm", "-f", "--", pid_path], timeout=30)
         self.run(launch, timeout=30)
         deadline = time.monotonic() + 10
         while True:
@@ -208,8 +255,14 @@ class Node(abc.ABC):
                                     remedy="check that 'setsid' (util-linux) exists and the workdir is writable")
             time.sleep(0.05)
 
-    def read_pid(self, pid_path: str) -> int | None:
-        res = self.run(["cat", pid_path], check=False, timeout=30)
+    def read_pid(self, pid_path: str, expect: str | None = None) -> int | None:
+        """The pid in a pid file, or None when there is none or it no longer names that process.
+
+        fleet's pid files hold "PID STARTTIME": a pid whose process started at another time
+        (the process died and the pid was reused) reads as None, so nothing from a record is
+        ever signalled or adopted unless it is the very process fleet started. With `expect`,
+        the process's command line must also contain that text (e.g. "--port 30001")."""
+        res = self.run(["sh", "-c", _READ_PID, "fleet-pid", pid_path, expect or ""], check=False, timeout=30)
         text = res.stdout.strip()
         return int(text) if res.ok and text.isdigit() else None
 
@@ -246,17 +299,18 @@ class Node(abc.ABC):
 
     def read_text(self, path: str, *, tail_bytes: int | None = None) -> str:
         """A text file on the node ('' when missing); only the last tail_bytes when given."""
-        argv = ["tail", "-c", str(tail_bytes), path] if tail_bytes else ["cat", path]
+        argv = ["tail", "-c", str(tail_bytes), "--", path] if tail_bytes else ["cat", "--", path]
         res = self.run(argv, check=False, timeout=60)
         return res.stdout if res.ok else ""
 
     def write_text(self, path: str, text: str) -> None:
-        """Write a file atomically on the node (temp file + rename)."""
-        self.run(["sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1.tmp" && mv "$1.tmp" "$1"',
-                  "fleet-write", path], input=text, timeout=60)
+        """Write a file atomically on the node: mode 0600 (directories 0700), through a fresh temp
+        file (mktemp: O_EXCL, so never through a symlink someone planted), then a rename (which
+        replaces a link at `path` rather than following it). The text travels on stdin."""
+        self.run(["sh", "-c", _WRITE, "fleet-write", path], input=text, timeout=60)
 
     def exists(self, path: str) -> bool:
-        return self.run(["test", "-e", path], check=False, timeout=30).ok
+        return self.run(["sh", "-c", '[ -e "$1" ]', "fleet-exists", path], check=False, timeout=30).ok
 
     def __enter__(self) -> Node:
         return self

@@ -94,7 +94,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a("--seed", type=int, default=0,
       help="same seed -> same outputs and same fault decisions for the same requests")
     a("--api-key", default=None,
-      help="require 'Authorization: Bearer KEY' (not on /health*, /metrics, like SGLang)")
+      help="require 'Authorization: Bearer KEY' (not on /health*, /metrics, like SGLang); "
+           "default: the environment variable FLEET_ENGINE_API_KEY (how fleet passes it: not in argv)")
     a("--speculative-algorithm", default=None,
       help="e.g. EAGLE: report an accept length in logs, /server_info and /metrics")
     a("--oom-at-start", nargs="?", const="kv-pool", default=None, choices=("kv-pool", "weights"),
@@ -1510,6 +1511,11 @@ async def _serve(args: argparse.Namespace, log: Log) -> int:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    # fleet hands the key over in the environment, never in argv (/proc/<pid>/cmdline is
+    # world-readable); dropped from the environment once read, like the SGLang shim does.
+    env_key = os.environ.pop("FLEET_ENGINE_API_KEY", "")
+    if args.api_key is None and env_key:
+        args.api_key = env_key
     _check_args(parser, args)
     log = Log()
     try:
