@@ -231,3 +231,209 @@ def test_changed_host_key_fails_the_provision_task_once(sshd, tmp_path: Path, pr
         tr = client.read_task_run(seen[0])
     assert tr.state.is_failed() and "HostKeyError" in (tr.state.message or "")
     assert tr.run_count == 1
+
+
+# -- 2 + 3. no secret in argv, secrets typed and masked everywhere -----------------------------
+
+class CmdlineWatcher:
+    """Records the command line of every process that appears while it runs (polling /proc, so
+    a process that lives less than one poll can slip by; the launch shells and servers live
+    far longer). `seen` maps pid -> argv text."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+        self.seen: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit() or int(entry) in self.before:
+                    continue
+                try:
+                    text = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if text:
+                    self.seen[int(entry)] = text   # the last argv wins (an exec replaces it)
+                    self.seen.setdefault(-int(entry), text)   # and the first one is kept too
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> CmdlineWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _scan_tree(root: Path, needles: list[str]) -> list[str]:
+    hits = []
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            data = p.read_bytes()
+            hits += [f"{p}: {n[:6]}…" for n in needles if n.encode() in data]
+    return hits
+
+
+def test_secrets_appear_nowhere_after_a_bringup_and_a_job(tmp_path: Path, prefect_api, capfd) -> None:
+    """The key was in `ps` for the server's life; HF_TOKEN from engine.env was in the flow run's
+    parameters, job.json, servers/*.json and manifest.json. With known secrets, a bring-up and a
+    generation job (sim servers, the detached runner) then a teardown: every file under the
+    workdir and the output, every artifact and the flow runs' parameters and logs read back
+    through the Prefect API, the captured output, and the command line of every process started
+    meanwhile hold neither secret. The servers did enforce the key (a request without it is 401)."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    from flows.fleet import fleet
+    from test_bringup import port_block, sim_config
+    from test_generate_flow import prompts
+
+    key, token = "sk-fleet-test-5b8e1c0d9a", "hf_testTOKEN_q2w3e4r5t6"
+    base = port_block(2)
+    cfg = sim_config(tmp_path, base, n=2, generation={"max_tokens": 16},
+                     servers={"api_key": key},
+                     engine={"env": {"HF_TOKEN": token, "NCCL_DEBUG": "WARN"}, "env_public": ["NCCL_DEBUG"]})
+    inp = prompts(tmp_path / "in.jsonl", 40)
+    out = tmp_path / "out"
+    runs = []
+    try:
+        with CmdlineWatcher() as watch:
+            state = fleet(config=cfg, action="bringup", return_state=True)
+            runs.append(state.state_details.flow_run_id)
+            assert state.is_completed(), state.message
+            r = httpx.post(f"http://127.0.0.1:{base}/v1/chat/completions", json={"model": "x", "messages": []})
+            assert r.status_code == 401   # the key reached the server and is enforced
+            state = fleet(config=cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+            runs.append(state.state_details.flow_run_id)
+            res = state.result(raise_on_failure=False)
+            assert state.is_completed(), res
+            assert res["completed"] == 40
+            # the processes hold the secrets where they belong: in their environment
+            from fleet.node import LocalNode
+            from fleet.servers import server_paths
+
+            pid = LocalNode().read_pid(server_paths(cfg.nodes[0].workdir, cfg.name, 0).pid)
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert token.encode() in environ and b"NCCL_DEBUG=WARN" in environ
+    finally:
+        state = fleet(config=cfg, action="teardown", return_state=True)
+        runs.append(state.state_details.flow_run_id)
+    needles = [key, token]
+    assert len(watch.seen) >= 4, watch.seen   # servers, launch shells, the runner at least
+    leaked = {pid: cmd for pid, cmd in watch.seen.items() if any(n in cmd for n in needles)}
+    assert not leaked, leaked
+    work = Path(cfg.nodes[0].workdir)
+    assert (work / "servers").is_dir() and (out / "manifest.json").exists()
+    assert list(work.glob("jobs/*/job.json")), "no job.json to scan"
+    assert not _scan_tree(work, needles) and not _scan_tree(out, needles)
+    # records show what is not secret, mask what is
+    rec = json.loads((work / "servers" / f"{cfg.name}-0.json").read_text())
+    assert rec["env"]["NCCL_DEBUG"] == "WARN" and rec["env"]["HF_TOKEN"] == "**********"
+    assert rec["env"]["FLEET_ENGINE_API_KEY"] == "**********"
+    with get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=runs)))
+        assert len(flow_runs) == 3
+        params = json.dumps([fr.parameters for fr in flow_runs], default=str)
+        assert "HF_TOKEN" in params and not any(n in params for n in needles), params[:2000]
+        arts = [a for fr in flow_runs for a in client.read_artifacts() if a.flow_run_id == fr.id]
+        assert arts, "no artifacts to scan"
+        art_text = json.dumps([[a.data, a.description, a.key] for a in arts], default=str)
+        assert not any(n in art_text for n in needles)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=runs)))
+        assert logs, "no logs to scan"
+        assert not any(n in lg.message for lg in logs for n in needles)
+    captured = capfd.readouterr()
+    assert not any(n in captured.out + captured.err for n in needles)
+
+
+def test_sglang_shim_hands_the_key_to_sglang_inside_the_process(tmp_path: Path) -> None:
+    """SGLang reads its key only from --api-key. The argv fleet builds runs sglang's entry module
+    through a shim that appends `--api-key KEY` to sys.argv from the environment: the module
+    sees the key (and runs as __main__, as with `python -m`), /proc/self/cmdline never holds
+    it, and the variable is gone before any worker could inherit it. (A stand-in sglang
+    package records what it saw; real SGLang cannot be installed here.)"""
+    from fleet.engines import ServerSpec, get_profile
+
+    pkg = tmp_path / "pkg" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "json.dump({'argv': sys.argv[1:], 'name': __name__, 'env': 'FLEET_ENGINE_API_KEY' in os.environ,\n"
+        "           'cmdline': open('/proc/self/cmdline', 'rb').read().decode()},\n"
+        "          open(os.environ['SEEN'], 'w'))\n")
+    key = "sk-shim-9d8c7b6a5f"
+    cfg = FleetConfig(engine={"kind": "sglang"}, servers={"api_key": key})
+    spec = ServerSpec(node="n", index=0, gpus=(), host="127.0.0.1", port=30123, model_path="/m", served_name="m",
+                      python=sys.executable, workdir=str(tmp_path), api_key=key)
+    profile = get_profile("sglang")
+    argv = profile.argv(cfg, spec)
+    assert not any(key in a for a in argv)
+    env = {**os.environ, **profile.env(cfg, spec), "PYTHONPATH": str(tmp_path / "pkg"), "SEEN": str(tmp_path / "s")}
+    subprocess.run(argv, env=env, check=True, timeout=60)
+    seen = json.loads((tmp_path / "s").read_text())
+    assert seen["name"] == "__main__" and not seen["env"]
+    assert seen["argv"][-2:] == ["--api-key", key] and "--port" in seen["argv"]
+    assert key not in seen["cmdline"] and "sglang.launch_server" in seen["cmdline"]
+
+
+def test_detached_process_gets_its_env_from_a_file_never_from_argv(node: Node, tmp_path: Path) -> None:
+    """start_detached passed env as `K=V` arguments of the launch shell: every value was in
+    /proc/*/cmdline while it ran. Now it reaches the process through a 0600 file that the
+    launch shell removes once read; over SSH the file's text travels on stdin."""
+    secret = "tok-detached-4e5f6a7b"
+    work = tmp_path / "w"
+    det = node.start_detached(["sleep", "30"], log_path=str(work / "s.log"), pid_path=str(work / "s.pid"),
+                              env={"HF_TOKEN": secret, "ODD": "a 'quoted' $value\nwith newline"}, cwd=str(tmp_path))
+    try:
+        assert secret.encode() not in Path(f"/proc/{det.pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{det.pid}/environ").read_bytes().split(b"\0")
+        assert f"HF_TOKEN={secret}".encode() in environ
+        assert "ODD=a 'quoted' $value\nwith newline".encode() in environ
+        assert not (work / "s.pid.env").exists()
+        assert (work / "s.pid").stat().st_mode & 0o077 == 0
+    finally:
+        node.stop(det.pid, grace_s=1)
+
+
+def test_write_text_never_follows_a_planted_symlink(node: Node, tmp_path: Path) -> None:
+    """A symlink at servers/<name>.json.tmp made `fleet up` overwrite a root-owned 0600 file
+    through it. Writes go through a fresh mktemp file and a rename: the planted link's target
+    is untouched, and the file written is 0600."""
+    target = tmp_path / "victim"
+    target.write_text("original")
+    d = tmp_path / "servers"
+    d.mkdir(mode=0o700)
+    (d / "r.json.tmp").symlink_to(target)
+    (d / "r.json").symlink_to(target)
+    node.write_text(str(d / "r.json"), "new")
+    assert target.read_text() == "original"
+    assert not (d / "r.json").is_symlink() and (d / "r.json").read_text() == "new"
+    assert (d / "r.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_reused_pid_is_never_signalled_or_adopted(node: Node, tmp_path: Path) -> None:
+    """A pid file outlives its process; the pid may be reused by anything. read_pid checks the
+    recorded start time and the expected command line, so stop/adopt never touch the stranger."""
+    work = tmp_path / "w"
+    det = node.start_detached(["sh", "-c", "sleep 30", "x", "--port", "31999"], log_path=str(work / "a.log"),
+                              pid_path=str(work / "a.pid"), cwd=str(tmp_path))
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        assert node.read_pid(str(work / "a.pid"), expect="--port 31999") == det.pid
+        assert node.read_pid(str(work / "a.pid"), expect="--port 31998") is None   # another command line
+        pid, start = (work / "a.pid").read_text().split()
+        (work / "a.pid").write_text(f"{stranger.pid} {start}\n")   # the pid now names another process
+        assert node.read_pid(str(work / "a.pid")) is None
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        node.stop(det.pid, grace_s=1)
