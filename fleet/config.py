@@ -369,6 +369,8 @@ ENV_PREFIX = "FLEET_"
 # section must not be silently ignored). Add a variable here when fleet or its tooling uses one.
 NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_API_KEY": "the servers' API key, handed to the detached runner (fleet/generation/runner.py)",
+    "FLEET_ENGINE_ENV": "engine.env as JSON, handed to the detached runner (fleet/generation/remote.py)",
+    "FLEET_ENGINE_API_KEY": "the API key, handed to an SGLang or sim server (fleet/engines/base.py)",
     "FLEET_DEMO_DIR": "where `fleet demo` keeps its state (fleet/demo.py)",
     "FLEET_VENV": "the venv dev.sh creates",
     "FLEET_PYTHON": "the interpreter dev.sh builds the venv with",

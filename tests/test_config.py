@@ -141,7 +141,7 @@ def test_fleet_env_vars_that_are_not_config_are_allowed(tmp_path: Path, monkeypa
     monkeypatch.setenv("FLEET_ENGINE__ENV__ANYTHING", "1")
     monkeypatch.setenv("FLEET_SERVERS__PORTS", "[31000, 31001]")
     cfg = load_config(write(tmp_path, ""))
-    assert cfg.servers.ports == [31000, 31001] and cfg.engine.env == {"anything": "1"}
+    assert cfg.servers.ports == [31000, 31001] and cfg.engine.env_values() == {"anything": "1"}
 
 
 def test_cli_env_error_is_one_line_exit_2(tmp_path: Path) -> None:

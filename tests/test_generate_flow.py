@@ -42,7 +42,7 @@ def stop_everything():
         for n in cfg.nodes:
             with connect(n) as node:
                 stop_servers(node, cfg, n)
-                node.run(["sh", "-c", 'for p in "$1"/jobs/*/runner.pid; do [ -f "$p" ] && kill -9 "$(cat "$p")"; done; true',
+                node.run(["sh", "-c", 'for p in "$1"/jobs/*/runner.pid; do [ -f "$p" ] && { read -r pid _ < "$p"; kill -9 "$pid"; }; done; true',
                           "x", n.workdir], check=False)
 
 
@@ -120,7 +120,7 @@ def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everyth
         pytest.fail("the job never made progress")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    runner_pid = int(Path(job_dir(cfg.nodes[0], cfg, str(out)), "runner.pid").read_text())
+    runner_pid = int(Path(job_dir(cfg.nodes[0], cfg, str(out)), "runner.pid").read_text().split()[0])
     assert LocalNode().is_alive(runner_pid), "the runner died with the flow"
     # Hold the runner still (alive, as a busy one is) until the second command has re-attached:
     # that command first starts Prefect's temporary server and re-runs the bring-up, 30+ s on a

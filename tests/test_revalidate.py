@@ -63,7 +63,7 @@ def rows_of(state) -> dict[Any, dict[str, Any]]:
 
 
 def pid_of(cfg: FleetConfig, index: int) -> int:
-    return int(Path(server_paths(cfg.nodes[0].workdir, cfg.name, index).pid).read_text())
+    return int(Path(server_paths(cfg.nodes[0].workdir, cfg.name, index).pid).read_text().split()[0])
 
 
 def record_of(cfg: FleetConfig, index: int) -> dict[str, Any]:
