@@ -29,7 +29,7 @@ from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from flows.outcome import failed, quiet_expected_failures
 from flows.params import resolve_config, run_name
-from tasks.audit import write_table
+from tasks.audit import write_not_run, write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
 from tasks.locks import hold_nodes
 from tasks.nodes import close_all
@@ -83,6 +83,10 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
         else:
             provisioned[name] = res
 
+    for name in provs:
+        if name not in provisioned:
+            _not_reached(cfg, name, ("venv", "stage"), "the node's provision failed")
+
     # 2 + 3. venv and RAM-disk staging, in parallel, per node.
     prepared: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     futs = {name: (venv.submit(cfg, name, p), stage.submit(cfg, name, p)) for name, p in provisioned.items()}
@@ -95,6 +99,8 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
                 failures.append(f"{name}: {what}: {err}")
         if not verr and not serr:
             prepared[name] = (v, s)
+        else:
+            _not_reached(cfg, name, (), f"the node's {'venv' if verr else 'staging'} failed")
 
     # 4. launch every server of every ready node at once; 5. smoke each as soon as it is ready.
     specs: list[ServerSpec] = []
@@ -113,6 +119,8 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
             rows.append(_row(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, state="launch failed",
                              error=err))
             failures.append(f"{spec.node} server {spec.index} (port {spec.port}): {err}")
+            write_not_run(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}",
+                          "its launch failed")
             continue
         launched[(spec.node, spec.index)] = res
         smokes[smoke_server.submit(cfg, spec, res)] = spec
@@ -143,6 +151,15 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     return rows, failures, [s for s in specs if (s.node, s.index) in up]
 
 
+def _not_reached(cfg: FleetConfig, node: str, stages: tuple[str, ...], why: str) -> None:
+    """NOT RUN versions of the keys a failed node did not reach, so no older OK reads as current."""
+    for stage_name in stages:
+        write_not_run(cfg, (node, stage_name), f"{stage_name} {node}", why)
+    for i in range(cfg.servers.count or 0):  # without a count the node's servers are unknown until preflight
+        for what in ("launch", "smoke"):
+            write_not_run(cfg, (node, "server", i, what), f"{what} {node} server {i}", why)
+
+
 def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
     """Stop every server (whole process groups), optionally free the RAM-disk copy; a summary table."""
     from tasks.ramdisk import free_ramdisk as free_task
@@ -164,6 +181,13 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
                + (f", freed {freed / 1e9:.2f} GB of RAM disk" if freed else "")
                + (f"; {len(failures)} error(s)" if failures else ""))
     write_table(cfg, ("teardown",), rows, summary)
+    # The summary is "the fleet's state after the latest run": after a teardown, nothing is up.
+    write_table(cfg, ("summary",), [_row(r["node"], r["what"].removeprefix("server "), port=r["port"], pid=r["pid"],
+                                         state="stopped by teardown" if not str(r["action"]).startswith("error")
+                                         else "teardown failed", error=r["action"] if str(r["action"]).startswith(
+                                             "error") else None)
+                                    for r in rows if r["what"].startswith("server")],
+                f"{cfg.name}: torn down, {stopped} server(s) stopped")
     if failures:
         return failed(summary + ": " + " | ".join(failures), rows)
     return Completed(message=summary, data=rows)
@@ -176,6 +200,8 @@ def revalidate_action(cfg: FleetConfig) -> Any:
     t0 = time.monotonic()
     rows, failures = revalidate(cfg)
     healthy = sum(1 for r in rows if r["state"] == "healthy")
+    if rows and all(r["state"] == "torn down" for r in rows):
+        return Completed(message=" | ".join(sorted({r["problem"] for r in rows})), data=rows)
     if failures:
         return failed(f"{len(failures)} server(s) unhealthy, {healthy} healthy: " + " | ".join(failures),
                       rows)

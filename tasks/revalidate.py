@@ -11,7 +11,10 @@ no record has), in this order, stopping at the first thing that rules the server
     line makes the server unhealthy even while its process lives.
 
 Each server leaves an artifact `<fleet>-<node>-server-<i>-revalidate`; the run leaves a
-table `<fleet>-revalidate`. The flow ends Failed naming every unhealthy server.
+table `<fleet>-revalidate`. The flow ends Failed naming every unhealthy server. A node
+the fleet was torn down on (its teardown marker, and none of the fleet's servers alive)
+is not checked: its row says "nothing is up (torn down at …)", and when every node is so
+the run ends Completed with that message (tasks/teardown.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from flows.outcome import RunFailed, failed
 from tasks.audit import write_stage, write_table
 from tasks.bringup import TASK_OPTS
 from tasks.nodes import node_for
+from tasks.teardown import describe, torn_down
 
 HEAD_BYTES = 256_000     # startup facts (KV cache, ready line) are at the start of the log
 TAIL_BYTES = 1_000_000   # a crash is at the end; a multi-day log is never read whole
@@ -183,10 +187,19 @@ def missing_servers(cfg: FleetConfig, node_cfg: NodeConfig, recs: list[dict[str,
 
 
 @task(name="revalidate-inventory", task_run_name="inventory-{node_name}", **TASK_OPTS)
-def inventory(cfg: FleetConfig, node_name: str) -> list[dict[str, Any]]:
-    """The launch records of this fleet on the node."""
+def inventory(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
+    """The launch records of this fleet on the node, and its teardown marker when nothing of it runs."""
     node_cfg = next(n for n in cfg.nodes if n.name == node_name)
-    return records(node_for(cfg, node_name), node_cfg.workdir, cfg.name)
+    node = node_for(cfg, node_name)
+    recs = records(node, node_cfg.workdir, cfg.name)
+    marker = torn_down(node, node_cfg, cfg.name)
+    if marker is not None:
+        for rec in recs:
+            pid = node.read_pid(server_paths(node_cfg.workdir, cfg.name, int(rec.get("index", 0))).pid)
+            if pid is not None and node.is_alive(pid):
+                marker = None  # something runs again (started outside a bring-up): check everything
+                break
+    return {"records": recs, "torn_down": marker}
 
 
 @task(name="revalidate", task_run_name="revalidate-{node_name}-{record[index]}", **TASK_OPTS)
@@ -231,10 +244,15 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
     checks: dict[PrefectFuture, tuple[str, dict[str, Any]]] = {}
     blank = {c: None for c in REVALIDATE_COLUMNS}
     for node_cfg in cfg.nodes:
-        recs, err = _outcome(inventories[node_cfg.name])
+        inv, err = _outcome(inventories[node_cfg.name])
         if err:
             rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "unreachable", "problem": err})
             failures.append(f"{node_cfg.name}: {err}")
+            continue
+        recs = inv["records"]
+        if inv["torn_down"]:
+            rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "torn down",
+                                 "problem": f"nothing is up ({describe(inv['torn_down'])})"})
             continue
         for missing in missing_servers(cfg, node_cfg, recs):
             rows.append(missing.row())
@@ -256,6 +274,8 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
             failures.append(err if err.startswith(node_name) else f"{label}: {err}")
     rows.sort(key=lambda r: (r["node"], -1 if r["server"] == "-" else r["server"]))
     up = sum(1 for r in rows if r["state"] == "healthy")
-    write_table(cfg, ("revalidate",), rows, f"revalidation of {cfg.name}: {up} healthy, {len(failures)} unhealthy")
+    down = [r for r in rows if r["state"] == "torn down"]
+    write_table(cfg, ("revalidate",), rows, f"revalidation of {cfg.name}: {up} healthy, {len(failures)} unhealthy"
+                + (f", {len(down)} node(s) torn down" if down else ""))
     return rows, failures
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -180,6 +181,58 @@ def test_teardown_stops_everything_frees_ramdisk_and_is_idempotent(tmp_path: Pat
     assert again.is_completed()
     rows = rows_of(again)
     assert rows["server 0"]["action"] == "none" and rows[f"ramdisk {staged}"]["action"] == "already gone"
+
+
+def test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup(tmp_path: Path, stop_after) -> None:
+    """Fault: every scheduled revalidate after a teardown used to end Failed ("2 server(s)
+    unhealthy … stopped (teardown…)") and alert until someone paused the schedule. Now a
+    torn-down fleet revalidates Completed, "nothing is up (torn down at …)"; a bring-up makes it
+    checked again, and a server dead after that bring-up fails it as before."""
+    cfg = sim_config(tmp_path, n=2)
+    stop_after(cfg)
+    assert run(cfg, "bringup").is_completed()
+    assert run(cfg, "teardown").is_completed()
+
+    st = run(cfg, "revalidate")
+    assert st.is_completed(), st.message
+    assert re.fullmatch(r"nothing is up \(torn down at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC by teardown-rv\)",
+                        st.message), st.message
+    assert [r["state"] for r in rows_of(st).values()] == ["torn down"]
+    # the summary now says the fleet is down: no older "up" reads as current
+    summary = json.loads(read_artifacts(["rv-summary"])["rv-summary"].data)
+    assert {r["state"] for r in summary} == {"stopped by teardown"}
+
+    assert run(cfg, "bringup").is_completed()
+    st = run(cfg, "revalidate")
+    assert st.is_completed() and "2 server(s) healthy" in st.message
+    os.killpg(pid_of(cfg, 0), signal.SIGKILL)
+    st = run(cfg, "revalidate")
+    assert st.is_failed() and "process" in st.message and "not running" in st.message
+
+
+def test_artifacts_name_their_run_and_unreached_stages_say_not_run(tmp_path: Path, stop_after) -> None:
+    """Fault: the artifacts page shows each key's newest version across runs, so an older run's
+    `server-1-smoke` OK sat beside the latest run's `server-1-launch` FAILED. Every artifact's
+    description now names its run and time, and a stage the latest run did not reach is
+    re-written NOT RUN by that run."""
+    cfg = sim_config(tmp_path, n=2)
+    stop_after(cfg)
+    assert run(cfg, "bringup").is_completed()
+    old = read_artifacts(["rv-local-server-1-smoke"])["rv-local-server-1-smoke"]
+    assert old.description.startswith("OK: smoke local server 1 — bringup-rv, ")
+    assert "Run **bringup-rv**" in old.data or "Run [bringup-rv](" in old.data
+
+    assert run(cfg, "teardown").is_completed()
+    broken = cfg.model_copy(update={"servers": cfg.servers.model_copy(
+        update={"extra_args_by_index": {1: ["--oom-at-start"]}})})
+    st = run(broken, "bringup")
+    assert st.is_failed()
+    arts = read_artifacts(["rv-local-server-1-launch", "rv-local-server-1-smoke", "rv-summary"])
+    assert arts["rv-local-server-1-launch"].description.startswith("FAILED: launch local server 1 — bringup-rv, ")
+    smoke = arts["rv-local-server-1-smoke"]
+    assert smoke.description.startswith("NOT RUN: smoke local server 1 (its launch failed) — bringup-rv, ")
+    assert "NOT RUN" in smoke.data and smoke.latest_id != old.latest_id
+    assert arts["rv-summary"].description.startswith("rv: 1 server(s) up, 1 failure(s)")
 
 
 def test_unstage_keeps_a_copy_in_use_or_not_made_by_fleet(tmp_path: Path) -> None:
