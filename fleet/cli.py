@@ -97,6 +97,34 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_FAILED
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Save the config as the fleet-config block and register its four deployments (flows/deploy.py)."""
+    from pathlib import Path
+
+    from fleet.config import load_config
+
+    cfg = load_config(args.config)
+    _prefect_env()
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        print("fleet deploy: PREFECT_API_URL is not set: deployments need a Prefect server that stays up\n"
+              "  remedy: start one (`prefect server start`) and export PREFECT_API_URL=http://127.0.0.1:4200/api",
+              file=sys.stderr)
+        return EXIT_ERROR
+    from flows.deploy import deploy
+
+    res = deploy(cfg, source=str(Path(args.config).resolve()), pool=args.pool,
+                 revalidate_every_s=args.revalidate_every or None)
+    print(f"fleet {cfg.name}: config saved as block {res.block}"
+          + (f"; work pool {res.pool} created" if res.pool_created else ""))
+    for name in res.deployments:
+        print(f"  {name}")
+    print(f"start a worker: prefect worker start --pool {res.pool}   (from this directory, in its venv)\n"
+          f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from fleet.config import load_config
     from fleet.node import connect
@@ -319,6 +347,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Idempotent: what is already in place is adopted. Exit 1 when any server is not up.")
     _config_arg(p)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("deploy", help="save the config in Prefect and register its bringup, revalidate, generate "
+                                      "and teardown deployments",
+                       description="Validate the config, save it as the Prefect block fleet-config/NAME (NAME: the "
+                                   "fleet's name; secrets stored encrypted, shown masked in the UI) and register "
+                                   "fleet/bringup-NAME, fleet/revalidate-NAME (scheduled), fleet/generate-NAME and "
+                                   "fleet/teardown-NAME, each reading that block. Needs PREFECT_API_URL. Re-run it "
+                                   "after editing the file.")
+    _config_arg(p)
+    p.add_argument("--pool", default="fleet-pool", help="process work pool (created if missing; default %(default)s)")
+    p.add_argument("--revalidate-every", type=float, default=1800, metavar="SECONDS",
+                   help="revalidate schedule interval; 0 for no schedule (default %(default)s)")
+    p.set_defaults(func=cmd_deploy)
 
     p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke",
                        description="Read every server's launch record on every node (no relaunch, no requests): "

@@ -1,7 +1,8 @@
 """The `fleet` flow's parameters: where the config comes from, and the run's name.
 
 `config` arrives as a FleetConfig (the UI form, or a Python caller), its dict (JSON from
-the API), a TOML path on the machine that runs the flow, `block:secret/NAME` (a Prefect
+the API), a TOML path on the machine that runs the flow, `block:fleet-config/NAME` (the
+Fleet Config block `fleet deploy` saves, blocks/config.py), `block:secret/NAME` (a Prefect
 Secret block holding the config as a JSON object or TOML text; a bare `block:NAME` means
 the same), or `variable:NAME` (a Prefect Variable holding either). Blocks and variables
 let a deployment point at a config that lives in Prefect, edited in the UI, with the
@@ -35,9 +36,11 @@ def _config_value(value: Any, where: str) -> dict[str, Any]:
 
 
 def config_from_block(ref: str) -> dict[str, Any]:
-    """The fleet config in a Prefect block: `secret/NAME` (a Secret, JSON or TOML text; a bare NAME means
-    this), or any `<type-slug>/NAME` block with a `value`."""
+    """The fleet config in a Prefect block: `fleet-config/NAME` (what `fleet deploy` saves), `secret/NAME`
+    (a Secret, JSON or TOML text; a bare NAME means this), or any `<type-slug>/NAME` block with a `value`."""
     from prefect.blocks.core import Block
+
+    from blocks.config import FleetConfigBlock  # registers the fleet-config type, so Block.load knows it
 
     ref = ref if "/" in ref else f"secret/{ref}"
     try:
@@ -46,6 +49,8 @@ def config_from_block(ref: str) -> dict[str, Any]:
         raise ConfigError(f"no Prefect block {ref!r}: {exc}",
                           remedy="create it (UI: Blocks → Secret) or pass the config inline or as a TOML path"
                           ) from exc
+    if isinstance(block, FleetConfigBlock):
+        return block.config.model_dump(mode="python")  # SecretStr values stay SecretStr
     value = block.get() if hasattr(block, "get") else getattr(block, "value", None)
     return _config_value(value, f"block {ref!r}")
 
@@ -82,7 +87,12 @@ def run_name() -> str:
     elif isinstance(cfg, dict):
         name = cfg.get("name") or "fleet"
     elif isinstance(cfg, str) and cfg.startswith((BLOCK_PREFIX, VARIABLE_PREFIX)):
-        name = cfg.split(":", 1)[1].rsplit("/", 1)[-1]
+        # The fleet's own name, not the block's or variable's: read what it holds (a bad
+        # reference is reported by the flow itself; the run is then named after the reference).
+        try:
+            name = resolve_config(cfg).name
+        except Exception:  # noqa: BLE001 - naming must never fail a run
+            name = cfg.split(":", 1)[1].rsplit("/", 1)[-1]
     elif isinstance(cfg, str):
         try:
             name = str(tomllib.loads(Path(cfg).read_text()).get("name") or "fleet")

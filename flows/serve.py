@@ -28,24 +28,25 @@ DEPLOYMENTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def build(config: str = DEFAULT_CONFIG, revalidate_every_s: float | None = REVALIDATE_EVERY_S) -> list[Any]:
-    """The RunnerDeployments `serve` runs (exposed for tests)."""
+def runner_deployment(name: str, config: str, params: dict[str, Any], *, revalidate_every_s: float | None = None,
+                      tags: list[str] | None = None, **opts: Any) -> Any:
+    """One RunnerDeployment of the `fleet` flow; a revalidate one gets its schedule and one-at-a-time limit."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
     from flows.fleet import fleet
 
-    out = []
-    for name, (params, opts) in DEPLOYMENTS.items():
-        opts = dict(opts)
-        if name == "revalidate":
-            if revalidate_every_s:
-                opts["interval"] = revalidate_every_s
-            else:
-                opts.pop("interval", None)
-            opts["concurrency_limit"] = ConcurrencyLimitConfig(
-                limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
-        out.append(fleet.to_deployment(name=name, parameters={"config": config, **params}, tags=["fleet"], **opts))
-    return out
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if params.get("action") == "revalidate":
+        if revalidate_every_s:
+            opts["interval"] = revalidate_every_s
+        opts["concurrency_limit"] = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
+    return fleet.to_deployment(name=name, parameters={"config": config, **params}, tags=tags or ["fleet"], **opts)
+
+
+def build(config: str = DEFAULT_CONFIG, revalidate_every_s: float | None = REVALIDATE_EVERY_S) -> list[Any]:
+    """The RunnerDeployments `serve` runs (exposed for tests)."""
+    return [runner_deployment(name, config, params, revalidate_every_s=revalidate_every_s)
+            for name, (params, _) in DEPLOYMENTS.items()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -336,6 +336,58 @@ def test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback(
         run_deployment(s, "fleet/teardown", f"config={cfg_path}")
 
 
+def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet(
+        deployed: PrefectServer, tmp_path: Path) -> None:
+    """Fault: `config` was a plain parameter per deployment: `prefect deploy --all --param` ignored
+    it, schedules could not pass one, so the scheduled revalidate checked the default config, and a
+    `variable:` config renamed the runs. Now `fleet deploy -c FILE` saves the config as the block
+    fleet-config/NAME (secrets masked in the API/UI) and registers four deployments reading it by
+    name; their runs, with no parameter given, act on that fleet and are named after it; after
+    its teardown, revalidate ends Completed "nothing is up"."""
+    s = deployed
+    cfg_path, data = sim_toml(tmp_path, n=2)
+    data["name"] = "dep-block"
+    data["servers"]["api_key"] = "sk-block-secret-123"
+    from fleet.demo import to_toml
+    cfg_path.write_text(to_toml(data))
+    res = subprocess.run([PY, "-m", "fleet.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "3600"],
+                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert "config saved as block fleet-config/dep-block" in res.stdout
+
+    deps = {d["name"]: d for d in s.post("/deployments/filter", {}) if d["name"].endswith("-dep-block")}
+    assert set(deps) == {f"{a}-dep-block" for a in ("bringup", "revalidate", "generate", "teardown")}
+    for name, d in deps.items():
+        assert d["parameters"]["config"] == "block:fleet-config/dep-block"
+        assert d["parameters"]["action"] == name.removesuffix("-dep-block")
+        assert d["work_pool_name"] == "fleet-pool" and "fleet:dep-block" in d["tags"]
+    (sched,) = deps["revalidate-dep-block"]["schedules"]
+    assert sched["schedule"]["interval"] == 3600 and sched["active"]
+    # the block: the whole config in Prefect, the API key masked unless asked for
+    (doc,) = s.post("/block_documents/filter", {"block_documents": {"name": {"any_": ["dep-block"]}},
+                                                 "include_secrets": False})
+    assert doc["block_type"]["slug"] == "fleet-config"
+    assert doc["data"]["config"]["servers"]["base_port"] == data["servers"]["base_port"]
+    assert "sk-block-secret-123" not in json.dumps(doc)
+
+    workdir = Path(data["nodes"][0]["workdir"])
+    try:
+        rc, fr = run_deployment(s, "fleet/bringup-dep-block")
+        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+        assert fr["name"] == "bringup-dep-block" and fr["state"]["message"].startswith("2 server(s) up")
+        assert (workdir / "servers" / "dep-block-0.json").exists()  # the block's workdir: that fleet
+        rc, fr = run_deployment(s, "fleet/revalidate-dep-block")  # what the schedule runs: no parameter
+        assert rc == 0 and fr["name"] == "revalidate-dep-block", fr["state"]
+        assert fr["state"]["message"].startswith("2 server(s) healthy")
+        rc, fr = run_deployment(s, "fleet/teardown-dep-block")
+        assert rc == 0 and "stopped 2 server(s)" in fr["state"]["message"]
+        rc, fr = run_deployment(s, "fleet/revalidate-dep-block")
+        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+        assert fr["state"]["message"].startswith("nothing is up (torn down at ")
+    finally:
+        run_deployment(s, "fleet/teardown-dep-block")
+
+
 def test_default_config_is_read_relative_to_the_repo(deployed: PrefectServer) -> None:
     """`prefect deployment run fleet/revalidate` with the YAML's default, a relative TOML path:
     the run is named after the fleet in that file, so the worker read it from the repo root."""

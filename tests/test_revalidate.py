@@ -305,3 +305,22 @@ def test_config_by_path_block_or_variable(tmp_path: Path) -> None:
     Secret(value="[[nodes]\nbroken").save("fleet-rv-bad", overwrite=True)
     with pytest.raises(ConfigError, match="not valid TOML"):
         resolve_config("block:fleet-rv-bad")
+
+
+def test_fleet_config_block_keeps_secrets_and_runs_are_named_after_the_fleet(tmp_path: Path) -> None:
+    """The fleet-config block (what `fleet deploy` saves) gives back the config with its API key;
+    a run whose config is a block or a variable is named after the fleet, not the reference
+    (a `variable:` config used to rename the runs after the variable)."""
+    from prefect.variables import Variable
+
+    from flows.deploy import save_config_block
+    from flows.params import resolve_config
+
+    cfg = sim_config(tmp_path, n=1, servers={"api_key": "sk-rv-secret"})
+    assert save_config_block(cfg) == "fleet-config/rv"
+    back = resolve_config("block:fleet-config/rv")
+    assert back == cfg and back.api_key() == "sk-rv-secret"
+    Variable.set("some_variable", sim_config(tmp_path, n=1).model_dump(mode="json"), overwrite=True)
+    for ref in ("variable:some_variable", "block:fleet-config/rv"):
+        st = run(ref, "revalidate")
+        assert flow_run_name(st) == "revalidate-rv", ref
