@@ -216,16 +216,25 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fleet.config import load_config
+    import os
 
-    _prefect_env()
-    from flows.fleet import fleet
-    from flows.outcome import run_data
+    from fleet.config import load_config
+    from fleet.generation.validate import plan_job
 
     cfg = load_config(args.config)
     if args.limit is not None:
         cfg.generation.limit = args.limit
-    state = fleet(config=cfg, action="generate", input=args.input, output=args.output,
+    # Before anything starts: the input, the output location, the job already there (exit 2).
+    plan = plan_job(cfg, input=args.input, output=args.output, retry_errors=args.retry_errors, cwd=os.getcwd())
+    if plan.verdict == "done":
+        print(f"fleet generate: {plan.message}")
+        return 0
+    print(f"fleet generate: {plan.message}", flush=True)
+    _prefect_env()
+    from flows.fleet import fleet
+    from flows.outcome import run_data
+
+    state = fleet(config=cfg, action="generate", input=plan.input, output=plan.output,
                   retry_errors=args.retry_errors, return_state=True)
     data = run_data(state)  # a bug raises here, with its traceback
     if isinstance(data, dict):

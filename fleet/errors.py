@@ -13,7 +13,10 @@
         ├── CommandNotFound         exit code 127 on the node
         ├── CommandFailed           any other non-zero exit
         ├── PreflightFailed         a node failed a hard check (GPUs, RAM disk, network FS)
-        └── ServerFailed            a server died or logged a fatal line
+        ├── ServerFailed            a server died or logged a fatal line
+        ├── InputError              a generation input that cannot be read (missing, a directory,
+        │                           corrupt at a line/byte, no valid row) or an unusable --output
+        └── JobConflict             a second job into one output dir, or a change under a live job
 
 Every message names the host, what was run, and ends with a remedy. paramiko and OS
 errors are translated into this tree at the node boundary (`fleet.node`), so nothing
@@ -136,6 +139,14 @@ class PreflightFailed(FatalError):
 
 
 class ServerFailed(FatalError):
+    pass
+
+
+class InputError(FatalError):
+    pass
+
+
+class JobConflict(FatalError):
     pass
 
 

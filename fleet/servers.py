@@ -19,7 +19,7 @@ import httpx
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import LogVerdict, ServerSpec, get_profile
-from fleet.errors import FleetError, ServerFailed, ServerNotReady
+from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
 
@@ -113,6 +113,21 @@ def listening_ports(node: Node) -> set[int]:
     return parse_listening_ports(res.stdout)
 
 
+def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int) -> None:
+    from fleet.generation.remote import live_jobs
+
+    for job in live_jobs(node, spec.workdir, cfg.name):
+        if any(s.get("index") == spec.index and s.get("node") in (None, spec.node) for s in job.servers):
+            raise JobConflict(
+                f"server {spec.index} (pid {pid}, port {spec.port}) runs with another launch spec and is in use by "
+                f"the generation job writing {job.output} (runner pid {job.pid} on node {job.node}): replacing it "
+                f"would pull it from under that job; {job.stop_hint()}",
+                host=node.host,
+                remedy="once that job has ended, run this command again to apply the new spec — or put the config "
+                       "back as it was",
+            )
+
+
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     """Start the server for `spec`, or adopt the live one already started with the same spec."""
     t0 = time.monotonic()
@@ -131,7 +146,10 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
         if record.get("hash") == key:
             return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), pid, True, None, shown,
                                 paths.log, time.monotonic() - t0)
-        # Same slot, different spec (config changed): replace it rather than run two on one GPU.
+        # Same slot, different spec (config changed): replace it rather than run two on one GPU —
+        # unless a generation job is using it: pulling a server from under a live runner makes the
+        # two fight over the slot (the runner relaunches its own spec).
+        _refuse_if_in_use(node, cfg, spec, pid)
         node.stop(pid, grace_s=cfg.servers.stop_grace_s)
         replaced = pid
 

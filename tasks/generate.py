@@ -18,7 +18,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError
-from fleet.generation.remote import job_dir, start_job, watch_job
+from fleet.generation.remote import job_dir, outcome, start_job, watch_job
 from fleet.node import LocalNode
 from tasks.audit import artifact_key, write_stage, write_table
 from tasks.bringup import TASK_OPTS
@@ -82,21 +82,24 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
         write_table(cfg, (node_name, "generate-servers"), _server_rows(final), "per-server generation stats")
         write_throughput_artifact(cfg, series, {s["name"]: s.get("completion_tokens", 0) for s in final["servers"]},
                                   key_parts=(node_name, "generate-throughput"))
+    ok, cause, remedy = outcome(final, handle)
+    this_run = final.get("this_run") or {}
     result = {"node": node_name, "output": output, "job_dir": job_dir(node_cfg, cfg, output), "pid": handle.pid,
               "attached": handle.attached, "state": final.get("state"), "detail": final.get("detail"),
               "rows_total": final.get("rows_total"), "completed": final.get("completed"),
               "errors": final.get("errors"), "rejects": final.get("rejects"),
-              "quality_rejects": final.get("quality_rejects"),
+              "quality_rejects": final.get("quality_rejects"), "this_run": this_run,
               "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
               "checks": manifest.get("checks"), "quality": manifest.get("quality"),
               "seconds": round(time.monotonic() - t0, 1)}
-    ok = final.get("state") == "done"
+    if not ok:
+        result["error"] = {"cause": cause, "remedy": remedy}
     write_stage(cfg, (node_name, "generate"), f"generate on {node_name}", ok=ok, seconds=time.monotonic() - t0,
                 result=result, log=None if ok else final.get("log_tail"))
     if not ok:
-        raise FatalError(f"generation on {node_name} ended {final.get('state')}: {final.get('detail') or ''}",
-                         host=node.host, stderr=final.get("log_tail"),
-                         remedy=f"read {handle.log} on the node; run the same command again to resume")
+        logger.error("generation on %s failed: %s\nremedy: %s\nrunner log (tail):\n%s", node_name, cause, remedy,
+                     final.get("log_tail") or "")
+        raise FatalError(f"generation on {node_name} failed: {cause}", host=node.host, remedy=remedy)
     return result
 
 

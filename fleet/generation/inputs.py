@@ -59,13 +59,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import zlib
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleet.errors import FatalError
+from fleet.errors import InputError
 
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
@@ -574,16 +575,23 @@ def _apply_defaults(defaults: dict[str, Any], own: dict[str, Any]) -> dict[str, 
 # ---------------------------------------------------------------------------- sources
 
 
+_INPUT_REMEDY = "pass an existing --input file (JSONL, JSONL.gz or Parquet)"
+
+
 def _magic(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read(4)
     except FileNotFoundError:
-        raise FatalError(f"input file {path} not found",
-                         remedy="pass an existing --input file (JSONL, JSONL.gz or Parquet)") from None
+        raise InputError(f"input file {path} not found", remedy=_INPUT_REMEDY) from None
     except IsADirectoryError:
-        raise FatalError(f"input {path} is a directory",
+        raise InputError(f"input {path} is a directory",
                          remedy="pass one file (JSONL, JSONL.gz or Parquet); concatenate several first") from None
+    except PermissionError:
+        raise InputError(f"input {path} is not readable (permission denied)",
+                         remedy="make it readable by the user fleet runs as, or copy it somewhere readable") from None
+    except OSError as exc:
+        raise InputError(f"input {path} cannot be opened: {exc.strerror or exc}", remedy=_INPUT_REMEDY) from None
 
 
 def _is_parquet(path: Path) -> bool:
@@ -594,6 +602,46 @@ def _open_text(path: Path):
     if _magic(path)[:2] == b"\x1f\x8b":
         return gzip.open(path, "rb")
     return open(path, "rb", buffering=1 << 20)
+
+
+# A truncated or corrupt .gz fails mid-stream with these; a disk/NFS read error with OSError.
+_READ_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile, OSError)
+
+
+def _corrupt(path: Path, exc: BaseException, line: int, offset: int, raw_pos: int | None) -> InputError:
+    gz = raw_pos is not None
+    at = (f"after line {line:,} (byte {offset:,} of the decompressed text, about byte {raw_pos:,} of the file)"
+          if gz else f"after line {line:,} (byte {offset:,})")
+    what = "is corrupt or truncated" if isinstance(exc, (EOFError, zlib.error, gzip.BadGzipFile)) else "could not be read"
+    return InputError(f"input {path} {what} {at}: {type(exc).__name__}: {exc}",
+                      remedy="the rows before that point are kept; replace the file with a complete copy "
+                             "(e.g. `gzip -t` it), then run the same command with a new --output, or cut the "
+                             "file at the last good line")
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    """The file's lines (gzip transparently); a corrupt/truncated stream raises InputError with its offset."""
+    f = _open_text(path)
+    raw = getattr(f, "fileobj", None)   # GzipFile: the compressed file, for the byte position
+    n = offset = 0
+    with f:
+        it = iter(f)
+        while True:
+            try:
+                line = next(it, b"")
+            except _READ_ERRORS as exc:
+                pos = None
+                if raw is not None:
+                    try:
+                        pos = raw.tell()
+                    except (OSError, ValueError):
+                        pos = 0
+                raise _corrupt(path, exc, n, offset, pos) from exc
+            if not line:
+                return
+            n += 1
+            offset += len(line)
+            yield line
 
 
 def _raw(row: Any) -> str:
@@ -607,34 +655,51 @@ def _raw(row: Any) -> str:
 
 def _jsonl_rows(path: Path, stats: InputStats) -> Iterator[tuple[int, Any, bytes | None]]:
     """(line, parsed object or _Bad, raw bytes); blank lines counted, not yielded."""
-    with _open_text(path) as f:
-        for n, line in enumerate(f, 1):
-            if n == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
-            try:
-                obj = _loads(line)
-            except ValueError as exc:
-                if not line.strip():
-                    stats.blank += 1
-                    continue
-                reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) or "utf-8" in str(exc).lower() \
-                    else f"bad JSON: {exc}"
-                yield n, _Bad(reason), line
+    for n, line in enumerate(_lines(path), 1):
+        if n == 1 and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]
+        try:
+            obj = _loads(line)
+        except ValueError as exc:
+            if not line.strip():
+                stats.blank += 1
                 continue
-            yield n, obj, line
+            reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) or "utf-8" in str(exc).lower() \
+                else f"bad JSON: {exc}"
+            yield n, _Bad(reason), line
+            continue
+        yield n, obj, line
+
+
+def _parquet_file(path: Path) -> Any:
+    import pyarrow.parquet as pq
+
+    _magic(path)   # missing / directory / unreadable: the same clear errors as JSONL
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a corrupt or truncated footer
+        raise InputError(f"input {path} is not a readable Parquet file (corrupt or truncated footer): "
+                         f"{type(exc).__name__}: {exc}",
+                         remedy="replace it with a complete copy (pyarrow.parquet.ParquetFile must open it), "
+                                "or give JSONL") from exc
 
 
 def _parquet_rows(path: Path, stats: InputStats, batch_rows: int = 2048) -> Iterator[tuple[int, Any, None]]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a corrupt footer
-        raise FatalError(f"input {path} is not a readable Parquet file: {exc}",
-                         remedy="check the file (pyarrow.parquet.ParquetFile), or give JSONL") from exc
+    pf = _parquet_file(path)
     n = 0
-    for batch in pf.iter_batches(batch_size=batch_rows):
-        for row in batch.to_pylist():
+    batches = pf.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = batch.to_pylist() if batch is not None else None
+        except Exception as exc:  # a corrupt page: ArrowInvalid / OSError from pyarrow
+            raise InputError(f"input {path} is corrupt after row {n:,} (of {pf.metadata.num_rows:,} in its footer): "
+                             f"{type(exc).__name__}: {exc}",
+                             remedy="the rows before it are kept; replace the file with a complete copy, then "
+                                    "run the same command with a new --output") from exc
+        if rows is None:
+            return
+        for row in rows:
             n += 1
             yield n, _strip_none(row), None
 
@@ -657,7 +722,7 @@ def iter_input(
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
     limit = defaults.limit if defaults is not None else None
     seen = _SeenIds()
-    rows = _parquet_rows(path, st) if _is_parquet(path) else _jsonl_rows(path, st)  # FatalError: no such file
+    rows = _parquet_rows(path, st) if _is_parquet(path) else _jsonl_rows(path, st)  # InputError: no such file, a directory
     for line, obj, raw in rows:
         if limit is not None and st.rows >= limit:
             break
@@ -710,15 +775,14 @@ def input_fingerprint(path: str | Path) -> str:
 
 
 def count_rows(path: str | Path) -> int:
-    """Rows in the input: non-blank lines (JSONL) or the row count in the Parquet footer."""
+    """Rows in the input: non-blank lines (JSONL) or the row count in the Parquet footer.
+
+    A corrupt or truncated file raises InputError naming the line and byte where it breaks."""
     path = Path(path)
     if _is_parquet(path):
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return _parquet_file(path).metadata.num_rows
     n = 0
-    with _open_text(path) as f:
-        for line in f:
-            if not line.isspace():
-                n += 1
+    for line in _lines(path):
+        if not line.isspace():
+            n += 1
     return n

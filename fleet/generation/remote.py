@@ -28,6 +28,7 @@ from typing import Any
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed
+from fleet.generation.runner import EXIT_FILE
 from fleet.node import LocalNode, Node
 
 RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
@@ -119,6 +120,15 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     pid_path, log_path = f"{jdir}/runner.pid", f"{jdir}/runner.log"
     pid = node.read_pid(pid_path, expect=f"--job {jdir}/job.json")
     if pid is not None and node.is_alive(pid):
+        # Re-attach only to the same job (validate.plan_job compares the input's SHA-256 first).
+        from fleet.generation.validate import ExistingJob, decide
+
+        try:
+            live = json.loads(node.read_text(f"{jdir}/job.json") or "{}")
+        except ValueError:
+            live = {}
+        decide(ExistingJob(node_cfg.name, output, pid, live), cfg, input_fp=lambda: "", input_path=input_path,
+               retry_errors=retry_errors)
         return JobHandle(node_cfg.name, jdir, output, pid, True, log_path)
     if not node.exists(input_path):
         raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
@@ -130,11 +140,67 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         "retry_errors": retry_errors, "relaunch": True,
     }
     node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
+    node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
     env = runner_secret_env(cfg)
     env["PYTHONUNBUFFERED"] = "1"
     det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                               env=env, cwd=jdir)
     return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
+
+
+@dataclass
+class LiveJob:
+    """A generation runner alive on a node, and what its job.json says."""
+
+    node: str
+    pid: int
+    job_dir: str
+    output: str
+    servers: list[dict[str, Any]]     # the job's server entries (node, index, url, …)
+
+    def stop_hint(self) -> str:
+        return (f"wait for it to finish, or stop it: `kill -TERM {self.pid}` on node {self.node} (a clean stop: "
+                "in-flight rows finish and the manifest is written; the same `fleet generate` command resumes it)")
+
+
+# sh: live_pid PIDFILE prints the pid of the process a fleet pid file ("PID STARTTIME") names, when
+# that very process is alive (not a zombie, and started at that time: a reused pid does not count).
+LIVE_PID_SH = r'''
+live_pid() {
+  read p s _ < "$1" 2>/dev/null || [ -n "$p" ] || return 1
+  case "$p" in ''|*[!0-9]*) return 1;; esac
+  rest=$(sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null) || return 1
+  [ -n "$rest" ] || return 1
+  case "$(echo "$rest" | cut -d' ' -f1)" in Z|X) return 1;; esac
+  if [ -n "$s" ] && [ "$(echo "$rest" | cut -d' ' -f20)" != "$s" ]; then return 1; fi
+  echo "$p"
+}
+'''
+
+_LIVE_JOBS = LIVE_PID_SH + r'''
+for d in "$1"/jobs/"$2"-*; do
+  p=$(live_pid "$d/runner.pid") || continue
+  printf '=== %s %s\n' "$p" "$d"; cat "$d/job.json" 2>/dev/null; echo
+done
+exit 0
+'''
+
+
+def live_jobs(node: Node, workdir: str, fleet: str) -> list[LiveJob]:
+    """Every generation runner of this fleet alive on the node (one round trip)."""
+    text = node.run(["sh", "-c", _LIVE_JOBS, "fleet-jobs", workdir.rstrip("/"), fleet], timeout=60).stdout
+    jobs = []
+    for chunk in text.split("=== ")[1:]:
+        head, _, body = chunk.partition("\n")
+        pid, _, jdir = head.partition(" ")
+        try:
+            spec = json.loads(body) if body.strip() else {}
+        except ValueError:
+            spec = {}
+        if pid.isdigit():
+            jobs.append(LiveJob(node.name, int(pid), jdir, str(spec.get("output") or "?"),
+                                list(spec.get("servers") or [])))
+    return jobs
 
 
 def read_progress(node: Node, output: str) -> dict[str, Any] | None:
@@ -157,11 +223,14 @@ def watch_job(node: Node, handle: JobHandle, *, poll_s: float = 5.0,
                 on_progress(prog)
         if not node.is_alive(handle.pid):
             prog = read_progress(node, handle.output) or last
+            if prog and prog.get("pid") not in (None, handle.pid):
+                prog = {}   # another run's progress (this runner died before writing its own)
             if on_progress and prog:
                 on_progress(prog)
             prog = dict(prog or {})
             prog["runner_exited"] = True
             prog["log_tail"] = node.read_text(handle.log, tail_bytes=4000)
+            prog["exit"] = read_exit(node, handle)
             return prog
         time.sleep(poll_s)
 
@@ -216,6 +285,38 @@ def check_fetch_path(remote: str, outputs: list[str], node: str) -> str:
     raise ConfigError(f"--remote {remote!r} is not inside the output of any job of this fleet on node {node} "
                       f"(job outputs: {known})",
                       remedy="give a job's output directory or a path inside it, or leave --remote out")
+
+
+def read_exit(node: Node, handle: JobHandle) -> dict[str, Any] | None:
+    """The runner's exit.json (rc, state, failure: kind/cause/remedy/file), if this runner wrote one."""
+    try:
+        data = json.loads(node.read_text(f"{handle.job_dir}/{EXIT_FILE}") or "null")
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("pid") == handle.pid else None
+
+
+def outcome(final: dict[str, Any], handle: JobHandle) -> tuple[bool, str, str]:
+    """(ok, cause, remedy) of a watched job that ended: what the CLI prints when it failed."""
+    ex = final.get("exit") or {}
+    failure = ex.get("failure") or final.get("error")
+    if failure:
+        return False, failure["cause"], failure["remedy"]
+    state = final.get("state")
+    if state == "done" and ex.get("rc", 0) == 0:
+        return True, "done", ""
+    if state == "stopped" and ex.get("rc") == 0:
+        return False, f"the job was stopped ({final.get('reason') or 'by a signal'}) before every row ended", \
+            "run the same command again to resume"
+    if state == "failed":
+        return False, str(final.get("reason") or final.get("detail") or "the job failed"), \
+            f"read {handle.log} on node {handle.node}; run the same command again to resume"
+    last = [ln for ln in (final.get("log_tail") or "").splitlines() if ln.strip()]
+    return False, (f"the runner (pid {handle.pid}) on node {handle.node} died without a final state"
+                   + (f" (exit code {ex['rc']})" if ex.get("rc") is not None else
+                      " (killed: SIGKILL, the out-of-memory killer, or a reboot?)")
+                   + (f"; its log ends: {last[-1][:300]}" if last else "")), \
+        f"read {handle.log} on node {handle.node}; run the same command again to resume (committed rows are kept)"
 
 
 def fetch(node: Node, remote_output: str, local_dir: str | Path) -> list[str]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ log = logging.getLogger("fleet.generation")
 __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
 
 PROGRESS_FILE = "progress.json"
+EXIT_FILE = "exit.json"      # in the job directory, next to job.json: the runner's last word
 
 
 @dataclass
@@ -281,8 +283,17 @@ class _Servers:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        if not exc.filename:   # a failed write() names no file: say which one (disk full at which file)
+            exc.filename = str(path)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
 
 
 def _fmt_s(s: float | None) -> str:
@@ -378,22 +389,211 @@ def _cost(cfg: FleetConfig, wall_s: float, gpus: int, completion_tokens: int, pr
     return out
 
 
-async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool = True) -> int:
-    """Run one job to its end (or a stop); return the process exit code."""
+# ---------------------------------------------------------------------------- failures
+
+RESERVE_FILE = ".reserve.tmp"    # a little space set aside so a full disk still gets its manifest
+RESERVE_BYTES = 512 * 1024
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@dataclass
+class Failure:
+    """Why a job stopped failed: what progress.json, the manifest and exit.json say, and the CLI prints."""
+
+    kind: str            # disk_full | output_removed | output_unwritable | input | conflict | internal
+    cause: str           # one line: what failed, where (file, line, byte)
+    remedy: str          # one line: what to do, then "run the same command again to resume"
+    file: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class OutputRemoved(OSError):
+    """The output directory is gone (or replaced by another) under the running job."""
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _target(path: str | None) -> str | None:
+    """The file a temp file stands for: .progress.json.123.tmp -> progress.json, part-1.parquet.tmp -> part-1.parquet."""
+    if not path:
+        return path
+    p = Path(path)
+    name = p.name
+    if name.endswith(".tmp"):
+        name = name[:-4]
+        if name.startswith("."):
+            name = name[1:].rsplit(".", 1)[0] if name.rsplit(".", 1)[-1].isdigit() else name[1:]
+    return str(p.with_name(name))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def classify(exc: BaseException, out: Path, *, committed: int | None = None) -> Failure:
+    """Turn any exception of a runner task into a Failure with its cause and remedy."""
+    from fleet.errors import FleetError, InputError, JobConflict
+
+    resume = "then run the same command again to resume" + (
+        f": the {committed:,} committed rows are kept" if committed else ": committed rows are kept")
+    if isinstance(exc, InputError):
+        return Failure("input", exc.reason, exc.remedy or "fix the input, then run the same command again")
+    if isinstance(exc, JobConflict):
+        return Failure("conflict", exc.reason, exc.remedy or "give this job its own --output")
+    oserr = _os_error(exc)
+    path = _target(getattr(exc, "path", None) or (oserr.filename if oserr is not None else None))
+    if isinstance(oserr, OutputRemoved) or (oserr is not None and not out.is_dir()):
+        return Failure("output_removed", f"output directory {out} was removed while the job ran",
+                       f"run the same command again: the job starts over in a new {out} (the rows of the "
+                       "removed directory are gone)", str(out))
+    text = f"{exc} {oserr or ''}"
+    if oserr is not None and (oserr.errno in _DISK_FULL or "No space left" in text or "errno 28" in text.lower()):
+        try:
+            st = os.statvfs(out)
+            free = f"{_fmt_bytes(st.f_bavail * st.f_frsize)} free of {_fmt_bytes(st.f_blocks * st.f_frsize)}"
+        except OSError:
+            free = "free space unknown"
+        return Failure("disk_full", f"disk full: no space left on device writing {path or out} ({free} on the "
+                                    f"filesystem of {out})",
+                       f"free space there (`df -h {out}`), {resume}; rows not committed are generated again",
+                       path)
+    if oserr is not None and oserr.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return Failure("output_unwritable", f"cannot write {path or out}: {oserr.strerror}",
+                       f"make {out} writable (or pick another --output), {resume}", path)
+    if oserr is not None:
+        return Failure("output_unwritable", f"writing {path or out} failed: {oserr.strerror or oserr}",
+                       f"fix the output filesystem, {resume}", path)
+    if isinstance(exc, FleetError):
+        return Failure("internal", exc.reason, exc.remedy or f"read the runner's log, {resume}")
+    return Failure("internal", f"runner error: {type(exc).__name__}: {exc}"[:500],
+                   f"a bug: the traceback is in the runner's log; {resume}")
+
+
+def _reserve(out: Path) -> Path | None:
+    """Set RESERVE_BYTES aside in the output directory (OSError: the disk is already full)."""
+    path = out / RESERVE_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return None   # a filesystem without fallocate: no reserve, the rest still works
+        exc.filename = str(out / "shards")
+        raise
+    os.close(fd)
+    return path
+
+
+def write_exit(path: Path | None, pid: int, rc: int, state: str, failure: Failure | None,
+               extra: dict[str, Any] | None = None) -> None:
+    """<job dir>/exit.json: the runner's last word, outside the output directory (which may be full or gone)."""
+    if path is None:
+        return
+    try:
+        write_json_atomic(path, {"pid": pid, "rc": rc, "state": state, "at": time.time(),
+                                 "failure": failure.as_dict() if failure else None, **(extra or {})})
+    except OSError as exc:
+        log.error("cannot write %s: %s", path, exc)
+
+
+class _GuardedStore:
+    """The store as the dispatcher sees it: any write that raises is recorded as the job's failure."""
+
+    def __init__(self, store: Any, on_error: Any) -> None:
+        self._store = store
+        self._on_error = on_error
+
+    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        try:
+            return getattr(self._store, name)(*args, **kw)
+        except Exception as exc:
+            self._on_error(exc)
+            raise
+
+    def add_result(self, row: dict[str, Any]) -> Any:
+        return self._call("add_result", row)
+
+    def add_error(self, id: str, **kw: Any) -> Any:
+        return self._call("add_error", id, **kw)
+
+    def add_reject(self, reject: Any) -> Any:
+        return self._call("add_reject", reject)
+
+    def add_quality_reject(self, row: dict[str, Any], reasons: list[str], **kw: Any) -> Any:
+        return self._call("add_quality_reject", row, reasons, **kw)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool = True,
+                  exit_file: Path | None = None) -> int:
+    """Run one job to its end (or a stop); return the process exit code.
+
+    Any exception of any part (the progress ticker, the input feeder, the store, the
+    dispatcher) stops the job as `failed` with a `Failure` — cause and remedy — written to
+    progress.json, the manifest and `exit_file`; see `classify`."""
     from fleet.generation.checks import data_checks, quality_summary
-    from fleet.generation.inputs import count_rows, input_fingerprint, iter_input
+    from fleet.generation.inputs import InputStats, count_rows, input_fingerprint, iter_input
     from fleet.generation.store import ResultStore, write_manifest
+    from fleet.generation.validate import job_params
 
     cfg = _fleet_config(job.config)
     gen = cfg.generation
     out = Path(job.output)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        from fleet.errors import InputError
+
+        raise InputError(f"cannot create output directory {out}: {exc.strerror}",
+                         remedy="pass an --output directory you can write to") from exc
+    out_ino = out.stat().st_ino
     started_at = time.time()
     t0 = time.monotonic()
     fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
-    store = ResultStore(out, shard_rows=gen.shard_rows, input_fingerprint=fingerprint)
+    store = ResultStore(out, shard_rows=gen.shard_rows, input_fingerprint=fingerprint, job_params=job_params(cfg))
+    failure: Failure | None = None
+    disp: Dispatcher | None = None
+    reserve: Path | None = None
+
+    def fail(exc: BaseException, *, stop: bool = True) -> None:
+        nonlocal failure
+        if failure is None:
+            failure = classify(exc, out, committed=store.counts().get("committed"))
+            if failure.kind == "internal":
+                log.error("job failing: %s", failure.cause, exc_info=exc)
+            else:
+                log.error("job failing: %s", failure.cause)
+        if stop and disp is not None:
+            disp.request_stop(0.0, reason=failure.cause)
+
     try:
-        if job.retry_errors:
+        try:
+            reserve = _reserve(out)
+        except OSError as exc:
+            fail(exc)
+        if job.retry_errors and failure is None:
             # errors.jsonl is set aside (kept for the audit) and its ids are no longer done
             retried = store.retry_errors()
             log.info("retrying %d rows from the errors file", len(retried))
@@ -408,13 +608,20 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
                                       max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
                                       extra={"entry": e}))
         servers = _Servers(cfg, job.servers, job.relaunch)
-        disp = Dispatcher(endpoints, store, gen, on_server_down=servers.on_down, is_alive=servers.is_alive,
+        guarded = _GuardedStore(store, fail)
+        disp = Dispatcher(endpoints, guarded, gen, on_server_down=servers.on_down, is_alive=servers.is_alive,
                           **job.dispatch)
+        if failure is not None:
+            disp.request_stop(0.0, reason=failure.cause)
         progress = _Progress(job, store, started_at)
+        stats = InputStats()
 
         async def count() -> None:
-            n = await asyncio.to_thread(count_rows, job.input)
-            progress.rows_total = n if gen.limit is None else min(n, gen.limit)
+            try:
+                n = await asyncio.to_thread(count_rows, job.input)
+                progress.rows_total = n if gen.limit is None else min(n, gen.limit)
+            except Exception as exc:   # the feeder meets the same corruption, after the rows before it
+                log.warning("counting the input's rows failed: %s", exc)
 
         counter = asyncio.ensure_future(count())
         loop = asyncio.get_running_loop()
@@ -431,24 +638,49 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             for signame in ("SIGTERM", "SIGINT"):
                 loop.add_signal_handler(getattr(signal, signame), on_signal, signame)
 
+        def check_output() -> None:
+            try:
+                same = out.stat().st_ino == out_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise OutputRemoved(errno.ENOENT, "output directory removed", str(out))
+
         async def tick() -> None:
             last_flush = last_console = time.monotonic()
             while True:
                 await asyncio.sleep(job.progress_interval_s)
-                now = time.monotonic()
-                if now - last_flush >= job.flush_interval_s:
-                    await asyncio.to_thread(store.flush)   # the store is thread-safe; the loop keeps serving
-                    last_flush = now
-                p = progress.write(disp)
-                if console and now - last_console >= job.console_interval_s:
-                    print(_Progress.line(p), flush=True)
-                    last_console = now
+                try:
+                    now = time.monotonic()
+                    check_output()
+                    if now - last_flush >= job.flush_interval_s:
+                        await asyncio.to_thread(guarded.flush)   # thread-safe store; the loop keeps serving
+                        last_flush = now
+                    p = progress.write(disp)
+                    if console and now - last_console >= job.console_interval_s:
+                        print(_Progress.line(p), flush=True)
+                        last_console = now
+                except Exception as exc:   # a ticker that dies must not leave the job running blind
+                    fail(exc)
+                    return
 
-        progress.write(disp, "starting")   # at once: never leave a previous run's state for the watcher
-        ticker = asyncio.ensure_future(tick())
-        items = iter_input(job.input, gen, skip_ids=done.__contains__)
+        def items() -> Any:
+            """The input, stopping cleanly at a corrupt/unreadable point: the rows before it still run."""
+            try:
+                yield from iter_input(job.input, gen, skip_ids=done.__contains__, stats=stats)
+            except Exception as exc:
+                fail(exc, stop=False)   # this runs in the feeder's thread: no dispatcher call from here
+
         try:
-            summary: Summary = await disp.run(items)
+            progress.write(disp, "starting")   # at once: never leave a previous run's state for the watcher
+        except Exception as exc:
+            fail(exc)
+        ticker = asyncio.ensure_future(tick())
+        try:
+            summary: Summary = await disp.run(items())
+        except Exception as exc:   # the dispatcher itself: still a manifest, a cause, a remedy
+            fail(exc)
+            summary = disp.summary()
         finally:
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
@@ -456,22 +688,40 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
                 for signame in ("SIGTERM", "SIGINT"):
                     loop.remove_signal_handler(getattr(signal, signame))
         await counter
-        store.flush()
+        if failure is None or failure.kind not in ("disk_full", "output_removed"):
+            try:
+                store.flush()
+            except Exception as exc:
+                fail(exc, stop=False)
+        if failure is None and summary.state == "done" and stats.requests + stats.skipped == 0:
+            from fleet.errors import InputError
+
+            fail(InputError(f"input {job.input} holds no valid row ({stats.rows:,} rows read, "
+                            f"{stats.rejects:,} rejects; see rejects.jsonl)",
+                            remedy="fix the rows, then run the same command again"), stop=False)
+        state = "failed" if failure is not None or summary.state == "failed" else summary.state
+        reason = failure.cause if failure is not None else summary.reason
         counts = dict(store.counts())
         wall = time.monotonic() - t0
-        final = progress.build(disp, summary.state)
-        if summary.state == "failed":
-            final["detail"] = f"failed: {summary.reason}"
+        final = progress.build(disp, state)
+        final["state"] = state
+        final["reason"] = reason
+        if state == "failed":
+            final["detail"] = f"failed: {reason}"
+        if failure is not None:
+            final["error"] = failure.as_dict()
 
         gpus = sum(ep.gpus for ep in endpoints)
         this_run = {
             "started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
-            "dispatch_s": round(summary.wall_s, 3), "state": summary.state, "gpus": gpus,
+            "dispatch_s": round(summary.wall_s, 3), "state": state, "gpus": gpus,
             "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
             **{k: getattr(summary, k) for k in ("fed", "completed", "errors", "rejects", "unfinished", "retries",
                                                  "requeues", "quality_rejects")},
             "gates": summary.gates,
         }
+        if failure is not None:
+            this_run["error"] = failure.as_dict()
         # A long job is often several runs (kills, resumes): keep each, and sum them.
         from fleet.generation.store import read_manifest
 
@@ -485,7 +735,8 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
         all_pt = sum(r.get("prompt_tokens", 0) for r in runs)
         gpu_s = sum(r.get("dispatch_s", 0) * r.get("gpus", gpus) for r in runs)
         manifest = {
-            "state": summary.state, "reason": summary.reason, "complete": summary.complete,
+            "state": state, "reason": reason, "complete": summary.complete and failure is None,
+            "error": failure.as_dict() if failure is not None else None,
             "input": {"path": str(job.input), "fingerprint": fingerprint, "rows": progress.rows_total},
             "output": str(out),
             "counts": counts,
@@ -494,8 +745,8 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             "config_fingerprint": cfg.fingerprint(),
             "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
             "servers": [{"name": ep.name, "url": ep.url, "model": ep.model, "gpus": ep.gpus,
-                         "info": _server_facts(srv.info), **stats}
-                        for ep, srv, stats in zip(endpoints, disp.servers, summary.servers)],
+                         "info": _server_facts(srv.info), **stats_}
+                        for ep, srv, stats_ in zip(endpoints, disp.servers, summary.servers)],
             "timings": {"started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
                         "dispatch_s": round(summary.wall_s, 3)},
             "throughput": {
@@ -514,27 +765,52 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             "runs": runs,
             "runner": {"pid": os.getpid(), "retry_errors": job.retry_errors, "python": sys.version.split()[0]},
         }
-        try:
-            manifest["checks"] = await asyncio.to_thread(data_checks, out)
-        except Exception as exc:  # checks must never cost the job its manifest
-            manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
-        try:
-            manifest["quality"] = await asyncio.to_thread(quality_summary, out, summary.gates)
-        except Exception as exc:
-            manifest["quality"] = {"error": f"{type(exc).__name__}: {exc}"}
-        write_manifest(out, manifest)
-        # last: a watcher that sees the final state finds the manifest already there
+        if failure is None or failure.kind not in ("disk_full", "output_removed"):
+            try:
+                manifest["checks"] = await asyncio.to_thread(data_checks, out)
+            except Exception as exc:  # checks must never cost the job its manifest
+                manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+            try:
+                manifest["quality"] = await asyncio.to_thread(quality_summary, out, summary.gates)
+            except Exception as exc:
+                manifest["quality"] = {"error": f"{type(exc).__name__}: {exc}"}
         final["manifest"] = str(out / "manifest.json")
         final["tok_s_avg"] = manifest["throughput"]["completion_tok_s"] or 0.0   # one number, two places
-        write_json_atomic(progress.path, final)
+        if not (failure is not None and failure.kind == "output_removed"):
+            # On a full disk the reserve makes room for these two small files.
+            for attempt in range(2):
+                try:
+                    write_manifest(out, manifest)
+                    # last: a watcher that sees the final state finds the manifest already there
+                    write_json_atomic(progress.path, final)
+                    break
+                except OSError as exc:
+                    if attempt == 0 and reserve is not None:
+                        reserve.unlink(missing_ok=True)
+                        reserve = None
+                        continue
+                    log.error("cannot write the final manifest/progress in %s: %s", out, exc)
+                    if failure is None:
+                        fail(exc, stop=False)
+                        state = "failed"
         if console:
             print(_Progress.line(final), flush=True)
     finally:
-        store.close()
-    if summary.state == "failed":
-        log.error("job failed: %s", summary.reason)
-        return 1
-    return 0
+        if reserve is not None:
+            reserve.unlink(missing_ok=True)
+        try:
+            store.close()
+        except Exception as exc:   # a full disk again: the rows not committed are generated on resume
+            log.error("closing the store: %s", exc)
+    rc = 1 if state == "failed" else 0
+    if failure is not None:
+        log.error("job failed: %s — %s", failure.cause, failure.remedy)
+        if console:
+            print(f"fleet runner: FAILED: {failure.cause} — {failure.remedy}", file=sys.stderr, flush=True)
+    elif state == "failed":
+        log.error("job failed: %s", reason)
+    write_exit(exit_file, os.getpid(), rc, state, failure, {"counts": counts})
+    return rc
 
 
 def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],
@@ -573,24 +849,32 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from fleet.errors import FleetError
 
+    exit_file = Path(args.job).resolve().parent / EXIT_FILE
     try:
         job = JobSpec.load(args.job)
         if not job.servers:
             raise ValueError("the job lists no servers")
     except (OSError, ValueError, TypeError, KeyError) as exc:
         print(f"fleet runner: cannot read the job file {args.job}: {exc}", file=sys.stderr)
+        write_exit(exit_file, os.getpid(), 2, "failed",
+                   Failure("internal", f"cannot read the job file {args.job}: {exc}", "run `fleet generate` again"))
         return 2
     try:
-        return asyncio.run(run_job(job))
-    except FleetError as exc:   # a locked output, an unreadable input, a bad config
+        return asyncio.run(run_job(job, exit_file=exit_file))
+    except FleetError as exc:   # a locked output, an unreadable input, another job's directory
         print(f"fleet runner: {exc}", file=sys.stderr)
+        write_exit(exit_file, os.getpid(), 2, "failed", classify(exc, Path(job.output)))
         return 2
     except Exception as exc:
         from pydantic import ValidationError
 
         if isinstance(exc, ValidationError):
             print(f"fleet runner: the job's config is invalid: {exc}", file=sys.stderr)
+            write_exit(exit_file, os.getpid(), 2, "failed",
+                       Failure("internal", f"the job's config is invalid: {str(exc).splitlines()[0]}",
+                               "fix the config, then run the same command again"))
             return 2
+        write_exit(exit_file, os.getpid(), 1, "failed", classify(exc, Path(job.output)))
         raise
 
 

@@ -47,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from fleet.errors import FatalError
+from fleet.errors import FatalError, JobConflict
 from fleet.generation.inputs import DUPLICATE_REASON, Reject, digest
 
 try:
@@ -556,7 +556,7 @@ class ResultStore:
     """
 
     def __init__(self, out_dir: str | Path, *, shard_rows: int = 10000,
-                 input_fingerprint: str | None = None) -> None:
+                 input_fingerprint: str | None = None, job_params: dict[str, Any] | None = None) -> None:
         if shard_rows < 1:
             raise ValueError("shard_rows must be >= 1")
         self.dir = Path(out_dir)
@@ -574,7 +574,7 @@ class ResultStore:
         self._commit_lock = threading.Lock()  # one shard write at a time
         self._lock_fd: int | None = self._acquire_lock()
         try:
-            self._open(input_fingerprint)
+            self._open(input_fingerprint, job_params)
         except BaseException:
             self._release_lock()
             raise
@@ -616,14 +616,14 @@ class ResultStore:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
-    def _open(self, fingerprint: str | None) -> None:
+    def _open(self, fingerprint: str | None, params: dict[str, Any] | None = None) -> None:
         # Under the lock, any temp file is a dead writer's: a shard never renamed, a
         # manifest half written. Deleting them makes "whole shard or nothing" visible.
         for d in (self.dir, self.shards_dir):
             for tmp in d.glob("*.tmp"):
                 log.warning("removing %s left by a killed writer", tmp)
                 tmp.unlink(missing_ok=True)
-        self._check_job(fingerprint)
+        self._check_job(fingerprint, params)
         _repair_jsonl(self.errors_path)
         _repair_jsonl(self.rejects_path)
         _repair_jsonl(self.quality_path)
@@ -658,7 +658,9 @@ class ResultStore:
         self._quality_f = open(self.quality_path, "ab")
         self._closed = False
 
-    def _check_job(self, fingerprint: str | None) -> None:
+    def _check_job(self, fingerprint: str | None, params: dict[str, Any] | None = None) -> None:
+        """One directory, one job: the same input (SHA-256) and the same generation parameters
+        (`validate.job_params`) as recorded in DIR/job.json by the first run; recorded if absent."""
         path = self.dir / "job.json"
         try:
             job = json.loads(path.read_text())
@@ -669,14 +671,31 @@ class ResultStore:
                              remedy=f"restore it, or delete it to accept the current input into {self.dir}") from exc
         recorded = job.get("input_fingerprint")
         if fingerprint is not None and recorded is not None and recorded != fingerprint:
-            raise FatalError(
+            raise JobConflict(
                 f"output directory {self.dir} holds results of a different input "
                 f"(recorded sha256 {recorded[:12]}…, this input {fingerprint[:12]}…)",
                 remedy="pass the input this directory was started with, or give the new input its own "
                        "--output directory (mixing two inputs in one directory would corrupt resume)",
             )
+        recorded_params = job.get("params")
+        if params is not None and recorded_params is not None and recorded_params != params:
+            from fleet.generation.validate import params_diff
+
+            raise JobConflict(
+                f"output directory {self.dir} was generated with other parameters "
+                f"({'; '.join(params_diff(recorded_params, params))})",
+                remedy="give this job its own --output, or set the parameters back (one directory holds one "
+                       "dataset: rows made with two settings would be mixed silently)",
+            )
+        changed = False
         if fingerprint is not None and recorded is None:
-            job.update(input_fingerprint=fingerprint, created_at=job.get("created_at", time.time()))
+            job.update(input_fingerprint=fingerprint)
+            changed = True
+        if params is not None and recorded_params is None:
+            job.update(params=params)
+            changed = True
+        if changed:
+            job.setdefault("created_at", time.time())
             _atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
 
     # -- ids
@@ -766,8 +785,10 @@ class ResultStore:
                 os.fsync(self._errors_f.fileno())
             except OSError as exc:
                 done.discard(id)
-                raise FatalError(f"cannot append to {self.errors_path}: {exc.strerror}",
-                                 remedy="free space in the output directory, then resume") from exc
+                err = FatalError(f"cannot append to {self.errors_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume")
+                err.path = str(self.errors_path)   # type: ignore[attr-defined]
+                raise err from exc
             self._error_ids.append(id)
             self._errors += 1
         return True
@@ -816,8 +837,10 @@ class ResultStore:
                 self._rejects_f.write(data)
                 self._rejects_f.flush()
             except OSError as exc:
-                raise FatalError(f"cannot append to {self.rejects_path}: {exc.strerror}",
-                                 remedy="free space in the output directory, then resume") from exc
+                err = FatalError(f"cannot append to {self.rejects_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume")
+                err.path = str(self.rejects_path)   # type: ignore[attr-defined]
+                raise err from exc
             self._reject_lines.add(reject.line)
             self._rejects += 1
             if reject.id and not dup:
@@ -848,9 +871,11 @@ class ResultStore:
                     with self._lock:  # not written: keep the rows for the next commit
                         self._buffer[:0] = rows
                 if isinstance(exc, OSError):
-                    raise FatalError(f"cannot commit result shard {final}: {exc.strerror or exc}",
+                    err = FatalError(f"cannot commit result shard {final}: {exc.strerror or exc}",
                                      remedy="free space in the output directory, then resume: "
-                                            "rows not committed are generated again") from exc
+                                            "rows not committed are generated again")
+                    err.path = str(final)   # type: ignore[attr-defined]  # the runner names it (disk full at which file)
+                    raise err from exc
                 raise
             finally:
                 if renamed:
