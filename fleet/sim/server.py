@@ -23,7 +23,8 @@ What it imitates (see DESIGN.md, "Facts: SGLang"):
   ``--max-running-requests`` slots (the rest queue, first come first served).
 * While running: ``Prefill batch. ...`` and ``Decode batch. ...`` lines once a second.
 * Faults: ``--oom-at-start``, ``--hang-at-start``, ``--crash-after N``,
-  ``--hang-requests``, ``--hang-after N``, ``--error-rate F``.
+  ``--hang-requests``, ``--hang-after N``, ``--error-rate F``; SIGUSR1 starts a burst of
+  ``--burst-5xx N`` HTTP 500 answers.
 
 Where real SGLang differs between versions, the older dotted form is printed
 (``Decode batch. #running-req``; newer versions print ``Decode batch, #running-req``), so
@@ -109,6 +110,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a("--hang-after", type=int, default=None, metavar="N",
       help="serve N generation requests, then hang like --hang-requests (a wedged scheduler: "
            "/health still answers, /health_generate and generations never do)")
+    a("--burst-5xx", type=int, default=30, metavar="N",
+      help="on SIGUSR1, answer the next N generation requests with HTTP 500 (a fault soak's burst)")
     a("--error-rate", type=float, default=0.0,
       help="share 0..1 of generation requests answered with HTTP 500 (deterministic)")
     a("--empty-rate", type=float, default=0.0,
@@ -281,6 +284,7 @@ class Engine:
         self.running: dict[int, Plan] = {}
         self.warm = False
         self.gen_counter = 0  # generation requests arrived (fault decisions key on it)
+        self.burst_left = 0   # generation requests still to answer 500 (SIGUSR1 starts a burst)
         self.rid_counter = 0
         # metrics
         self.prompt_tokens_total = 0
@@ -982,6 +986,9 @@ class App:
         """After validation: --hang-requests and --error-rate. Returns a response or None."""
         if self.args.hang_requests or (self.args.hang_after is not None and n > self.args.hang_after):
             return self._hang()
+        if self.engine.burst_left > 0:
+            self.engine.burst_left -= 1
+            return _error(500, "Internal server error (simulated burst, SIGUSR1).", "InternalServerError")
         rate = self.args.error_rate
         if rate > 0 and _unit(self.args.seed, _SALT_ERR, n) < rate:
             return _error(500, "Internal server error (simulated by --error-rate).",
@@ -1481,6 +1488,15 @@ async def _serve(args: argparse.Namespace, log: Log) -> int:
             loop.add_signal_handler(getattr(signal, signame), on_signal, signame)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): the caller stops us
+
+    def burst() -> None:
+        engine.burst_left = int(args.burst_5xx)
+        log.info(f"sim: SIGUSR1: the next {engine.burst_left} generation requests answer HTTP 500")
+
+    try:
+        loop.add_signal_handler(signal.SIGUSR1, burst)
+    except (NotImplementedError, RuntimeError, ValueError, AttributeError):
+        pass
 
     faults = {k: v for k, v in app.faults().items() if v}
     log.info(f"sim: simulated SGLang server {VERSION}, pid {os.getpid()}, faults: {faults or 'none'}")

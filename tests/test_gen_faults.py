@@ -1,0 +1,50 @@
+"""The fault soak, small: every kind of fault once or twice during one job through a local sim fleet.
+
+bench/bench_faults.py runs the same `soak_job` at default settings over jobs of 20,000 rows; here
+the watchdog is short (stall_s 1 s, probe 1 s) so that the job stays small. Every wait inside
+polls a condition with a deadline; nothing asserts a speed.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_faults import KINDS, launch_fleet, sim_config, soak_job, stop_fleet  # noqa: E402
+
+
+def test_fault_soak_small_every_row_exactly_once(tmp_path: Path) -> None:
+    """Faults: SIGKILL of a server, SIGSTOP of a server (left stopped), SIGKILL of the runner
+    then resume, a burst of HTTP 500s, a server killed again while it is being relaunched — all
+    in one job. After it: every input id in exactly one place (no loss, no duplicate), errors
+    exactly the rows that are genuinely bad (prompts over the context), rejects exactly the
+    malformed lines, every faulted server back in use, the runner resumed."""
+    from fleet.demo import free_port_block
+
+    rng = random.Random(7)
+    port = free_port_block(3, start=rng.randrange(20000, 50000, 100))
+    cfg = sim_config(tmp_path / "work", port, 3, tokens_per_s=50, slots=8, startup_s=0.5, max_tokens=32,
+                     generation={"stall_s": 1.0})
+    try:
+        entries = launch_fleet(cfg)
+        res = soak_job(cfg, entries, tmp_path / "job", rows=2500, faults=len(KINDS), kinds=KINDS, rng=rng,
+                       first_after_s=0.5, gap_s=(0.2, 0.5), dispatch={"stall_probe_timeout_s": 1.0},
+                       progress_interval_s=0.1, flush_interval_s=0.5, deadline_s=240, log=lambda s: None)
+    finally:
+        stop_fleet(cfg)
+    assert sorted(f.kind for f in res.faults) == sorted(KINDS), (res.problems, res.faults)
+    assert not res.problems, res.problems
+    assert res.account_ok and res.duplicated == 0 and res.missing == 0
+    assert res.errors_exact and res.errors == 5, "errors are exactly the rows over the context"
+    assert res.rejects_exact and res.runner_runs == 2
+    for f in res.faults:
+        if f.kind in ("server-kill", "server-stop", "relaunch-kill"):
+            assert f.down_s is not None and f.up_s is not None, f
+        if f.kind == "relaunch-kill":
+            assert f.second_pid is not None, "the relaunch itself was killed"
+        if f.kind == "runner-kill":
+            assert f.resumed_s is not None
