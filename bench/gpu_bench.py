@@ -117,31 +117,53 @@ async def plain_client(urls: list[str], model: str, rows: list[dict[str, Any]], 
         queue.put_nowait(r)
     tokens = 0
     done = 0
+    # per server, like the runner's progress.json timeline: [elapsed s, in flight, rows done, tokens]
+    per = {u: {"in_flight": 0, "done": 0, "tokens": 0, "first_s": None, "timeline": []} for u in urls}
+    t0 = time.monotonic()
 
     async def worker(session: aiohttp.ClientSession, url: str) -> None:
         nonlocal tokens, done
+        st = per[url]
         while True:
             try:
                 r = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
             body = {"model": model, "messages": r["messages"], "max_tokens": max_tokens, "temperature": 0.6}
-            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-                data = await resp.json(content_type=None)
+            st["in_flight"] += 1
+            try:
+                async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    data = await resp.json(content_type=None)
+            finally:
+                st["in_flight"] -= 1
             if resp.status == 200:
                 tokens += data["usage"]["completion_tokens"]
                 done += 1
+                st["done"] += 1
+                st["tokens"] += data["usage"]["completion_tokens"]
+                if st["first_s"] is None:
+                    st["first_s"] = round(time.monotonic() - t0, 2)
 
-    t0 = time.monotonic()
+    async def sample() -> None:
+        while True:
+            t = round(time.monotonic() - t0, 1)
+            for st in per.values():
+                st["timeline"].append([t, st["in_flight"], st["done"], st["tokens"]])
+            await asyncio.sleep(1.0)
+
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
                                       timeout=aiohttp.ClientTimeout(total=1800)) for _ in urls]
+    sampler = asyncio.ensure_future(sample())
     try:
         await asyncio.gather(*[worker(s, u) for s, u in zip(sessions, urls) for _ in range(concurrency)])
     finally:
+        sampler.cancel()
         for s in sessions:
             await s.close()
     wall = time.monotonic() - t0
-    return {"rows": done, "completion_tokens": tokens, "seconds": wall, "tok_s": tokens / wall}
+    return {"rows": done, "completion_tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "servers": [{"url": u, "rows": st["done"], "first_completion_s": st["first_s"],
+                         "timeline": st["timeline"]} for u, st in per.items()]}
 
 
 def runner_pass(cfg: Any, rows_up: list[dict[str, Any]], model: str, inp: Path, out: Path) -> dict[str, Any]:
@@ -161,8 +183,19 @@ def runner_pass(cfg: Any, rows_up: list[dict[str, Any]], model: str, inp: Path, 
     tokens = 0
     for shard in sorted((out / "shards").glob("*.parquet")):
         tokens += sum(x or 0 for x in pq.read_table(shard, columns=["completion_tokens"]).column(0).to_pylist())
+    firsts: dict[str, float] = {}
+    for shard in sorted((out / "shards").glob("*.parquet")):
+        t = pq.read_table(shard, columns=["server", "finished_at"]).to_pylist()
+        for row in t:
+            firsts[row["server"]] = min(firsts.get(row["server"], float("inf")), row["finished_at"])
+    started = (manifest.get("timings") or {}).get("started_at") or 0
     return {"rc": rc, "seconds": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-            "manifest_throughput": manifest.get("throughput")}
+            "manifest_throughput": manifest.get("throughput"),
+            "servers": [{"name": s_.get("name"), "rows": s_.get("requests"), "held_s": s_.get("held_s"),
+                         "lat_s": s_.get("lat_s"), "stalls": s_.get("stalls"),
+                         "first_completion_s": round(firsts[s_["name"]] - started, 2) if s_.get("name") in firsts
+                         and started else None, "timeline": s_.get("timeline")}
+                        for s_ in manifest.get("servers") or []]}
 
 
 def scaling(args: argparse.Namespace, model: Path, gpus: int, base_port: int, out: Path) -> list[dict[str, Any]]:
@@ -204,6 +237,151 @@ def scaling(args: argparse.Namespace, model: Path, gpus: int, base_port: int, ou
     return steps
 
 
+def _pid_of(cfg: Any, index: int) -> int | None:
+    from fleet.servers import server_paths
+
+    try:
+        text = Path(server_paths(cfg.nodes[0].workdir, cfg.name, index).pid).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def stop_test(args: argparse.Namespace, cfg: Any, rows_up: list[dict[str, Any]], model_id: str, out: Path,
+              t_start: float) -> dict[str, Any]:
+    """SIGSTOP (left stopped) of one server at --stop-at of a job run by the flow's `generate`
+    action, at default generation settings; then interleaved runner / plain passes with a
+    per-server timeline each (what a half-speed pass would show). Everything is watched by
+    polling progress.json and the pid files."""
+    import shutil
+    import signal
+    import threading
+
+    from flows.fleet import fleet
+    from fleet.generation.checks import account
+
+    res: dict[str, Any] = {}
+    victim = len(rows_up) - 1
+    inp = Path("/tmp/gpu-stop-prompts.jsonl")
+    prompts(args.stop_rows, inp)
+    flow_out = Path("/tmp/gpu-bench-stop-out")
+    shutil.rmtree(flow_out, ignore_errors=True)
+    box: dict[str, Any] = {}
+
+    def run_flow() -> None:
+        t = time.monotonic()
+        st = fleet(config=cfg, action="generate", input=str(inp), output=str(flow_out), return_state=True)
+        r = st.result(raise_on_failure=False)
+        box.update(ok=st.is_completed(), message=st.message, seconds=time.monotonic() - t,
+                   result=r if isinstance(r, dict) else str(r))
+
+    th = threading.Thread(target=run_flow, daemon=True)
+    t0 = time.monotonic()
+    th.start()
+    ev: dict[str, Any] = {"victim": rows_up[victim].get("server", victim)}
+    old_pid = None
+    while th.is_alive() and time.monotonic() - t0 < args.stop_deadline_s:
+        try:
+            p = json.loads((flow_out / "progress.json").read_text())
+        except (OSError, ValueError):
+            p = None
+        now = time.monotonic()
+        if p and p.get("servers") and len(p["servers"]) > victim:
+            sv = p["servers"][victim]
+            total = p.get("rows_total") or args.stop_rows
+            if old_pid is None and p.get("rows_done", 0) >= args.stop_at * total:
+                old_pid = _pid_of(cfg, victim)
+                os.kill(old_pid, signal.SIGSTOP)   # left stopped: the relaunch path must deal with it
+                ev.update(t_stop=now - t0, rows_done_at_stop=p["rows_done"], in_flight_at_stop=sv["in_flight"],
+                          victim_rows_at_stop=sv["requests"], old_pid=old_pid)
+                print("SIGSTOP server", victim, "pid", old_pid, "at", p["rows_done"], "rows", flush=True)
+            elif old_pid is not None:
+                if "detect_s" not in ev and sv["state"] != "up":
+                    ev.update(detect_s=round(now - t0 - ev["t_stop"], 1), down_reason=sv.get("down_reason"))
+                    print("detected", ev["detect_s"], sv.get("down_reason"), flush=True)
+                pid = _pid_of(cfg, victim)
+                if "detect_s" in ev and "up_s" not in ev and sv["state"] == "up" and pid not in (None, old_pid):
+                    ev.update(up_s=round(now - t0 - ev["t_stop"], 1), new_pid=pid)
+                    ev["relaunch_s"] = round(ev["up_s"] - ev["detect_s"], 1)
+                    print("back up", ev["up_s"], "relaunch", ev["relaunch_s"], flush=True)
+        time.sleep(0.25)
+    th.join(timeout=60)
+    res["flow_generate"] = box
+    ev["job_s"] = round(time.monotonic() - t0, 1)
+    try:
+        final = json.loads((flow_out / "progress.json").read_text())
+        manifest = json.loads((flow_out / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        final, manifest = {}, {"error": str(exc)}
+    acc = account(inp, flow_out)
+    ev["account"] = {k: acc[k] for k in ("ok", "requests", "completed", "errors", "missing", "duplicated")}
+    ev["servers"] = [{k: s_.get(k) for k in ("name", "state", "requests", "downs", "restarts", "stalls", "down_reason",
+                                             "timeline")} for s_ in final.get("servers") or []]
+    ev["throughput"] = manifest.get("throughput")
+    from fleet.generation.remote import job_dir
+
+    jlog = Path(job_dir(cfg.nodes[0], cfg, str(flow_out))) / "runner.log"
+    try:
+        ev["runner_log_tail"] = [ln for ln in jlog.read_text().splitlines()
+                                 if "stall" in ln or "relaunch" in ln or "down" in ln or "stopped" in ln][-20:]
+    except OSError:
+        ev["runner_log_tail"] = []
+    res["stop"] = ev
+    print("stop test", json.dumps({k: v for k, v in ev.items() if k != "servers"}, default=str), flush=True)
+
+    # interleaved passes, each with a per-server timeline, while device time allows
+    urls = [f"http://127.0.0.1:{r['port']}" for r in rows_up]
+    probe_rows = [{"messages": [{"role": "user", "content": f"probe {i}: tell me a story"}]}
+                  for i in range(args.concurrency * len(urls))]
+    probe = asyncio.run(plain_client(urls, model_id, probe_rows, args.max_tokens, args.concurrency))
+    n = max(args.concurrency * len(urls) * 2, int(probe["tok_s"] * args.seconds_per_pass / args.max_tokens))
+    pin = Path("/tmp/gpu-bench-pass-prompts.jsonl")
+    prompts(n, pin)
+    rows_in = [json.loads(ln) for ln in pin.read_text().splitlines()]
+    passes = []
+    for order in ("runner", "plain", "plain", "runner", "runner", "plain"):
+        if time.monotonic() - t_start > args.budget_s:
+            print("device budget reached: passes stop here", flush=True)
+            break
+        if order == "runner":
+            p = runner_pass(cfg, rows_up, model_id, pin, Path(f"/tmp/gpu-bench-gen-{len(passes)}"))
+        else:
+            p = asyncio.run(plain_client(urls, model_id, rows_in, args.max_tokens, args.concurrency))
+        p["kind"] = order
+        passes.append(p)
+        print(order, f"{p['tok_s']:.0f} tok/s", [(x.get("rows"), x.get("first_completion_s")) for x in p["servers"]],
+              flush=True)
+    res["passes"] = passes
+    res["pass_rows"] = n
+    return res
+
+
+def stop_table(res: dict[str, Any], gpus: int) -> str:
+    ev = res["stop"]
+    acc = ev.get("account") or {}
+    lines = [
+        "| GPUs | rows | SIGSTOP at rows | in flight on it | detected (left `up`) s | relaunch (down → up) s | "
+        "stop → back in use s | completed / errors / missing / duplicated | flow generate | job s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {gpus} | {acc.get('requests')} | {ev.get('rows_done_at_stop')} | {ev.get('in_flight_at_stop')} | "
+        f"{ev.get('detect_s')} | {ev.get('relaunch_s')} | {ev.get('up_s')} | {acc.get('completed')} / "
+        f"{acc.get('errors')} / {acc.get('missing')} / {acc.get('duplicated')} | "
+        f"{'ok' if res.get('flow_generate', {}).get('ok') else 'FAILED'} | {ev.get('job_s')} |",
+    ]
+    if res.get("passes"):
+        lines += ["", "| pass | kind | tok/s | rows per server | first completion per server s |", "| --- | --- | --- | --- | --- |"]
+        for i, p in enumerate(res["passes"]):
+            lines.append(f"| {i} | {p['kind']} | {p['tok_s']:.0f} | "
+                         f"{', '.join(str(x.get('rows')) for x in p['servers'])} | "
+                         f"{', '.join(str(x.get('first_completion_s')) for x in p['servers'])} |")
+        r = [p["tok_s"] for p in res["passes"] if p["kind"] == "runner"]
+        q = [p["tok_s"] for p in res["passes"] if p["kind"] == "plain"]
+        if r and q:
+            lines.append(f"\nrunner / plain (means): {sum(r) / len(r):.0f} / {sum(q) / len(q):.0f} = "
+                         f"{(sum(r) / len(r)) / (sum(q) / len(q)):.3f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-bench-out"))
@@ -218,7 +396,14 @@ def main() -> int:
                                                  "(N <= GPUs), then stop")
     ap.add_argument("--scale-prompts-per-server", type=int, default=200)
     ap.add_argument("--gpus", type=int, default=None, help="servers to use (default: every GPU nvidia-smi lists)")
+    ap.add_argument("--stop-test", action="store_true",
+                    help="SIGSTOP one server mid-job through the flow's generate action, then interleaved passes")
+    ap.add_argument("--stop-rows", type=int, default=1200)
+    ap.add_argument("--stop-at", type=float, default=0.3, help="share of rows done when the server is stopped")
+    ap.add_argument("--stop-deadline-s", type=float, default=360.0)
+    ap.add_argument("--budget-s", type=float, default=480.0, help="no pass starts after this many seconds")
     args = ap.parse_args()
+    t_start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"args": vars(args)}
@@ -279,6 +464,17 @@ def main() -> int:
                         python=sys.executable)[0]
     model_id = get_profile("transformers").request_model(spec)
     urls = [f"http://127.0.0.1:{r['port']}" for r in rows]
+    if args.stop_test:
+        try:
+            res.update(stop_test(args, cfg, rows, model_id, out, t_start))
+        finally:
+            (out / "gpu_results.json").write_text(json.dumps(res, indent=2, default=str))
+            sh(f"tail -c 200000 /tmp/fleet-gpu/servers/gpu-bench-{gpus - 1}.log > {out}/server_stopped.log 2>/dev/null")
+            teardown(cfg)
+        md = stop_table(res, gpus)
+        print(md, flush=True)
+        (out / "gpu_stop_table.md").write_text(md + "\n")
+        return 0 if res["stop"].get("account", {}).get("ok") else 1
 
     # first request (the smoke's) vs steady state
     import httpx
