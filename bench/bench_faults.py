@@ -142,7 +142,8 @@ def server_pid(cfg: FleetConfig, index: int) -> int | None:
         text = Path(server_paths(cfg.nodes[0].workdir, cfg.name, index).pid).read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    first = text.split()[0] if text else ""   # "PID STARTTIME"
+    return int(first) if first.isdigit() else None
 
 
 def _progress(out: Path) -> dict[str, Any] | None:

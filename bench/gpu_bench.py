@@ -244,7 +244,8 @@ def _pid_of(cfg: Any, index: int) -> int | None:
         text = Path(server_paths(cfg.nodes[0].workdir, cfg.name, index).pid).read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    first = text.split()[0] if text else ""   # "PID STARTTIME"
+    return int(first) if first.isdigit() else None
 
 
 def stop_test(args: argparse.Namespace, cfg: Any, rows_up: list[dict[str, Any]], model_id: str, out: Path,

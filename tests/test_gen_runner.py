@@ -360,3 +360,29 @@ def test_sigstopped_server_is_detected_relaunched_and_readmitted(tmp_path: Path)
             except OSError:
                 pass
         stop_servers(node, cfg, cfg.nodes[0])
+
+
+def test_liveness_reads_pid_files_that_carry_the_start_time(tmp_path: Path) -> None:
+    """Fault: pid files became "PID STARTTIME" and the runner's liveness check, which read a bare
+    number, answered "cannot tell" for every server: a crashed server was then only noticed
+    after connection failures. It must read the first field: alive, dead, and unknown."""
+    from fleet.generation.dispatch import Endpoint
+    from fleet.generation.runner import _Servers
+    from fleet.servers import server_paths
+
+    cfg = FleetConfig(name="live", nodes=[{"name": "local", "workdir": str(tmp_path)}])
+    entry = ServerEntry(node="local", index=0, url="http://127.0.0.1:1", model="m",
+                        spec={"workdir": str(tmp_path), "index": 0})
+    servers = _Servers(cfg, [entry], relaunch=False)
+    ep = Endpoint(name=entry.name, url=entry.url, model="m")
+    pid_path = Path(server_paths(str(tmp_path), "live", 0).pid)
+    pid_path.parent.mkdir(parents=True, exist_ok=True)
+    assert servers.is_alive(ep) is None, "no pid file: cannot tell"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid_path.write_text(f"{proc.pid} 123456\n")
+        assert servers.is_alive(ep) is True
+    finally:
+        proc.kill()
+        proc.wait()
+    assert servers.is_alive(ep) is False

@@ -210,7 +210,8 @@ class _Servers:
             text = path.read_text().strip()
         except OSError:
             return None   # no pid file: cannot tell (stopped by hand, or not launched by fleet)
-        return _pid_alive(int(text)) if text.isdigit() else None
+        first = text.split()[0] if text else ""   # "PID STARTTIME" (older files: "PID")
+        return _pid_alive(int(first)) if first.isdigit() else None
 
     async def on_down(self, ep: Endpoint) -> bool:
         e = self.entries[ep.name]
