@@ -426,7 +426,7 @@ class FleetConfig(BaseSettings):
         venv = data.get("venv")
         if local and isinstance(venv, dict) and "path" in venv:
             data = {**data, "venv": {**venv, "path": _expand_home(venv["path"])}}
-        return data
+        return _env_names_keep_case(data)
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> FleetConfig:
@@ -485,6 +485,25 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
                 ann = arg
         current = ann
     return sorted(getattr(current, "model_fields", {}).keys())
+
+
+def _env_names_keep_case(data: dict[str, Any]) -> dict[str, Any]:
+    """FLEET_ENGINE__ENV__NCCL_DEBUG=INFO sets NCCL_DEBUG, not nccl_debug.
+
+    pydantic-settings matches FLEET_* names case-insensitively and hands the keys of a dict
+    field over lowercased; environment variable names are case-sensitive, so take each name's
+    case back from the variable that set it (it overrides the file's value of the same name)."""
+    engine = data.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("env"), dict):
+        return data
+    prefix = f"{ENV_PREFIX}ENGINE__ENV__"
+    named = {n[len(prefix):].lower(): n[len(prefix):] for n in os.environ
+             if n.upper().startswith(prefix) and n.upper() not in NOT_CONFIG_ENV}
+    if not named:
+        return data
+    from_env = {named[k]: v for k, v in engine["env"].items() if k in named and named[k] != k}
+    kept = {k: v for k, v in engine["env"].items() if not (k in named and named[k] != k)}
+    return {**data, "engine": {**engine, "env": {**kept, **from_env}}}
 
 
 def _unwrap(ann: Any) -> Any:

@@ -141,7 +141,19 @@ def test_fleet_env_vars_that_are_not_config_are_allowed(tmp_path: Path, monkeypa
     monkeypatch.setenv("FLEET_ENGINE__ENV__ANYTHING", "1")
     monkeypatch.setenv("FLEET_SERVERS__PORTS", "[31000, 31001]")
     cfg = load_config(write(tmp_path, ""))
-    assert cfg.servers.ports == [31000, 31001] and cfg.engine.env_values() == {"anything": "1"}
+    assert cfg.servers.ports == [31000, 31001] and cfg.engine.env_values() == {"ANYTHING": "1"}
+
+
+def test_engine_env_names_from_the_environment_keep_their_case(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: FLEET_ENGINE__ENV__NCCL_DEBUG=INFO reached the servers as `nccl_debug=INFO`
+    (pydantic-settings lowercases the keys of a dict set from the environment); environment
+    variable names are case-sensitive. The variable also overrides the file's value."""
+    p = write(tmp_path, '[engine.env]\nNCCL_DEBUG = "WARN"\nOMP_NUM_THREADS = "4"\n')
+    monkeypatch.setenv("FLEET_ENGINE__ENV__NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("FLEET_ENGINE__ENV__CUDA_LAUNCH_BLOCKING", "1")
+    cfg = load_config(p)
+    assert cfg.engine.env_values() == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "CUDA_LAUNCH_BLOCKING": "1"}
 
 
 def test_cli_env_error_is_one_line_exit_2(tmp_path: Path) -> None:
