@@ -144,7 +144,7 @@ def test_ready_after_startup_s_with_sglang_log_lines(sims):
             continue
         if code == 503:
             seen_503 = True
-            assert httpx.get(s.url + "/health_generate", timeout=1).status_code in (503, 200)
+            assert httpx.get(s.url + "/health_generate", timeout=10).status_code in (503, 200)
         elif code == 200:
             break
         time.sleep(0.01)
@@ -166,7 +166,7 @@ def test_ready_after_startup_s_with_sglang_log_lines(sims):
     order = [log.index(t) for t in ("Load weight end", "KV Cache is allocated", "Capture cuda graph end",
                                     "max_total_num_tokens=", "Uvicorn running", "fired up")]
     assert order == sorted(order)
-    assert httpx.get(s.url + "/health_generate", timeout=2).status_code == 200
+    assert httpx.get(s.url + "/health_generate", timeout=10).status_code == 200
 
 
 # --------------------------------------------------------------------------- shapes
@@ -373,7 +373,7 @@ def test_api_key(sims):
 ])
 def test_oom_at_start(sims, kind, line):
     s = sims("--startup-s", "0.5", "--oom-at-start", *([kind] if kind != "kv-pool" else []))
-    assert s.wait_exit(3) == 1
+    assert s.wait_exit() == 1
     log = s.log()
     assert line in log
     assert log.index("Scheduler hit an exception:") < log.index(line) < log.index(
@@ -387,7 +387,7 @@ def test_hang_at_start_never_ready(sims):
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
         assert s.proc.poll() is None
-        assert httpx.get(s.url + "/health", timeout=1).status_code == 503
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
         time.sleep(0.1)
     assert "fired up" not in s.log()
 
