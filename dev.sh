@@ -2,7 +2,7 @@
 # One entry point for a fresh machine.
 #   ./dev.sh setup        create .venv (uv), install fleet with its test + transformers extras
 #   ./dev.sh demo [ARGS]  setup, then `fleet demo ARGS` (the main job on the embedded Prefect server)
-#   ./dev.sh test [ARGS]  setup, install openssh-server and sshfs when missing, then run the whole test suite
+#   ./dev.sh test [ARGS]  setup, install openssh-server, sshfs and chromium when missing, then run the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${FLEET_VENV:-.venv}
@@ -55,6 +55,8 @@ need_test_tools() {
   local missing=()
   [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
   command -v sshfs >/dev/null 2>&1 || missing+=(sshfs)
+  # headless Chromium reads the Prefect UI in tests/test_ui.py (what an operator sees)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "dev.sh: installing ${missing[*]} (the tests use them for real)" >&2
   local sudo=""
