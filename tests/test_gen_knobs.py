@@ -39,8 +39,11 @@ def test_sampling_defaults_fill_and_rows_override(tmp_path: Path) -> None:
         {"id": "a", "messages": [{"role": "user", "content": "q"}]},
         {"id": "b", "messages": [{"role": "user", "content": "q"}], "top_k": 5, "params": {"min_p": 0.2}},
         {"id": "c", "messages": [{"role": "user", "content": "q"}], "presence_penalty": "high"},
+        {"id": "d", "messages": [{"role": "user", "content": "q"}], "seed": 2**70},
     ])
-    a, b, c = list(iter_input(p, gen))
+    a, b, c, d = list(iter_input(p, gen))
+    # a seed past 64 bits: the server would refuse it, and the store could not hold it
+    assert isinstance(d, Reject) and "seed must be a 64-bit integer" in d.reason
     assert isinstance(a, Request) and isinstance(b, Request)
     assert {k: a.params[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty",
                                      "repetition_penalty")} == {"top_k": 20, "min_p": 0.05, "presence_penalty": 0.5,

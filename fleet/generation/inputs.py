@@ -359,8 +359,8 @@ def _top_p(k: str, v: Any) -> None:
 
 
 def _integer(k: str, v: Any) -> None:
-    if not _is_int(v):
-        raise _Bad(f"{k} must be an integer, got {v!r}")
+    if not _is_int(v) or not -(1 << 63) <= v < (1 << 63):
+        raise _Bad(f"{k} must be a 64-bit integer, got {v!r}")
 
 
 def _stop(k: str, v: Any) -> None:

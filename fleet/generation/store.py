@@ -445,8 +445,8 @@ _PARAM_FLOATS = frozenset(k for k, t in _PARAM_FIELDS if t == pa.float64())
 
 def _typed_param(k: str, v: Any) -> bool:
     """Whether `v` fits the typed column of param `k` (else it goes to `extra`, as given)."""
-    if k in _PARAM_INTS:
-        return isinstance(v, int) and not isinstance(v, bool)
+    if k in _PARAM_INTS:   # outside int64 (a seed of 2**70): kept, as given, in `extra`
+        return isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < (1 << 63)
     if k in _PARAM_FLOATS:
         return isinstance(v, int | float) and not isinstance(v, bool)
     if k == "stop":
