@@ -29,19 +29,22 @@ __all__ = ["GATES", "Verdict", "fired", "repeated_tail", "reasoning_expected", "
 
 GATES = ("empty_content", "missing_reasoning", "think_markers", "truncated", "repetition")
 _MAX_SPAN = 64  # words
-_TAIL_WORDS = 4096  # only the end of an answer is looked at: bounded cost on long answers
+_CHARS_PER_WORD = 24  # generous: the tail looked at holds every word a loop could span
 
 
 def repeated_tail(text: str, min_repeats: int) -> bool:
     """Does `text` end with one span of 1-64 words repeated `min_repeats` times or more?"""
-    words = text[-(_TAIL_WORDS * 8):].split()
+    words = text[-(_MAX_SPAN * min_repeats * _CHARS_PER_WORD):].split()  # only the end: bounded cost
     n = len(words)
-    for span in range(1, _MAX_SPAN + 1):
+    if n < min_repeats:
+        return False
+    last = words[-1]
+    for span in range(1, min(_MAX_SPAN, n // min_repeats) + 1):
+        if words[n - 1 - span] != last:   # cheap necessary condition: most spans stop here
+            continue
         need = span * min_repeats
-        if need > n:
-            break
-        # words[-need:] is `span` words repeated iff each word equals the one `span` earlier
-        if all(words[n - i] == words[n - i - span] for i in range(1, need - span + 1)):
+        # the last `need` words are one span repeated iff they equal themselves shifted by `span`
+        if words[n - need:n - span] == words[n - need + span:]:
             return True
     return False
 
