@@ -128,6 +128,11 @@ def test_export_sharegpt_with_tool_history(job, tmp_path):
     assert by_id["e"]["tools"] == TOOLS
 
 
+def _export(job: Path, fmt: str, dest: Path) -> Path:
+    export(job, fmt, dest)  # type: ignore[arg-type]
+    return dest
+
+
 def specforge_problem(line: dict) -> str | None:
     """SpecForge's acceptance of a regenerated-data line, written from its documented rules
     (scripts/regenerate_train_data.py output, scripts/conversation_validation.py): status
@@ -173,6 +178,8 @@ def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tm
     lines = read_lines(dest)
     assert n == len(lines) == 5  # a b c d h; e and f hold tool turns
     assert [specforge_problem(ln) for ln in lines] == [None] * 5
+    sg = {ln["id"]: ln for ln in read_lines(_export(job, "sharegpt", tmp_path / "sg.jsonl"))}
+    assert sg["h"]["conversations"][2] == {"from": "gpt", "value": "2", "reasoning_content": "add"}
     h = next(ln for ln in lines if ln["id"] == "h")
     assert h["source"] == "gsm8k" and h["category"] == "math" and h["status"] == "success"
     assert h["conversations"] == [

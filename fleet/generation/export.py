@@ -13,8 +13,9 @@
 - ``jsonl``: one flat object per completed row, the result columns, with `messages` and
   `params` as the OpenAI request had them and `extra` (the input's other fields) decoded.
 - ``sharegpt``: ``{"id", "conversations": [{"from": "system"|"human"|"gpt"|"tool", "value"}, …,
-  the generated gpt turn]}``; an assistant turn keeps its `tool_calls`, a tool turn its
-  `tool_call_id`, the generated turn its `reasoning_content` and `tool_calls` when present;
+  the generated gpt turn]}``; an assistant turn keeps its `reasoning_content` and
+  `tool_calls`, a tool turn its `tool_call_id`, the generated turn its `reasoning_content`
+  and `tool_calls` when present;
   `tools` (from the stored params) goes at the top level.
 - ``specforge``: what SpecForge's `scripts/regenerate_train_data.py` writes, so its training
   scripts take it as is: the input row's other fields, then ``"id"``, ``"conversations"``
@@ -142,6 +143,8 @@ def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
     for m in _messages(row):
         role = m.get("role")
         turn: dict[str, Any] = {"from": _SHAREGPT_FROM.get(role, role), "value": _text(m.get("content"))}
+        if m.get("reasoning_content") is not None:   # earlier turns regenerated in all-turns mode
+            turn["reasoning_content"] = m["reasoning_content"]
         if m.get("tool_calls"):
             turn["tool_calls"] = m["tool_calls"]
         if role == "tool" and m.get("tool_call_id"):
