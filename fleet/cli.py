@@ -68,21 +68,15 @@ def _print_rows(rows: list[dict], columns: list[str]) -> None:
         print("  ".join(v[:60].ljust(w) for v, w in zip(t, widths)))
 
 
-def _prefect_env() -> None:
-    import os
-
-    # Offline machines log telemetry errors otherwise; users can still opt in.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "fleet")
-
-
 def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped-def]
     """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
-    _prefect_env()
+    from flows.api import ensure_api, run_flow
+
+    ensure_api()
     from flows.fleet import SUMMARY_COLUMNS, fleet
     from flows.outcome import run_data
 
-    state = fleet(config=cfg, action="bringup", return_state=True)
+    state = run_flow(fleet, config=cfg, action="bringup")
     data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
     rows = data if isinstance(data, list) else []
     _print_rows(rows, SUMMARY_COLUMNS)
@@ -220,6 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from fleet.config import load_config
     from fleet.generation.validate import plan_job
+    from flows.api import ensure_api, run_flow
 
     cfg = load_config(args.config)
     if args.limit is not None:
@@ -230,12 +225,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"fleet generate: {plan.message}")
         return 0
     print(f"fleet generate: {plan.message}", flush=True)
-    _prefect_env()
+    ensure_api()
     from flows.fleet import fleet
     from flows.outcome import run_data
 
-    state = fleet(config=cfg, action="generate", input=plan.input, output=plan.output,
-                  retry_errors=args.retry_errors, return_state=True)
+    state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
+                     retry_errors=args.retry_errors)
     data = run_data(state)  # a bug raises here, with its traceback
     if isinstance(data, dict):
         print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
@@ -462,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sim_main(argv[1:], prog="fleet sim")
     parser = build_parser()
     args = parser.parse_args(argv)
+    from fleet.interrupt import install
+
+    install(lambda: interrupt_paragraph(args))
     try:
         return args.func(args)
     except FleetError as exc:
@@ -475,9 +473,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"fleet: error: {exc.one_line()}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT is handled by fleet.interrupt; this is a KeyboardInterrupt raised by hand
         print("fleet: interrupted", file=sys.stderr)
         return 130
+
+
+def interrupt_paragraph(args: argparse.Namespace) -> str:
+    """What Ctrl-C leaves behind, per command: what still runs, how to re-attach, how to stop."""
+    cfg = getattr(args, "config", None)
+    if args.command == "demo":
+        from fleet.demo import demo_dir
+
+        cfg = str(demo_dir() / f"demo-{args.engine}.toml")
+    c = f" -c {cfg}" if cfg else ""
+    if args.command in ("up", "demo"):
+        return (f"Servers already launched keep running (they are detached from this command). "
+                f"See them: `fleet status{c}`. Finish the bring-up (adopts what runs): `fleet up{c}`. "
+                f"Stop them: `fleet down{c}`.")
+    if args.command == "generate":
+        return (f"Servers and the generation runner, if it had started, keep running (detached): the job goes on, "
+                f"with progress in {args.output}/progress.json on the node. Re-attach: the same `fleet generate` "
+                f"command again (it never starts a second runner). Servers: `fleet status{c}`; stop them: "
+                f"`fleet down{c}`; stop the job: SIGTERM to the pid in <workdir>/jobs/*/runner.pid on the node.")
+    if args.command == "down":
+        return f"Servers not stopped yet keep running: `fleet status{c}` shows them; `fleet down{c}` again stops them."
+    if args.command == "fetch":
+        return f"Files copied so far are in {args.output}; run the same `fleet fetch` again to complete the copy."
+    return "Nothing was left running."
 
 
 if __name__ == "__main__":

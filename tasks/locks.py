@@ -7,29 +7,50 @@ machine, not the fleet config: `<host>-<port>` for an SSH node, `block-<name>` f
 given by a fleet-node block, `local-<hostname>` for the machine the flow runs on. So two
 fleet configs that point at the same machine also wait for each other.
 
-What a second run does while the first holds the node: it logs that it waits, shows as
-Running in the UI, and proceeds as soon as the slot is free (then adopts what the first
-one launched: same launch spec, same pids). After `wait_s` it ends Failed with
-"node busy". The slot is a lease renewed in the background: a flow process that dies
-(kill -9, lost worker) frees it within `LEASE_S` seconds.
+What a second run does while the first holds the node: it logs which run holds it and for
+how long, shows as Running in the UI, and proceeds as soon as the slot is free (then adopts
+what the first one launched: same launch spec, same pids). After `wait_s` it ends Failed
+with "node busy", naming the holder.
 
-The lock lives in the Prefect API the flow talks to: runs against the same server (the
-deployments, a worker, `PREFECT_API_URL` set) exclude each other; two `fleet up` runs on
-their own embedded servers do not.
+A lock that heals. The slot count lives in the Prefect database, but the lease that would
+free it when its holder dies lives in the memory of the server that granted it — and fleet's
+embedded server dies with each command, a real server loses it on restart. So a slot whose
+holder was killed stayed taken forever. Each holder therefore also writes a *holder record*
+(a Prefect Variable `<limit>-holder`: flow run, host + machine id, pid and its start time,
+lease id, since, heartbeat). A waiting run checks it: a holder whose process is gone (same
+machine), whose flow run ended, or whose heartbeat stopped (another machine) is dead, and the
+waiting run reclaims its slot and says so ("reclaimed the lock of run X, which is no longer
+running"). Deleting the record by id is the claim: of several waiting runs exactly one
+reclaims. A taken slot with no record (an older fleet, or a holder killed in the instant
+between taking the slot and writing its record) is reclaimed after `ORPHAN_GRACE_S`, longer
+than a Prefect lease, so a real server's own expiry always comes first.
+
+All limits live in the database the Prefect API uses: two `fleet` commands on one machine,
+each with its own embedded server but the same PREFECT_HOME, exclude each other too.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import socket
+import threading
+import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.errors import TransientError
 
 LOCK_PREFIX = "fleet-node-"
-LEASE_S = 120.0
+LEASE_S = 120.0       # Prefect lease of a held slot (renewed every BEAT_S)
+BEAT_S = 20.0         # holder heartbeat: renew the lease, refresh the record
+STALE_S = LEASE_S     # a holder on another machine whose record is older than this is dead
+ORPHAN_GRACE_S = LEASE_S + 30.0  # a taken slot with no holder record is reclaimed after this
+POLL_S = 1.0          # how often a waiting run looks again
 _BAD = re.compile(r"[^a-z0-9-]+")
 
 
@@ -70,48 +91,303 @@ def ensure_limits(names: list[str]) -> None:
                     name, existing.limit, existing.active, name)
 
 
-def _locked(exc: BaseException) -> bool:
-    cause = exc.__cause__
-    return getattr(getattr(cause, "response", None), "status_code", None) == 423
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a node lock: what a waiting run needs to tell whether it still runs."""
+
+    run_id: str | None
+    run_name: str
+    purpose: str
+    host: str
+    machine: str    # /etc/machine-id: two machines may share a hostname
+    pid: int
+    pid_start: str  # field 22 of /proc/<pid>/stat: a reused pid is not the holder
+    lease_id: str
+    since: float    # epoch seconds
+
+    def describe(self) -> str:
+        return f"run {self.run_name!r} ({self.purpose}, pid {self.pid} on {self.host})"
+
+
+def record_name(limit: str) -> str:
+    return f"{limit}-holder"
+
+
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return open(path).read().strip()
+        except OSError:
+            continue
+    return ""
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        text = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # [0] state, [19] start time
+
+
+def _pid_start(pid: int) -> str:
+    st = _proc_stat(pid)
+    return st[19] if st else ""
+
+
+def _process_alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    st = _proc_stat(pid)
+    if st is None:
+        return not os.path.isdir("/proc")  # no procfs (not Linux): os.kill said it exists
+    return st[0] not in ("Z", "X") and (not start or st[19] == start)
+
+
+def _why_gone(client: Any, h: Holder, age_s: float) -> str | None:
+    """Why the holder of a record is gone for good, or None while it may still run."""
+    from uuid import UUID
+
+    from prefect.exceptions import ObjectNotFound
+
+    if h.machine and h.machine == _machine_id() and h.host == socket.gethostname():
+        if not _process_alive(h.pid, h.pid_start):
+            return f"its process {h.pid} is gone"
+    elif age_s > STALE_S:
+        return f"its heartbeat stopped {age_s:.0f} s ago"
+    if h.run_id:
+        try:
+            state = client.read_flow_run(UUID(h.run_id)).state
+        except ObjectNotFound:
+            return "its flow run is unknown to this Prefect server"
+        if state is not None and state.is_final():
+            return f"its flow run ended {state.name}"
+    return None
+
+
+def _status(exc: BaseException) -> int | None:
+    return getattr(getattr(exc, "response", None), "status_code", None)
+
+
+def _read_record(client: Any, limit: str) -> tuple[Any, Holder | None]:
+    """(the Variable, its Holder) or (None, None)."""
+    var = client.read_variable_by_name(record_name(limit))
+    if var is None:
+        return None, None
+    try:
+        value = var.value if isinstance(var.value, dict) else json.loads(var.value)
+        return var, Holder(**{k: value[k] for k in Holder.__dataclass_fields__})
+    except (TypeError, ValueError, KeyError):
+        return var, None  # not ours / unreadable: treated as no holder record
+
+
+def _delete_record(client: Any, var_id: Any) -> bool:
+    """Delete one record by id; False if it was gone already (another run deleted it first)."""
+    try:
+        client.request("DELETE", "/variables/{id}", path_params={"id": var_id})
+        return True
+    except Exception as exc:
+        if _status(exc) == 404:
+            return False
+        raise
+
+
+def _active_slots(client: Any, limit: str) -> int:
+    return int(client.read_global_concurrency_limit_by_name(limit).active_slots)
+
+
+def _reclaim_dead(client: Any, limit: str, var: Any, h: Holder, why: str, logger: Any) -> None:
+    """Free the slot of a dead holder. Deleting its record (by id) is the claim: only one run wins."""
+    if not _delete_record(client, var.id):
+        return
+    try:  # the lease still exists on this server: revoke it (a later expiry must not free it twice)
+        client.renew_concurrency_lease(h.lease_id, LEASE_S)
+        client.release_concurrency_slots_with_lease(h.lease_id)
+    except Exception:
+        # The lease died with the server that granted it: the slot is leaked, free it by hand
+        # unless a new holder took the slot since (it writes its record right after).
+        if _active_slots(client, limit) > 0 and _read_record(client, limit)[0] is None:
+            client.release_concurrency_slots([limit], 1, max(1.0, time.time() - h.since))
+    logger.warning("reclaimed the lock %s of %s, which is no longer running (%s); it held it since %s",
+                   limit, h.describe(), why, time.strftime("%H:%M:%S", time.localtime(h.since)))
+
+
+def _reclaim_orphan(client: Any, limit: str, seen_s: float, logger: Any) -> None:
+    """A taken slot with no holder record for ORPHAN_GRACE_S: free it, one run at a time."""
+    from prefect.client.schemas.actions import VariableCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    name = f"{limit}-reclaim"
+    try:
+        token = client.create_variable(VariableCreate(name=name, value={"pid": os.getpid(), "at": time.time()}))
+    except ObjectAlreadyExists:
+        var = client.read_variable_by_name(name)
+        if var is not None and isinstance(var.value, dict) and time.time() - var.value.get("at", 0) > 60:
+            _delete_record(client, var.id)  # its reclaimer died; the next turn tries again
+        return
+    try:
+        if _active_slots(client, limit) > 0 and _read_record(client, limit)[0] is None:
+            client.release_concurrency_slots([limit], 1, max(1.0, seen_s))
+            logger.warning("reclaimed the lock %s, taken for %.0f s by a run that left no holder record (an older "
+                           "fleet, or a run killed as it took the lock)", limit, seen_s)
+    finally:
+        _delete_record(client, token.id)
+
+
+def _try_acquire(client: Any, names: list[str], run_id: str | None) -> str | None:
+    """The lease id, or None while another run holds one of the limits (all or nothing)."""
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
+    try:
+        resp = client.increment_concurrency_slots_with_lease(names, 1, "concurrency", LEASE_S, holder=holder)
+    except Exception as exc:
+        if _status(exc) == 423:
+            return None
+        raise
+    return str(resp.json()["lease_id"])
+
+
+class _Held:
+    """A lease this process holds, its records, and the heartbeat that keeps both fresh."""
+
+    def __init__(self, names: list[str], holder: Holder, record_ids: dict[str, Any], logger: Any) -> None:
+        from fleet.interrupt import on_interrupt
+
+        self.names, self.holder, self.record_ids, self.logger = names, holder, record_ids, logger
+        self._stop = threading.Event()
+        self._released = threading.Lock()
+        self._done = False
+        self._beat = threading.Thread(target=self._beat_loop, name="fleet-lock-heartbeat", daemon=True)
+        self._beat.start()
+        # Ctrl-C ends the command with os._exit (fleet/interrupt.py): give the slot back first.
+        self._unregister = on_interrupt(f"release {', '.join(names)}", self.release, order=10)
+
+    def _beat_loop(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import VariableUpdate
+
+        while not self._stop.wait(BEAT_S):
+            try:
+                with get_client(sync_client=True) as client:
+                    client.renew_concurrency_lease(self.holder.lease_id, LEASE_S)
+                    for name in self.names:
+                        value = {**asdict(self.holder), "beat": time.time()}
+                        client.update_variable(VariableUpdate(name=record_name(name), value=value))
+            except Exception as exc:  # one failed beat is not fatal; the next one retries
+                self.logger.warning("lock heartbeat for %s failed: %s", ", ".join(self.names),
+                                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+    def release(self) -> None:
+        """Give the slot back, then remove the records (idempotent; also the Ctrl-C path)."""
+        from prefect.client.orchestration import get_client
+
+        with self._released:
+            if self._done:
+                return
+            self._done = True
+        self._stop.set()
+        self._unregister()
+        with get_client(sync_client=True) as client:
+            try:
+                client.release_concurrency_slots_with_lease(self.holder.lease_id)
+            finally:
+                for var_id in self.record_ids.values():
+                    try:
+                        _delete_record(client, var_id)
+                    except Exception:
+                        pass  # a record left behind names a process that is gone: the next run heals it
+
+
+def _write_records(client: Any, names: list[str], holder: Holder) -> dict[str, Any]:
+    """A fresh record (new id) per limit; a stale one of a run that is gone is replaced."""
+    from prefect.client.schemas.actions import VariableCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    ids = {}
+    for name in names:
+        value = {**asdict(holder), "beat": time.time()}
+        for _ in range(3):
+            try:
+                ids[name] = client.create_variable(VariableCreate(name=record_name(name), value=value)).id
+                break
+            except ObjectAlreadyExists:
+                old = client.read_variable_by_name(record_name(name))
+                if old is not None:
+                    _delete_record(client, old.id)
+    return ids
 
 
 @contextmanager
 def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[list[str]]:
     """Hold every node of `cfg` for the body (all limits at once: no deadlock between multi-node fleets)."""
     from prefect import get_run_logger
-    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-    from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
-    from prefect.concurrency.sync import concurrency
+    from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
+
+    from fleet.interrupt import interrupted
 
     logger = get_run_logger()
     names = lock_names(cfg)
     ensure_limits(names)
     ctx = FlowRunContext.get()
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=ctx.flow_run.id) if ctx and ctx.flow_run else None
-    # strict: a missing limit is an error, never a silent "no limit"; a failed lease renewal
-    # only logs (a bring-up must not die because one renewal call failed).
-    opts = dict(strict=True, lease_duration=LEASE_S, holder=holder, raise_on_lease_renewal_failure=False)
-    with ExitStack() as stack:
+    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    run_name = ctx.flow_run.name if ctx and ctx.flow_run else f"pid {os.getpid()}"
+    t0 = time.monotonic()
+    orphan_since: dict[str, float] = {}
+    said, said_at = "", 0.0
+    with get_client(sync_client=True) as client:
+        while True:
+            lease_id = _try_acquire(client, names, run_id)
+            if lease_id is not None:
+                break
+            holders = []
+            for name in names:
+                var, h = _read_record(client, name)
+                if h is not None:
+                    orphan_since.pop(name, None)
+                    why = _why_gone(client, h, time.time() - var.updated.timestamp()) if var.updated else None
+                    if why:
+                        _reclaim_dead(client, name, var, h, why, logger)
+                        continue
+                    holders.append(f"{name} is held by {h.describe()} for {time.time() - h.since:.0f} s")
+                elif _active_slots(client, name) > 0:
+                    seen = time.monotonic() - orphan_since.setdefault(name, time.monotonic())
+                    if seen > ORPHAN_GRACE_S:
+                        _reclaim_orphan(client, name, seen, logger)
+                        continue
+                    holders.append(f"{name} is taken by a run that left no holder record (reclaimed if still so "
+                                   f"after {ORPHAN_GRACE_S:.0f} s)")
+            waited = time.monotonic() - t0
+            if holders and waited > wait_s:
+                raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: " + "; ".join(holders),
+                               remedy="wait for that run to end (`fleet status`, the Prefect UI), or raise the "
+                                      "flow parameter node_wait_s")
+            text = "; ".join(holders)
+            if holders and (text.split(" for ")[0] != said.split(" for ")[0] or time.monotonic() - said_at > 60):
+                logger.warning("%s: %s; waiting (up to %.0f s)", purpose, text, wait_s)
+                said, said_at = text, time.monotonic()
+            time.sleep(POLL_S if holders else 0.05)
+        holder = Holder(run_id=run_id, run_name=run_name, purpose=purpose, host=socket.gethostname(),
+                        machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
+                        lease_id=lease_id, since=time.time())
         try:
-            # A first try that does not wait, so the run can say why it waits.
-            stack.enter_context(concurrency(names, max_retries=0, **opts))
-        except ConcurrencySlotAcquisitionError as exc:
-            if not _locked(exc):
-                raise
-            logger.warning("%s: another run holds %s (a bring-up, revalidation or teardown of this machine); "
-                           "waiting up to %.0f s", purpose, ", ".join(names), wait_s)
-            try:
-                stack.enter_context(concurrency(names, timeout_seconds=wait_s, **opts))
-            except TimeoutError:
-                raise NodeBusy(
-                    f"{purpose}: node busy: another run held {', '.join(names)} for more than {wait_s:.0f} s",
-                    remedy="wait for the other run to end (the Concurrency page of the Prefect UI shows the "
-                           "slot), or raise the flow parameter node_wait_s",
-                ) from None
+            records = _write_records(client, names, holder)
+        except BaseException:
+            client.release_concurrency_slots_with_lease(lease_id)
+            raise
+    held = _Held(names, holder, records, logger)
+    try:
+        if interrupted():  # Ctrl-C came while we waited: the process is on its way out
+            raise KeyboardInterrupt
         logger.info("%s: holding %s", purpose, ", ".join(names))
         yield names
-
+    finally:
+        held.release()
 
 class NodeBusy(TransientError):
     """Another run held the node longer than this run would wait."""

@@ -1,0 +1,115 @@
+"""Ctrl-C for every `fleet` command: out within seconds, one paragraph, no traceback.
+
+Why not just let KeyboardInterrupt unwind: a command that runs the flow has worker threads
+blocked in launches, smokes and HTTP calls (a launch waits up to `ready_timeout_s`), and
+Prefect's engine joins them, logs the crash and flushes logs and events to its API before the
+process can end — measured 174–225 s and hundreds of lines of tracebacks. The data plane does
+not need any of that: servers and the generation runner are detached by design and keep going.
+
+So the first SIGINT does only what must happen before the process goes, each step bounded in
+time, then `os._exit`:
+1. silence the other threads (their output goes to /dev/null from now on),
+2. run the registered cleanups in order — release the per-node lock (tasks/locks.py), mark the
+   flow run Crashed, stop the embedded Prefect server (flows/api.py) — each with a deadline,
+3. print one paragraph: what still runs, how to re-attach, how to stop,
+4. exit 130.
+A second SIGINT exits at once. The cleanups are registered by the code that creates what they
+clean (`on_interrupt`), so this module knows nothing of Prefect.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+EXIT_INTERRUPTED = 130
+CLEANUP_DEADLINE_S = 3.0  # all cleanups together; the whole exit stays well under 5 s
+
+_cleanups: list[tuple[int, str, Callable[[], None]]] = []
+_lock = threading.Lock()
+_paragraph: Callable[[], str] = lambda: ""
+_started = threading.Event()
+
+
+def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
+    """Run `fn` (bounded, best effort) when the user presses Ctrl-C; returns an unregister function.
+    Lower `order` runs first (the embedded API server goes last: the others talk to it)."""
+    entry = (order, name, fn)
+    with _lock:
+        _cleanups.append(entry)
+
+    def unregister() -> None:
+        with _lock:
+            if entry in _cleanups:
+                _cleanups.remove(entry)
+
+    return unregister
+
+
+def interrupted() -> bool:
+    """True once the first SIGINT arrived (code that acquires something should give it back at once)."""
+    return _started.is_set()
+
+
+def install(paragraph: Callable[[], str]) -> None:
+    """Take over SIGINT for this process (main thread only). `paragraph()` is printed on the way out."""
+    global _paragraph
+    _paragraph = paragraph
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    if _started.is_set():
+        os._exit(EXIT_INTERRUPTED)  # second Ctrl-C: now
+    _started.set()
+    # The handler runs in the main thread between bytecodes; the work goes to a thread so
+    # a second SIGINT is still handled while the cleanups run. The cleanups see the main
+    # thread's context variables as they are now (e.g. which flow run it is in).
+    ctx = contextvars.copy_context()
+    threading.Thread(target=_shutdown, args=(ctx,), name="fleet-interrupt", daemon=True).start()
+
+
+def _silence() -> int:
+    """Point fds 1 and 2 at /dev/null; return a dup of the original stderr for our own output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    err = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+    return err
+
+
+def _run_bounded(fn: Callable[[], None], timeout: float, ctx: contextvars.Context) -> None:
+    t = threading.Thread(target=ctx.copy().run, args=(fn,), daemon=True)
+    t.start()
+    t.join(max(0.0, timeout))
+
+
+def _shutdown(ctx: contextvars.Context) -> None:
+    t0 = time.monotonic()
+    try:
+        err = _silence()
+    except OSError:
+        err = 2
+    with _lock:
+        cleanups = sorted(_cleanups, key=lambda e: e[0])
+    for _order, _name, fn in cleanups:
+        # each gets at least a moment: the last one (stopping the embedded server) is a signal
+        _run_bounded(fn, max(0.3, CLEANUP_DEADLINE_S - (time.monotonic() - t0)), ctx)
+    try:
+        text = _paragraph().strip()
+    except Exception:  # the paragraph must never stand between the user and the exit
+        text = ""
+    msg = "\nfleet: interrupted." + (" " + text if text else "") + "\n"
+    try:
+        os.write(err, msg.encode())
+    except OSError:
+        pass
+    os._exit(EXIT_INTERRUPTED)

@@ -1,0 +1,200 @@
+"""Ctrl-C and kill -9 of `fleet up` as an operator does them, and what the next command finds.
+
+Real parts: `fleet …` subprocesses each with their own embedded Prefect server (one PREFECT_HOME
+for the module, as on one machine), sim servers, signals to the command's process group (what a
+terminal's Ctrl-C does). Exit times are measured and printed; the asserted bounds are loose so
+a loaded CI machine does not fail them (the goal, on an idle machine, is under 5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import processes, wait_until
+from fleet.demo import free_port_block, to_toml
+
+pytestmark = pytest.mark.prefect
+ROOT = Path(__file__).resolve().parents[1]
+EXIT_BOUND_S = 30.0  # loose: the measured time is printed; idle machine ≈ 0.1–1 s
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("prefect-home")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    e.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+             PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
+             PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
+    return e
+
+
+def sim_cfg(tmp_path: Path, name: str, startup_s: float = 15.0) -> Path:
+    d = tmp_path / name
+    model = d / "models" / "sim-model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "weights.bin").write_bytes(b"w" * 50_000)
+    (d / "ram").mkdir()
+    data = {
+        "name": name,
+        "nodes": [{"name": "local", "workdir": str(d / "work"), "ramdisk": str(d / "ram")}],
+        "engine": {"kind": "sim", "sim": {"startup_s": startup_s, "tokens_per_s": 5000}},
+        "model": {"source": str(model), "stage_margin_gb": 0.0},
+        "venv": {"path": str(d / "venv")},
+        "servers": {"count": 2, "base_port": free_port_block(2, start=random.randrange(20000, 50000, 100)),
+                    "ready_timeout_s": 120, "stop_grace_s": 2},
+        "smoke": {"first_timeout_s": 20, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
+    }
+    path = d / "c.toml"
+    path.write_text(to_toml(data))
+    return path
+
+
+class Cmd:
+    """`fleet ARGS` in its own process group (as a terminal runs it), output to a file."""
+
+    def __init__(self, env: dict[str, str], out: Path, *args: str) -> None:
+        self.out = out
+        with out.open("wb") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "fleet.cli", *args], cwd=ROOT, env=env, stdout=f,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for_text(self, needle: str, timeout: float = 180) -> None:
+        def seen() -> bool:
+            if needle in self.text():
+                return True
+            if self.proc.poll() is not None:
+                pytest.fail(f"fleet exited {self.proc.returncode} before printing {needle!r}:\n{self.text()[-3000:]}")
+            return False
+
+        wait_until(seen, timeout=timeout, interval=0.1, what=f"{needle!r} in the output")
+
+    def signal_group(self, sig: int) -> float:
+        """Send `sig` to the group; return how long the command took to exit."""
+        t0 = time.monotonic()
+        os.killpg(self.proc.pid, sig)
+        wait_until(lambda: self.proc.poll() is not None, timeout=120, interval=0.05,
+                   what=f"fleet to exit after signal {sig}")
+        return time.monotonic() - t0
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            pytest.fail(f"fleet did not finish within {timeout} s:\n{self.text()[-3000:]}")
+
+
+def embedded_servers(home: str) -> list[int]:
+    """Pids of Prefect servers started for this PREFECT_HOME (by their environment)."""
+    found = []
+    for p in processes():
+        if "uvicorn" in " ".join(p.argv) and "prefect.server.api.server:create_app" in p.argv:
+            try:
+                environ = Path(f"/proc/{p.pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if f"PREFECT_HOME={home}".encode() in environ.split(b"\0"):
+                found.append(p.pid)
+    return found
+
+
+def down(env: dict[str, str], cfg: Path) -> None:
+    subprocess.run([sys.executable, "-m", "fleet.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
+                   capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("sig,when", [
+    (signal.SIGINT, "launching"),     # Ctrl-C while servers start (the observed 211–225 s case)
+    (signal.SIGINT, "holding"),       # Ctrl-C just after the lock was taken
+    (signal.SIGKILL, "holding"),      # kill -9 just after the lock was taken
+    (signal.SIGKILL, "launching"),    # kill -9 while servers start
+])
+def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, str], tmp_path: Path,
+                                                                 sig: int, when: str) -> None:
+    """Protects against (1) Ctrl-C taking minutes and printing tracebacks because the embedded
+    Prefect server died first with the terminal's process group, and (2) the per-node slot
+    staying taken after Ctrl-C or kill -9, so that every later `fleet up` waited up to 3600 s.
+    Ctrl-C: exit 130 within seconds, one paragraph (what runs, re-attach, stop), no traceback,
+    the embedded server stopped, the slot given back. kill -9: the next run reclaims the slot
+    of the dead run at once and says so."""
+    cfg = sim_cfg(tmp_path, "ia")
+    try:
+        first = Cmd(env, tmp_path / "first.txt", "up", "-c", str(cfg))
+        first.wait_for_text(when)
+        took = first.signal_group(sig)
+        print(f"\nfleet up exited {took:.2f} s after {signal.Signals(sig).name} at {when!r}")
+        out = first.text()
+        if sig == signal.SIGINT:
+            assert first.proc.returncode == 130, out[-3000:]
+            assert took < EXIT_BOUND_S, f"{took:.1f} s to exit after Ctrl-C"
+            assert "Traceback" not in out and "Error logging to API" not in out, out[-3000:]
+            para = out[out.index("fleet: interrupted."):]
+            assert f"fleet status -c {cfg}" in para and f"fleet down -c {cfg}" in para and f"fleet up -c {cfg}" in para
+            assert len(para.strip().splitlines()) == 1  # one paragraph
+        wait_until(lambda: not embedded_servers(env["PREFECT_HOME"]), timeout=30,
+                   what="the interrupted command's embedded Prefect server to exit")
+
+        t0 = time.monotonic()
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
+        assert second.finish() == 0, second.text()[-3000:]
+        again = second.text()
+        print(f"the next fleet up took {time.monotonic() - t0:.1f} s")
+        assert "waiting" not in again, again[-3000:]
+        if sig == signal.SIGKILL:
+            assert "reclaimed the lock fleet-node-" in again and "which is no longer running" in again
+            assert "is gone" in again  # why: the holder's process
+        else:
+            assert "reclaimed" not in again  # Ctrl-C gave the slot back itself
+    finally:
+        down(env, cfg)
+
+
+def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dict[str, str], tmp_path: Path) -> None:
+    """Protects against two commands started together on one machine dying with "Timed out
+    while attempting to connect to ephemeral Prefect API server" (each starts an embedded
+    server on the same database) and against a waiting run that does not say who it waits for.
+    Both configs use this machine, so the second waits for the first's lock, naming it."""
+    a, b = sim_cfg(tmp_path, "ta", startup_s=8), sim_cfg(tmp_path, "tb", startup_s=1)
+    try:
+        first = Cmd(env, tmp_path / "a.txt", "up", "-c", str(a))
+        second = Cmd(env, tmp_path / "b.txt", "up", "-c", str(b))
+        assert first.finish() == 0, first.text()[-3000:]
+        assert second.finish() == 0, second.text()[-3000:]
+        outs = first.text() + second.text()
+        assert "Timed out" not in outs and "Traceback" not in outs
+        # whichever got the machine first, the other named it while waiting
+        waited = [t for t in (first.text(), second.text()) if "is held by run 'bringup-t" in t]
+        assert len(waited) == 1, outs[-4000:]
+        assert " s; waiting (up to 3600 s)" in waited[0]
+    finally:
+        down(env, a)
+        down(env, b)
+
+
+def test_embedded_server_that_cannot_start_is_one_line_with_the_remedy(env: dict[str, str], tmp_path: Path) -> None:
+    """Protects against a raw `RuntimeError: Timed out while attempting to connect to ephemeral
+    Prefect API server` (with the server's stdout) when the server cannot start: fleet tries
+    twice, then prints one line naming the remedy, exit 2. (A server that cannot open its
+    database fails the same way on every machine, loaded or not.)"""
+    cfg = sim_cfg(tmp_path, "tc")
+    e = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
+    r = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "-c", str(cfg)], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "embedded Prefect server exited with code" in lines[0] and "tried 2 times" in lines[0]
+    assert "PREFECT_API_URL" in lines[0]
+    assert not embedded_servers(env["PREFECT_HOME"])
