@@ -313,6 +313,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import report
+
+    return report(args.config, args.run, args.key, args.list, args.full)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fleet.demo import run_demo
 
@@ -438,6 +444,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.jsonl for jsonl, DIR/export.FORMAT.jsonl "
                                                           "for the others)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="show what a run recorded: state, summary table, artifacts (fast, read-only)",
+                       description="Render a fleet run's state, summary and artifacts in the terminal at full width. "
+                                   "Reads the server at PREFECT_API_URL, or else the embedded server's database "
+                                   "directly (read-only, no server started). `prefect artifact ls/inspect` show the "
+                                   "same artifacts.")
+    p.add_argument("-c", "--config", default=None, metavar="FILE", help="only runs of this fleet config")
+    p.add_argument("--run", default="last", metavar="NAME|ID|last",
+                   help="which run: a run name (e.g. bringup-local-sim: the newest of that name), an id, or last")
+    p.add_argument("--list", action="store_true", help="list the recent runs instead")
+    p.add_argument("--full", action="store_true", help="also print every markdown artifact (per-task details)")
+    p.add_argument("key", nargs="?", default=None,
+                   help="one artifact by key (e.g. local-sim-summary): of that run, or the newest with that key")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
                        description="Build a tiny random-weight Qwen2-style chat model (byte-level BPE tokenizer "

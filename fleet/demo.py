@@ -132,9 +132,9 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
             print(f"\nfleet demo: stopped {sum(1 for r in stopped if r['action'] != 'none')} server(s) "
                   "(--keep leaves them running)")
     print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
-    print("See the artifacts (summary table, per-stage results, log excerpts):\n"
-          "  .venv/bin/prefect artifact ls\n"
-          f"  .venv/bin/prefect artifact inspect {cfg.name}-summary\n"
+    print("See what the run recorded (summary table, per-stage results, log excerpts):\n"
+          f"  .venv/bin/fleet report -c {cfg_path} [--full | KEY]\n"
+          f"  .venv/bin/prefect artifact ls; .venv/bin/prefect artifact inspect {cfg.name}-summary\n"
           "or the UI: .venv/bin/prefect server start, then open http://127.0.0.1:4200/runs")
     if keep:
         print(f"Servers left running: .venv/bin/fleet status -c {cfg_path}; stop: .venv/bin/fleet down -c {cfg_path}")

@@ -214,6 +214,24 @@ def _reclaim_dead(client: Any, limit: str, var: Any, h: Holder, why: str, logger
             client.release_concurrency_slots([limit], 1, max(1.0, time.time() - h.since))
     logger.warning("reclaimed the lock %s of %s, which is no longer running (%s); it held it since %s",
                    limit, h.describe(), why, time.strftime("%H:%M:%S", time.localtime(h.since)))
+    _mark_crashed(client, h, why)
+
+
+def _mark_crashed(client: Any, h: Holder, why: str) -> None:
+    """A killed run stays Running in Prefect for ever: say what became of it (best effort)."""
+    from uuid import UUID
+
+    from prefect.states import Crashed
+
+    if not h.run_id:
+        return
+    try:
+        state = client.read_flow_run(UUID(h.run_id)).state
+        if state is not None and not state.is_final():
+            client.set_flow_run_state(UUID(h.run_id), Crashed(message=f"no longer running ({why}); its node lock "
+                                                                      "was reclaimed by a later run"), force=True)
+    except Exception:
+        pass
 
 
 def _reclaim_orphan(client: Any, limit: str, seen_s: float, logger: Any) -> None:

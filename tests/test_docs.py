@@ -29,7 +29,7 @@ def test_readme_opens_with_the_two_commands() -> None:
 
 
 @pytest.mark.parametrize("cmd", ["", "demo", "preflight", "up", "status", "down", "generate", "fetch", "export",
-                                 "plan", "inspect-log", "tiny-model"])
+                                 "plan", "inspect-log", "tiny-model", "report"])
 def test_every_command_has_help(cmd: str) -> None:
     r = subprocess.run([sys.executable, "-m", "fleet.cli", *([cmd] if cmd else []), "--help"],
                        capture_output=True, text=True, timeout=60)
