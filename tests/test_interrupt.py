@@ -36,7 +36,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return e
 
 
-def sim_cfg(tmp_path: Path, name: str, startup_s: float = 15.0) -> Path:
+def sim_cfg(tmp_path: Path, name: str, startup_s: float = 15.0, base_port: int | None = None) -> Path:
     d = tmp_path / name
     model = d / "models" / "sim-model"
     model.mkdir(parents=True)
@@ -49,7 +49,8 @@ def sim_cfg(tmp_path: Path, name: str, startup_s: float = 15.0) -> Path:
         "engine": {"kind": "sim", "sim": {"startup_s": startup_s, "tokens_per_s": 5000}},
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(d / "venv")},
-        "servers": {"count": 2, "base_port": free_port_block(2, start=random.randrange(20000, 50000, 100)),
+        "servers": {"count": 2,
+                    "base_port": base_port or free_port_block(2, start=random.randrange(20000, 50000, 100)),
                     "ready_timeout_s": 120, "stop_grace_s": 2},
         "smoke": {"first_timeout_s": 20, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
     }
@@ -166,7 +167,8 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
     while attempting to connect to ephemeral Prefect API server" (each starts an embedded
     server on the same database) and against a waiting run that does not say who it waits for.
     Both configs use this machine, so the second waits for the first's lock, naming it."""
-    a, b = sim_cfg(tmp_path, "ta", startup_s=8), sim_cfg(tmp_path, "tb", startup_s=1)
+    base = free_port_block(4, start=random.randrange(20000, 50000, 100))  # one block: the two never collide
+    a, b = sim_cfg(tmp_path, "ta", startup_s=8, base_port=base), sim_cfg(tmp_path, "tb", startup_s=1, base_port=base + 2)
     try:
         first = Cmd(env, tmp_path / "a.txt", "up", "-c", str(a))
         second = Cmd(env, tmp_path / "b.txt", "up", "-c", str(b))
