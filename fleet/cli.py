@@ -68,6 +68,12 @@ def _print_rows(rows: list[dict], columns: list[str]) -> None:
         print("  ".join(v[:60].ljust(w) for v, w in zip(t, widths)))
 
 
+def _prefect_env() -> None:
+    from flows.api import prefect_env
+
+    prefect_env()
+
+
 def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped-def]
     """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
     from flows.api import ensure_api, run_flow
