@@ -163,6 +163,16 @@ def test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte(tmp_
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["state"] == "failed" and manifest["error"]["kind"] == "input"
     assert progress(out)["state"] == "failed"
+    assert "run the same command" in failure["remedy"]
+
+    # The remedy works: a complete copy in its place, the same command, and the job finishes — the
+    # rows done are skipped by id, not generated twice (the directory accepts the repaired input).
+    inp.write_bytes(data)
+    rc = start_runner(job, log).wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
+    ids = result_ids(out)
+    assert len(ids) == len(set(ids)) == 800
+    assert progress(out)["this_run"]["fed"] == 800 - good
 
 
 def test_truncated_and_corrupt_parquet_and_directory_inputs_are_clear_errors(tmp_path: Path) -> None:
@@ -219,6 +229,28 @@ def test_a_progress_ticker_that_cannot_write_fails_the_job_at_once(tmp_path: Pat
     assert rc == 1
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["state"] == "failed" and "progress.json" in manifest["error"]["cause"], manifest["error"]
+    assert manifest["this_run"]["completed"] < rows
+
+
+def test_a_dispatcher_task_that_raises_fails_the_job_loudly(tmp_path: Path, sims, monkeypatch) -> None:
+    """Fault: an exception in one of the dispatcher's background tasks (stats, liveness, watchdog) was
+    dropped with the task, and the job ran on without that part. Now the job stops as failed with the
+    exception as its cause, exit 1 (the fault is injected by making the stats poller raise)."""
+    from fleet.generation import dispatch
+
+    async def broken(self: Any) -> None:
+        raise RuntimeError("stats poller exploded")
+
+    monkeypatch.setattr(dispatch.Dispatcher, "_poll_stats", broken)
+    a = sims("--tokens-per-s", "200", "--max-running-requests", "4")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 2000)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 48})
+    rc = run_local(cfg, inp, out, [{"node": "local", "index": 0, "url": a.url, "model": "sim-model"}])
+    assert rc == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "failed", manifest["reason"]
+    assert manifest["error"]["cause"] == "runner error: RuntimeError: stats poller exploded"
     assert manifest["this_run"]["completed"] < rows
 
 
@@ -506,3 +538,18 @@ def test_fleet_generate_prints_the_runners_cause_and_remedy(tmp_path: Path, caps
     assert f"input {inp} is corrupt or truncated after line" in line, line
     assert "the rows before that point are kept" in line and "ended running" not in line
     assert len(result_ids(out)) > 0
+
+
+def test_a_repaired_copy_of_a_broken_input_may_continue_its_job_but_no_other_input(tmp_path: Path) -> None:
+    """Fault guarded both ways: after a truncated input failed the job, its complete copy (another SHA-256)
+    must continue the job rather than be refused; an input into a directory whose input was fine is refused."""
+    from fleet.generation.validate import ExistingJob, decide
+
+    cfg = FleetConfig(name="t")
+    broken = ExistingJob("local", "/o", store_job={"input_fingerprint": "a" * 64, "input_broken": "input x is "
+                                                   "corrupt or truncated after line 3"})
+    plan = decide(broken, cfg, input_fp=lambda: "b" * 64, input_path="/in.jsonl.gz", retry_errors=False)
+    assert plan.verdict == "resume" and "replacement for its broken input" in plan.message
+    fine = ExistingJob("local", "/o", store_job={"input_fingerprint": "a" * 64})
+    with pytest.raises(JobConflict, match="holds results of a different input"):
+        decide(fine, cfg, input_fp=lambda: "b" * 64, input_path="/in.jsonl.gz", retry_errors=False)

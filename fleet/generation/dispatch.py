@@ -424,6 +424,7 @@ class Dispatcher:
         self.quality_rejects = 0
         self._rate = _Rate()
         self._first_error: str | None = None
+        self.task_error: BaseException | None = None   # the first background task that raised (see _task_ended)
         self._lats: collections.deque[float] = collections.deque(maxlen=256)  # recent row times, every server
 
     # ------------------------------------------------------------------ public
@@ -555,7 +556,19 @@ class Dispatcher:
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_ended)
         return task
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        """A background task (feeder, stats, liveness, watchdog, ...) that raised fails the job, loudly:
+        a dead part must never leave the job running blind. `task_error` is the exception itself."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("dispatcher task %s failed", task.get_name(), exc_info=exc)
+        if self.task_error is None:
+            self.task_error = exc
+        self._fail(f"the {task.get_name()} task failed: {type(exc).__name__}: {exc}")
 
     async def _server_info(self, srv: _Server, session: aiohttp.ClientSession) -> dict[str, Any]:
         for path in ("/server_info", "/get_server_info"):

@@ -615,8 +615,7 @@ def _corrupt(path: Path, exc: BaseException, line: int, offset: int, raw_pos: in
     what = "is corrupt or truncated" if isinstance(exc, (EOFError, zlib.error, gzip.BadGzipFile)) else "could not be read"
     return InputError(f"input {path} {what} {at}: {type(exc).__name__}: {exc}",
                       remedy="the rows before that point are kept; replace the file with a complete copy "
-                             "(e.g. `gzip -t` it), then run the same command with a new --output, or cut the "
-                             "file at the last good line")
+                             "(`gzip -t` checks one), then run the same command: the rows done are skipped")
 
 
 def _lines(path: Path) -> Iterator[bytes]:
@@ -696,7 +695,7 @@ def _parquet_rows(path: Path, stats: InputStats, batch_rows: int = 2048) -> Iter
             raise InputError(f"input {path} is corrupt after row {n:,} (of {pf.metadata.num_rows:,} in its footer): "
                              f"{type(exc).__name__}: {exc}",
                              remedy="the rows before it are kept; replace the file with a complete copy, then "
-                                    "run the same command with a new --output") from exc
+                                    "run the same command: the rows done are skipped") from exc
         if rows is None:
             return
         for row in rows:

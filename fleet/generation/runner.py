@@ -689,6 +689,13 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
                 for signame in ("SIGTERM", "SIGINT"):
                     loop.remove_signal_handler(getattr(signal, signame))
         await counter
+        if disp.task_error is not None:
+            fail(disp.task_error, stop=False)
+        if failure is not None and failure.kind == "input":
+            try:   # a repaired copy of the input may continue this job (the store accepts it)
+                store.note_input_broken(failure.cause)
+            except OSError as exc:
+                log.warning("cannot note the broken input in %s: %s", out, exc)
         if failure is None or failure.kind not in ("disk_full", "output_removed"):
             try:
                 store.flush()

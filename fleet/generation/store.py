@@ -670,6 +670,15 @@ class ResultStore:
             raise FatalError(f"{path} is not valid JSON ({exc})",
                              remedy=f"restore it, or delete it to accept the current input into {self.dir}") from exc
         recorded = job.get("input_fingerprint")
+        if fingerprint is not None and recorded is not None and recorded != fingerprint and job.get("input_broken"):
+            # The recorded input broke mid-file (truncated/corrupt): its repaired copy continues the job;
+            # the rows done are skipped by id.
+            log.warning("%s: the recorded input was broken (%s); continuing with the replacement input %s…",
+                        self.dir, job["input_broken"], fingerprint[:12])
+            job.pop("input_broken")
+            job["replaced_inputs"] = [*job.get("replaced_inputs", []), recorded]
+            job["input_fingerprint"] = recorded = fingerprint
+            _atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
         if fingerprint is not None and recorded is not None and recorded != fingerprint:
             raise JobConflict(
                 f"output directory {self.dir} holds results of a different input "
@@ -696,6 +705,17 @@ class ResultStore:
             changed = True
         if changed:
             job.setdefault("created_at", time.time())
+            _atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
+
+    def note_input_broken(self, cause: str) -> None:
+        """Record in DIR/job.json that this job's input broke mid-file: a repaired copy may continue it."""
+        path = self.dir / "job.json"
+        with self._lock:
+            try:
+                job = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return
+            job["input_broken"] = cause
             _atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
 
     # -- ids

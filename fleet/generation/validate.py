@@ -331,6 +331,10 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                                      f"— {_stop_hint(ex)} — then run this command again to resume with yours")
         return JobPlan(input_path, out, "attach", f"re-attaching to the runner (pid {ex.runner_pid}) already "
                                                   f"generating into {out} on node {ex.node}")
+    broken = (ex.store_job or {}).get("input_broken")
+    if recorded_fp is not None and recorded_fp != input_fp() and broken:
+        return JobPlan(input_path, out, "resume", f"resuming the job in {out} on node {ex.node} with a replacement "
+                                                  f"for its broken input ({broken[:200]}); rows done are skipped")
     if recorded_fp is not None and recorded_fp != input_fp():
         raise JobConflict(f"output directory {out} on node {ex.node} holds results of a different input "
                           f"(sha256 {recorded_fp[:12]}…; {input_path} is {input_fp()[:12]}…)",
