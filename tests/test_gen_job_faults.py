@@ -114,6 +114,28 @@ def test_disk_full_on_a_real_tmpfs_fails_loud_then_resumes_exactly_once(tmp_path
     assert progress(out)["state"] == "done" and exit_record(tmp_path)["failure"] is None
 
 
+@pytest.mark.parametrize("left", [0, 128 * 1024])
+def test_a_disk_already_full_at_start_fails_at_once_with_the_cause(tmp_path: Path, tmpfs: Path, sims,
+                                                                   left: int) -> None:
+    """Fault: the runner starts on a disk with no (0 B) or too little (128 KiB: the store opens, the space
+    set aside for the manifest does not fit) space left. It exits 1 at once — no generation, no traceback,
+    no hang — and exit.json says disk full with the remedy."""
+    a = sims()
+    inp, out = tmp_path / "in.jsonl", tmpfs / "out"
+    write_input(inp, 50)
+    filler = fill(tmpfs)
+    os.truncate(filler, max(0, filler.stat().st_size - left))
+    job = job_file(tmp_path, inp, out, [a])
+    log = tmp_path / "runner.log"
+    rc = start_runner(job, log).wait(timeout=60)
+    text = log.read_text()
+    assert rc == 1, text[-3000:]
+    assert "Traceback" not in text
+    failure = exit_record(tmp_path)["failure"]
+    assert failure["kind"] == "disk_full" and "free space" in failure["remedy"], failure
+    assert not result_ids(out)
+
+
 def test_output_dir_removed_mid_run_stops_the_job_and_says_so(tmp_path: Path, sims) -> None:
     """Fault: the output directory is deleted while the job runs. Before: the runner generated to the
     end into nothing and exited without a manifest. Now: it stops at the next tick, exit 1, and exit.json
@@ -139,6 +161,33 @@ def test_output_dir_removed_mid_run_stops_the_job_and_says_so(tmp_path: Path, si
     assert "run the same command again" in ex["failure"]["remedy"]
     assert ex["counts"]["completed"] < rows, "it stopped instead of generating into nothing"
     assert not out.exists(), "the runner does not recreate a directory someone removed"
+
+
+def test_a_shard_commit_that_fails_in_the_flush_thread_names_the_shard(tmp_path: Path, sims) -> None:
+    """Fault: the periodic shard commit (run in a worker thread) fails — here `shards/` is replaced by a
+    file mid-run. The job stops as failed naming the shard it could not write, exit 1, manifest written."""
+    a = sims("--tokens-per-s", "300", "--max-running-requests", "8")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 3000)
+    job = job_file(tmp_path, inp, out, [a])
+    log = tmp_path / "runner.log"
+    runner = start_runner(job, log)
+    try:
+        wait_until(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 30, timeout=60,
+                   what="a few committed rows")
+        shutil.rmtree(out / "shards")
+        (out / "shards").write_text("not a directory")
+        rc = runner.wait(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert rc == 1, log.read_text()[-3000:]
+    failure = exit_record(tmp_path)["failure"]
+    assert failure["file"].startswith(str(out / "shards" / "part-")) and failure["file"].endswith(".parquet"), failure
+    assert "Not a directory" in failure["cause"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "failed" and manifest["this_run"]["completed"] < rows
+    assert "RuntimeError" not in log.read_text()
 
 
 def test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte(tmp_path: Path, sims) -> None:

@@ -577,8 +577,10 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
     failure: Failure | None = None
     disp: Dispatcher | None = None
     reserve: Path | None = None
+    loop = asyncio.get_running_loop()
 
     def fail(exc: BaseException, *, stop: bool = True) -> None:
+        """Record the job's first failure and stop the dispatcher at once (from any thread)."""
         nonlocal failure
         if failure is None:
             failure = classify(exc, out, committed=store.counts().get("committed"))
@@ -587,7 +589,14 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             else:
                 log.error("job failing: %s", failure.cause)
         if stop and disp is not None:
-            disp.request_stop(0.0, reason=failure.cause)
+            try:
+                in_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                in_loop = False
+            if in_loop:
+                disp.request_stop(0.0, reason=failure.cause)
+            else:   # a store flush in a worker thread: the dispatcher is the loop's
+                loop.call_soon_threadsafe(disp.request_stop, 0.0, failure.cause)
 
     try:
         try:
@@ -625,7 +634,6 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
                 log.warning("counting the input's rows failed: %s", exc)
 
         counter = asyncio.ensure_future(count())
-        loop = asyncio.get_running_loop()
         signals = 0
 
         def on_signal(signame: str) -> None:
@@ -678,7 +686,10 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
             fail(exc)
         ticker = asyncio.ensure_future(tick())
         try:
-            summary: Summary = await disp.run(items())
+            if failure is not None:   # failed before the first row (a full disk at start): nothing to run
+                summary: Summary = disp.summary()
+            else:
+                summary = await disp.run(items())
         except Exception as exc:   # the dispatcher itself: still a manifest, a cause, a remedy
             fail(exc)
             summary = disp.summary()
@@ -882,7 +893,11 @@ def main(argv: list[str] | None = None) -> int:
                        Failure("internal", f"the job's config is invalid: {str(exc).splitlines()[0]}",
                                "fix the config, then run the same command again"))
             return 2
-        write_exit(exit_file, os.getpid(), 1, "failed", classify(exc, Path(job.output)))
+        failure = classify(exc, Path(job.output))
+        write_exit(exit_file, os.getpid(), 1, "failed", failure)
+        if failure.kind in ("disk_full", "output_removed", "output_unwritable"):   # not a bug: no traceback
+            print(f"fleet runner: FAILED: {failure.cause} — {failure.remedy}", file=sys.stderr)
+            return 1
         raise
 
 

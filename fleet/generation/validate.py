@@ -300,7 +300,7 @@ def _stop_hint(ex: ExistingJob) -> str:
 
 
 def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], input_path: str,
-           retry_errors: bool) -> JobPlan:
+           retry_errors: bool, paths_comparable: bool = True) -> JobPlan:
     """New, resume, re-attach or nothing to do — or JobConflict: see the module docstring."""
     out = ex.output
     recorded_fp = (ex.store_job or {}).get("input_fingerprint") or \
@@ -314,8 +314,8 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                                      f"it), or stop it — {_stop_hint(ex)} — then run this command again")
         if recorded_fp is not None:
             same_input = recorded_fp == input_fp()
-        else:   # the live runner has not recorded its input yet: compare the paths
-            same_input = live.get("input") in (None, input_path)
+        else:   # the live runner has not recorded its input yet: compare the paths (when both are the node's)
+            same_input = not paths_comparable or live.get("input") in (None, input_path)
         if not same_input:
             raise JobConflict(f"{who} for a different input (sha256 {str(recorded_fp)[:12]}…, not {input_path})",
                               remedy=f"give this input its own --output, or wait for that job / stop it — "
@@ -389,8 +389,10 @@ def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = 
             else:
                 fp = _memo(lambda: _fingerprint_on(node, node_inp.path))
             check_output(node, out)
+            # an uploaded input has another path on an SSH node: only the SHA-256 compares there
             plans.append(decide(read_existing(node, node_cfg, cfg, out), cfg, input_fp=fp,
-                                input_path=node_inp.path, retry_errors=retry_errors))
+                                input_path=node_inp.path, retry_errors=retry_errors,
+                                paths_comparable=isinstance(node, LocalNode) or not node_inp.local))
         finally:
             if own_nodes:
                 node.close()
