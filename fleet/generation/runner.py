@@ -359,7 +359,9 @@ class _Progress:
         pct = f" ({p['percent']:.1f}%)" if p["percent"] is not None else ""
         return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
                 f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
-            f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,} | in flight {p['in_flight']}"
+            f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,}"
+            + (f" gated {p['quality_rejects']:,}" if p.get("quality_rejects") else "")
+            + f" | in flight {p['in_flight']}"
             # two rates, named: the last minute's (tok_s) and this run's average (tok_s_avg), which
             # in the final line is the manifest's throughput.completion_tok_s
             + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
