@@ -64,6 +64,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def default_workdir(kind: str, user: str | None) -> str:
+    """~/.cache/fleet of the user fleet runs as on the node: here $XDG_CACHE_HOME/fleet (or
+    ~/.cache/fleet); over SSH the conventional home of the SSH user (/root or /home/<user>:
+    set nodes[].workdir where homes live elsewhere)."""
+    if kind == "local":
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        return os.path.join(cache if cache.startswith("/") else os.path.expanduser("~/.cache"), "fleet")
+    import getpass
+
+    user = user or getpass.getuser()
+    return "/root/.cache/fleet" if user == "root" else f"/home/{user}/.cache/fleet"
+
+
 def _expand_home(path: Any) -> Any:
     """`~` / `~/x` -> this user's home (only for paths on this machine)."""
     return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
@@ -90,7 +103,7 @@ class NodeConfig(_Section):
     trust_on_first_use: bool = Field(False, description="Accept an unknown host key once and record it in known_hosts. Off by default.")
     connect_timeout_s: float = Field(15.0, gt=0, le=600, description="TCP + SSH handshake timeout.")
     keepalive_s: int = Field(15, ge=0, le=3600, description="SSH keepalive interval (0 = off).")
-    workdir: str = Field("/tmp/fleet", description="Directory on the node for logs, pid files and manifests (on a local node, ~ is your home).")
+    workdir: str = Field("", description="Directory on the node for logs, pid files and manifests; must be the connecting user's and not writable by others (default: ~/.cache/fleet of that user; on a local node, ~ is your home).")
     ramdisk: str = Field("/dev/shm", description="RAM disk on the node where the model is staged.")
     gpus: list[int] | None = Field(None, description="GPU indices to use on this node (default: all that nvidia-smi lists).")
 
@@ -122,6 +135,13 @@ class NodeConfig(_Section):
         if isinstance(data, dict) and data.get("kind", "local") == "local":
             data = {**data, **{k: _expand_home(data[k]) for k in ("workdir", "ramdisk") if k in data}}
         return data
+
+    @model_validator(mode="after")
+    def _default_workdir(self) -> NodeConfig:
+        # Per user, never a shared path: another user who created /tmp/fleet first owned it.
+        if not self.workdir:
+            self.__dict__["workdir"] = default_workdir(self.kind, self.user)
+        return self
 
     @model_validator(mode="after")
     def _ssh_needs_host(self) -> NodeConfig:

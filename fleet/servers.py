@@ -22,6 +22,7 @@ from fleet.engines import LogVerdict, ServerSpec, get_profile
 from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
+from fleet.workdir import ensure_workdir
 
 REDACTED = "***"
 
@@ -131,6 +132,7 @@ def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int) 
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     """Start the server for `spec`, or adopt the live one already started with the same spec."""
     t0 = time.monotonic()
+    ensure_workdir(node, spec.workdir)
     profile = get_profile(cfg.engine.kind)
     argv = [str(a) for a in profile.argv(cfg, spec)]
     env = dict(profile.env(cfg, spec))
@@ -168,7 +170,7 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     if cfg.engine.kind == "sim":
         upload_sim_script(node, spec.workdir)
     # Keep the previous log for the post-mortem; the new one starts with the exact command.
-    node.run(["sh", "-c", 'mkdir -p "$(dirname "$1")"; [ -f "$1" ] && mv -f "$1" "$1.prev"; '
+    node.run(["sh", "-c", 'umask 077; mkdir -p -- "$(dirname -- "$1")"; [ -f "$1" ] && mv -f -- "$1" "$1.prev"; '
               'printf "%s\\n" "$2" > "$1"', "fleet-log", paths.log, f"# fleet launch: {shown}"], timeout=30)
     det = node.start_detached(argv, log_path=paths.log, pid_path=paths.pid, env=env, cwd=spec.workdir)
     node.write_text(paths.record, json.dumps({
@@ -283,6 +285,9 @@ def records(node: Node, workdir: str, fleet: str) -> list[dict[str, Any]]:
     """Every launch record of this fleet on the node (one round trip)."""
     from fleet.preflight import split_sections
 
+    # A record or pid file in a directory another user can write is theirs to forge.
+    if not ensure_workdir(node, workdir, create=False):
+        return []
     res = node.run(["sh", "-c", _LIST_RECORDS, "fleet-records", workdir.rstrip("/"), fleet], check=False, timeout=60)
     out = []
     for _, body in sorted(split_sections(res.stdout).items()):

@@ -134,8 +134,11 @@ def _script_sha() -> str:
 
 def ensure_script(node: Node, workdir: str) -> str:
     """Upload stage.py to WORKDIR/bin/fleet_stage.py unless the node has this very version."""
+    from fleet.workdir import ensure_workdir
+
+    ensure_workdir(node, workdir)
     remote = posixpath.join(workdir, "bin", "fleet_stage.py")
-    res = node.run(["sha256sum", remote], check=False, timeout=60)
+    res = node.run(["sha256sum", "--", remote], check=False, timeout=60)
     if res.ok and res.stdout.split()[:1] == [_script_sha()]:
         return remote
     # upload beside it, then rename: a stager starting meanwhile never reads half a script

@@ -63,6 +63,9 @@ def request_hash(request: dict) -> str:
 
 
 def find_or_install_uv(node: Node, workdir: str) -> str:
+    from fleet.workdir import ensure_workdir
+
+    ensure_workdir(node, workdir)   # uv may be installed into it
     res = node.run(["sh", "-c", _FIND_UV, "fleet-find-uv", workdir], check=False, timeout=30)
     if res.ok and res.stdout.strip():
         return res.stdout.strip().splitlines()[0]

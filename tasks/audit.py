@@ -32,8 +32,10 @@ def artifact_key(cfg: FleetConfig, *parts: object) -> str:
 
 
 def redact_text(text: str, cfg: FleetConfig) -> str:
-    key = cfg.api_key()
-    return text.replace(key, "***") if key else text
+    """Every secret of the config (API key, engine.env values) replaced by ***."""
+    for secret in cfg.secrets():
+        text = text.replace(secret, "***")
+    return text
 
 
 def _utc(ts: float | None = None) -> str:

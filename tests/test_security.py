@@ -437,3 +437,104 @@ def test_a_reused_pid_is_never_signalled_or_adopted(node: Node, tmp_path: Path) 
         stranger.kill()
         stranger.wait()
         node.stop(det.pid, grace_s=1)
+
+
+# -- 4. the workdir is ours or refused ------------------------------------------------------------
+
+NOBODY = 65534
+
+
+def test_default_workdir_is_per_user_never_a_shared_path() -> None:
+    """The default was /tmp/fleet: whoever created it first owned every fleet's pid files."""
+    wd = FleetConfig().nodes[0].workdir
+    assert wd == str(Path.home() / ".cache" / "fleet") or wd.endswith("/fleet") and not wd.startswith("/tmp")
+    ssh = FleetConfig(nodes=[{"kind": "ssh", "host": "h", "user": "alice"}]).nodes[0].workdir
+    assert ssh == "/home/alice/.cache/fleet"
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs chown (root)")
+
+
+@needs_root
+def test_planted_pid_file_in_another_users_workdir_is_refused_and_nothing_is_killed(node: Node, tmp_path: Path) -> None:
+    """Another local user created the workdir first and planted servers/<name>.pid naming any
+    process group: `fleet down` killed it. A workdir not owned by the connecting user is now
+    refused before any record in it is read, and the process lives."""
+    from fleet.servers import stop_servers
+
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        work = tmp_path / "work"
+        (work / "servers").mkdir(parents=True)
+        (work / "servers" / "t-0.json").write_text(json.dumps({"index": 0, "port": 31000}))
+        (work / "servers" / "t-0.pid").write_text(f"{victim.pid}\n")
+        for p in (work, work / "servers"):
+            os.chown(p, NOBODY, NOBODY)
+        cfg = FleetConfig(name="t", nodes=[{"name": "n", "workdir": str(work)}])
+        with pytest.raises(ConfigError) as info:
+            stop_servers(node, cfg, cfg.nodes[0])
+        assert f"belongs to uid {NOBODY}" in str(info.value) and "workdir" in str(info.value)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("where", ["workdir", "subdir", "parent"])
+def test_workdir_writable_by_others_is_refused(node: Node, tmp_path: Path, where: str) -> None:
+    """A workdir (or a directory under it) that group or others can write, or a parent anyone can
+    write without the sticky bit, lets someone else plant or swap files: refused, naming it."""
+    from fleet.workdir import ensure_workdir
+
+    parent = tmp_path / "p"
+    work = parent / "w w"
+    (work / "servers").mkdir(parents=True, mode=0o700)
+    os.chmod(parent, 0o755)
+    os.chmod(work, 0o700)
+    target = {"workdir": work, "subdir": work / "servers", "parent": parent}[where]
+    os.chmod(target, 0o777 if where == "parent" else 0o770)
+    with pytest.raises(ConfigError) as info:
+        ensure_workdir(node, str(work))
+    assert str(target) in str(info.value)
+    os.chmod(target, 0o1777 if where == "parent" else 0o700)   # sticky parent (like /tmp) or fixed: fine
+    assert ensure_workdir(node, str(work))
+
+
+def test_fleet_creates_its_directories_0700_and_files_0600(node: Node, tmp_path: Path) -> None:
+    """Every file fleet wrote was 0644 and every directory 0755: logs, records and job files
+    readable by every user on the node."""
+    from fleet.workdir import ensure_workdir
+
+    os.chmod(tmp_path, 0o755)
+    work = tmp_path / "a" / "b" / "work"
+    assert ensure_workdir(node, str(work))
+    for d in (tmp_path / "a", tmp_path / "a" / "b", work):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    node.write_text(str(work / "servers" / "r.json"), "{}")
+    src = tmp_path / "script.py"
+    src.write_text("print()")
+    src.chmod(0o644)
+    node.put(str(src), str(work / "bin" / "s.py"))
+    det = node.start_detached(["sh", "-c", "echo hi; touch shared"], log_path=str(work / "servers" / "x.log"),
+                              pid_path=str(work / "servers" / "x.pid"), cwd=str(tmp_path))
+    from conftest import wait_until
+
+    wait_until(lambda: (tmp_path / "shared").exists(), what="the detached command's own file")
+    for f in ("servers/r.json", "bin/s.py", "servers/x.log", "servers/x.pid"):
+        assert (work / f).stat().st_mode & 0o777 == 0o600, f
+    for d in ("servers", "bin"):
+        assert (work / d).stat().st_mode & 0o777 == 0o700, d
+    # what the command itself writes (a job's output) follows the user's umask, not fleet's 077
+    umask = os.umask(0o022)
+    os.umask(umask)
+    if umask & 0o044 == 0:   # a umask that lets others read (the usual 022)
+        assert (tmp_path / "shared").stat().st_mode & 0o044, "the command ran under fleet's 077"
+    node.stop(det.pid, grace_s=1)
+
+
+def test_missing_workdir_is_not_created_by_status(node: Node, tmp_path: Path) -> None:
+    """status/down on a node where fleet never ran: nothing recorded, nothing created."""
+    from fleet.servers import records
+
+    assert records(node, str(tmp_path / "never"), "t") == []
+    assert not (tmp_path / "never").exists()

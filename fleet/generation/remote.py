@@ -116,6 +116,9 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
               specs: list[ServerSpec], retry_errors: bool = False,
               facts: dict[int, dict[str, Any]] | None = None) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`."""
+    from fleet.workdir import ensure_workdir
+
+    ensure_workdir(node, node_cfg.workdir)
     jdir = job_dir(node_cfg, cfg, output)
     pid_path, log_path = f"{jdir}/runner.pid", f"{jdir}/runner.log"
     pid = node.read_pid(pid_path, expect=f"--job {jdir}/job.json")
@@ -247,7 +250,10 @@ done
 def job_outputs(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[str]:
     """The output directory of every job of this fleet on the node, newest job first."""
     from fleet.preflight import split_sections
+    from fleet.workdir import ensure_workdir
 
+    if not ensure_workdir(node, node_cfg.workdir, create=False):
+        return []
     res = node.run(["sh", "-c", _JOBS, "fleet-jobs", node_cfg.workdir.rstrip("/"), cfg.name], check=False,
                    timeout=60)
     found: list[tuple[int, str]] = []

@@ -90,6 +90,7 @@ class PortForward:
 _LAUNCH = r"""
 pidfile=$1; log=$2; cwd=$3; envfile=$4; shift 4
 [ "$1" = "--" ] && shift
+um=$(umask)
 umask 077
 if [ -n "$envfile" ]; then
   set -a; . "$envfile" || exit 96; set +a
@@ -100,6 +101,8 @@ cd -- "$cwd" || exit 97
 start=$(sed 's/^.*) //' "/proc/$$/stat" | cut -d' ' -f20)
 tmp=$(mktemp "$pidfile.XXXXXX") || exit 98
 echo "$$ $start" > "$tmp" && mv -f -- "$tmp" "$pidfile"
+: >>"$log"
+umask "$um"   # the command's own files (a job's output) follow the user's umask; ours are 0600
 exec "$@" >>"$log" 2>&1 </dev/null
 """
 

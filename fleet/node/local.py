@@ -85,21 +85,33 @@ class LocalNode(Node):
             self.raise_for(RunResult(self.host, tuple(argv), _shell_code(rc), "", "".join(tail), 0.0))
 
     def put(self, local: str | Path, remote: str) -> None:
-        # Temp file + rename: a reader (a server starting from an uploaded script, a
-        # concurrent upload of the same file) never sees a half-written file.
-        tmp = f"{remote}.fleet-put-{os.getpid()}-{threading.get_ident()}"
-        try:
-            Path(remote).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, tmp)
-            shutil.copymode(local, tmp)
-            os.replace(tmp, remote)
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise CommandFailed(f"cannot copy {local} to {remote}: {exc.strerror}", host=self.host,
-                                remedy="check the paths and permissions") from exc
+        self._copy(local, remote, private=True)
 
     def get(self, remote: str, local: str | Path) -> None:
-        self.put(remote, str(local))
+        # What comes back (a job's output) is meant to be shared: it follows the umask.
+        self._copy(remote, str(local), private=False)
+
+    def _copy(self, src: str | Path, dest: str, *, private: bool) -> None:
+        # Temp file + rename: a reader (a server starting from an uploaded script, a
+        # concurrent upload of the same file) never sees a half-written file. O_EXCL |
+        # O_NOFOLLOW: never write through a file or link someone put at the temp name.
+        # private: 0600 (0700 when the source is executable) and directories 0700.
+        tmp = f"{dest}.fleet-put-{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
+        made = False
+        try:
+            _makedirs(Path(dest).parent, 0o700 if private else 0o777)
+            exe = os.stat(src).st_mode & 0o111
+            mode = (0o700 if exe else 0o600) if private else (0o777 if exe else 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            made = True
+            with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+                shutil.copyfileobj(inp, out, 1 << 20)
+            os.replace(tmp, dest)
+        except OSError as exc:
+            if made:
+                Path(tmp).unlink(missing_ok=True)
+            raise CommandFailed(f"cannot copy {src} to {dest}: {exc.strerror}", host=self.host,
+                                remedy="check the paths and permissions") from exc
 
     def forward_port(self, remote_port: int, remote_host: str = "127.0.0.1", local_port: int = 0) -> PortForward:
         # The node's loopback is ours: nothing to forward.
@@ -107,6 +119,20 @@ class LocalNode(Node):
 
     def close(self) -> None:
         pass
+
+
+def _makedirs(path: Path, mode: int) -> None:
+    """mkdir -p where every directory made gets `mode` (less the umask); no process-wide umask
+    change, which would race with other threads."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            pass
 
 
 def _pump(stream: object, out: queue.Queue[str | None]) -> None:

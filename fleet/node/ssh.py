@@ -618,14 +618,15 @@ class SSHNode(Node):
                                 remedy="check the local path")
         parent = posixpath.dirname(remote)
         if parent:
-            self.run(["mkdir", "-p", parent], timeout=60)
+            self.run(["sh", "-c", 'umask 077 && mkdir -p -- "$1"', "fleet-mkdir", parent], timeout=60)
         tmp = f"{remote}.{_part_suffix()}"
         with self._sftp(what) as sftp:
             # Upload beside the target, then rename: a reader (or a concurrent upload of the
             # same file) never sees half a file.
             try:
                 sftp.put(str(local), tmp)
-                sftp.chmod(tmp, local.stat().st_mode & 0o7777)
+                # fleet's files are 0600 (0700 when executable): never readable by others
+                sftp.chmod(tmp, 0o700 if local.stat().st_mode & 0o111 else 0o600)
                 try:
                     sftp.posix_rename(tmp, remote)
                 except OSError:  # a server without the posix-rename extension
