@@ -226,14 +226,14 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
                 raise ServerFailed(
                     f"server {spec.index} on port {spec.port}: fatal log line after "
                     f"{time.monotonic() - t0:.1f} s: {(verdict.reason or '')[:300]}",
-                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key]),
+                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key, *cfg.secrets()]),
                     remedy=f"read {paths.log} on the node; fix the cause (memory fraction, port, GPU) and re-run",
                 )
             if not alive:
                 raise ServerFailed(
                     f"server {spec.index} on port {spec.port}: process {pid} exited after "
                     f"{time.monotonic() - t0:.1f} s before becoming ready",
-                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key]),
+                    host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key, *cfg.secrets()]),
                     remedy=f"read {paths.log} on the node for the cause",
                 )
             try:
@@ -246,7 +246,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
                     text += new
                     verdict = profile.classify(text)
                     return ReadyResult(spec.node, spec.index, url, time.monotonic() - t0, verdict,
-                                       excerpt(text, secrets=[spec.api_key]))
+                                       excerpt(text, secrets=[spec.api_key, *cfg.secrets()]))
                 last_http = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
                 last_http = type(exc).__name__
@@ -254,7 +254,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
                 raise ServerNotReady(
                     f"server {spec.index} on port {spec.port}: alive but not ready after "
                     f"{time.monotonic() - t0:.0f} s ({profile.ready_path}: {last_http})",
-                    host=node.host, stderr=excerpt(text, 5, 15, [spec.api_key]),
+                    host=node.host, stderr=excerpt(text, 5, 15, [spec.api_key, *cfg.secrets()]),
                     remedy="raise servers.ready_timeout_s if the model is large, or read the log for a stall",
                 )
             time.sleep(poll_s)

@@ -538,3 +538,30 @@ def test_missing_workdir_is_not_created_by_status(node: Node, tmp_path: Path) ->
 
     assert records(node, str(tmp_path / "never"), "t") == []
     assert not (tmp_path / "never").exists()
+
+
+def test_a_config_read_back_masked_is_refused_not_used() -> None:
+    """Flow-run parameters hold the config with its secrets masked. A run that took that JSON
+    back as its config would have served with the key '**********' (or exported HF_TOKEN=
+    '**********'): such a config is refused, saying where the secret must come from."""
+    cfg = FleetConfig(servers={"host": "0.0.0.0", "api_key": "sk-real-1234567890"},
+                      engine={"env": {"HF_TOKEN": "hf_real", "NCCL_DEBUG": "WARN"}, "env_public": ["NCCL_DEBUG"]})
+    dumped = cfg.model_dump(mode="json")
+    text = json.dumps(dumped)
+    assert "sk-real" not in text and "hf_real" not in text and "WARN" not in text
+    assert cfg.engine.shown_env() == {"HF_TOKEN": "**********", "NCCL_DEBUG": "WARN"}
+    assert cfg.secrets() == ["sk-real-1234567890", "hf_real"]
+    with pytest.raises(ConfigError) as info:
+        from fleet.config import config_from_param
+
+        config_from_param(dumped)
+    assert "arrived masked" in str(info.value) and "sk-real" not in str(info.value)
+
+
+def test_a_config_error_never_echoes_a_secret(tmp_path: Path) -> None:
+    """pydantic's messages echo the input; a typo next to a key must not print the key."""
+    p = tmp_path / "c.toml"
+    p.write_text('[servers]\nhost = "0.0.0.0"\napi_key = ["sk-in-a-list-123"]\n[engine]\nenv = {HF_TOKEN = 5}\n')
+    r = _fleet("status", "-c", str(p))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "sk-in-a-list-123" not in r.stderr and "servers.api_key" in r.stderr
