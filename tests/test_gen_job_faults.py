@@ -602,3 +602,53 @@ def test_a_repaired_copy_of_a_broken_input_may_continue_its_job_but_no_other_inp
     fine = ExistingJob("local", "/o", store_job={"input_fingerprint": "a" * 64})
     with pytest.raises(JobConflict, match="holds results of a different input"):
         decide(fine, cfg, input_fp=lambda: "b" * 64, input_path="/in.jsonl.gz", retry_errors=False)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_the_live_job(tmp_path: Path,
+                                                                                            capsys) -> None:
+    """Faults, through the flow as a deployment runs it: (1) the generate action with a missing input started
+    every server first; now it ends Failed with the reason and starts nothing. (2) `fleet up` with a changed
+    spec under a live job replaced its server; now it fails naming the job and `kill -TERM <runner pid>`."""
+    from fleet.demo import to_toml
+    from fleet.generation.remote import start_job
+    from fleet.node import LocalNode, connect
+    from fleet.servers import plan_servers, stop_servers
+    from flows.fleet import fleet
+    from test_bringup import port_block, sim_config
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, engine={"sim": {"startup_s": 0.1, "tokens_per_s": 20}},
+                     generation={"max_tokens": 16})
+    state = fleet(config=cfg, action="generate", input=str(tmp_path / "nope.jsonl"), output=str(tmp_path / "o"),
+                  return_state=True)
+    assert state.is_failed() and "does not exist" in state.message, state.message
+    assert not (tmp_path / "work" / "servers").exists(), "the generate action started nothing"
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    runner = None
+    try:
+        from fleet.cli import main
+
+        assert main(["up", "-c", str(path)]) == 0
+        node, node_cfg = LocalNode(), cfg.nodes[0]
+        spec = plan_servers(cfg, node_cfg, [], model_path=cfg.model.source, python=sys.executable)[0]
+        inp = tmp_path / "in.jsonl"
+        inp.write_bytes(rows_jsonl(300))
+        handle = start_job(node, cfg, node_cfg, input_path=str(inp), output=str(tmp_path / "out"), specs=[spec])
+        runner = handle.pid
+        capsys.readouterr()
+        changed = cfg.model_copy(update={"engine": cfg.engine.model_copy(
+            update={"sim": cfg.engine.sim.model_copy(update={"tokens_per_s": 50})})})
+        path.write_text(to_toml(changed.model_dump(mode="json", exclude_none=True)))
+        assert main(["up", "-c", str(path)]) == 1
+        text = capsys.readouterr()
+        text = text.out + text.err
+        assert f"in use by the generation job writing {tmp_path / 'out'}" in text, text[-3000:]
+        assert f"kill -TERM {runner}" in text
+        assert node.is_alive(runner)
+    finally:
+        if runner:
+            subprocess.run(["kill", "-9", str(runner)], check=False)
+        with connect(cfg.nodes[0]) as node:
+            stop_servers(node, cfg, cfg.nodes[0])

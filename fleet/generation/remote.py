@@ -162,8 +162,8 @@ class LiveJob:
     servers: list[dict[str, Any]]     # the job's server entries (node, index, url, …)
 
     def stop_hint(self) -> str:
-        return (f"wait for it to finish, or stop it: `kill -TERM {self.pid}` on node {self.node} (a clean stop: "
-                "in-flight rows finish and the manifest is written; the same `fleet generate` command resumes it)")
+        return (f"stop it with `kill -TERM {self.pid}` on node {self.node} (a clean stop: in-flight rows finish, "
+                "the manifest is written; the same `fleet generate` command resumes it), or wait for it to finish")
 
 
 # sh: live_pid PIDFILE prints the pid of the process a fleet pid file ("PID STARTTIME") names, when
