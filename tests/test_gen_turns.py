@@ -91,6 +91,10 @@ def test_all_turns_turn_order_and_tool_turns(tmp_path: Path) -> None:
                       regenerate="all-turns")
     assert isinstance(bad, Reject) and "two assistant turns in a row" in bad.reason
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bad = one_request(tmp_path, {"id": "b", "messages": [{"role": "user", "content": "q"},
+                                                         {"role": "assistant", "content": "", "tool_calls": [call]}]},
+                      regenerate="all-turns")
+    assert isinstance(bad, Reject) and "ends with an assistant tool call" in bad.reason
     req = one_request(tmp_path, {"id": "t", "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c", "content": "42"}, {"role": "assistant", "content": "ORIGINAL"},

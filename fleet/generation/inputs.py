@@ -323,6 +323,8 @@ def _check_turn_order(msgs: list[dict[str, Any]]) -> None:
             if prev == "assistant":
                 raise _Bad(f"messages[{i}]: two assistant turns in a row (turn order user, assistant, user, ...)")
         prev = role
+    if msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
+        raise _Bad("the conversation ends with an assistant tool call and no tool result: nothing to generate")
 
 
 def _is_int(v: Any) -> bool:
