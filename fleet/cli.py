@@ -254,6 +254,17 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     from fleet.node import connect
 
     cfg = load_config(args.config)
+    if len(cfg.nodes) > 1:   # one job over every node: gather every chunk, merge into one directory
+        from fleet.generation.multinode import fetch_job, find_plan_dir
+
+        plan_dir = find_plan_dir(cfg, args.remote)
+        if plan_dir is not None:
+            m = fetch_job(cfg, plan_dir, args.output)
+            c = m["counts"]
+            nodes = ", ".join(f"{n['node']} {n['rows']} rows" for n in m.get("nodes") or [])
+            print(f"{c['completed']} completed, {c['errors']} error(s), {c['rejects']} reject(s) from "
+                  f"{m['input']['chunks']} chunk(s) [{nodes}] → {args.output} ({m['state']})")
+            return 0
     total = 0
     refused: ConfigError | None = None
     for node_cfg in cfg.nodes:

@@ -106,6 +106,8 @@ class NodeConfig(_Section):
     workdir: str = Field("", description="Directory on the node for logs, pid files and manifests; must be the connecting user's and not writable by others (default: ~/.cache/fleet of that user; on a local node, ~ is your home).")
     ramdisk: str = Field("/dev/shm", description="RAM disk on the node where the model is staged.")
     gpus: list[int] | None = Field(None, description="GPU indices to use on this node (default: all that nvidia-smi lists).")
+    servers: int | None = Field(None, ge=1, le=1024, description="Servers on this node (overrides servers.count here: nodes of different sizes in one fleet).")
+    base_port: int | None = Field(None, ge=1024, le=65535, description="Port of server 0 on this node (overrides servers.base_port here; e.g. two nodes on one machine).")
 
     @field_validator("key_file", "known_hosts", mode="after")
     @classmethod
@@ -302,10 +304,14 @@ class ServersConfig(_Section):
     def _no_control(cls, v: Any) -> Any:
         return no_control(v, "servers.host")
 
-    def port_for(self, index: int) -> int:
-        if self.ports is not None:
+    def port_for(self, index: int, node: NodeConfig | None = None) -> int:
+        if node is not None and node.base_port is not None:
+            base = node.base_port
+        elif self.ports is not None:
             return self.ports[index]
-        port = self.base_port + index
+        else:
+            base = self.base_port
+        port = base + index
         if port > 65535:
             raise ConfigError(f"server {index} would listen on port {port} > 65535",
                               remedy="lower servers.base_port or the server count")
@@ -378,6 +384,8 @@ class GenerationConfig(_Section):
     stall_min_s: float = Field(30.0, gt=0, description="Floor of the derived stall_s.")
     stall_max_s: float = Field(300.0, gt=0, description="Ceiling of the derived stall_s (also its value before any row completed).")
     shard_rows: int = Field(10000, ge=1, description="Rows per committed Parquet shard.")
+    chunk_rows: int | None = Field(None, ge=1, description="Several nodes: the largest chunk of input lines one node takes at a time (default: rows / (8 × nodes), 100 to 20,000; later chunks shrink to 1/16 of it).")
+    node_lost_s: float = Field(120.0, gt=0, description="Several nodes: a node that does not answer, or whose runner stops moving or has no server up, for this long is lost; its chunk goes to another node.")
     price_per_gpu_hour: float | None = Field(None, ge=0, description="GPU-hour price, to report measured $ per M tokens.")
 
 

@@ -266,8 +266,10 @@ echo "@@end"
 """
 
 
-def servers_on_node(cfg: FleetConfig, gpu_count: int) -> int:
-    """How many servers a node runs: the configured count, else one per GPU group, else 1."""
+def servers_on_node(cfg: FleetConfig, gpu_count: int, node_cfg: NodeConfig | None = None) -> int:
+    """How many servers a node runs: the node's count, the configured count, else one per GPU group, else 1."""
+    if node_cfg is not None and node_cfg.servers is not None:
+        return node_cfg.servers
     if cfg.servers.count is not None:
         return cfg.servers.count
     if gpu_count:
@@ -339,10 +341,10 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
     report.python = sec.get("python", "").strip() or None
     report.uv = sec.get("uv", "").strip() or None
     gpu_ids = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
-    n = servers_on_node(cfg, len(gpu_ids))
+    n = servers_on_node(cfg, len(gpu_ids), node_cfg)
     for i in range(n):
         try:
-            port = cfg.servers.port_for(i)
+            port = cfg.servers.port_for(i, node_cfg)
         except FleetError:
             continue
         report.ports[port] = port not in listening
@@ -360,7 +362,7 @@ def evaluate(report: NodeReport, cfg: FleetConfig, node_cfg: NodeConfig) -> list
         if missing:
             checks.append(Check("gpus", False, True, f"configured GPUs {missing} not found by nvidia-smi",
                                 "fix nodes.gpus to the indices nvidia-smi lists"))
-    n = servers_on_node(cfg, len(gpu_ids))
+    n = servers_on_node(cfg, len(gpu_ids), node_cfg)
     if needs_gpus(cfg):
         need = n * cfg.servers.tensor_parallel
         checks.append(Check(

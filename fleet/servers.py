@@ -43,12 +43,12 @@ def plan_servers(cfg: FleetConfig, node_cfg: NodeConfig, gpu_ids: list[int], *, 
                  python: str) -> list[ServerSpec]:
     """One ServerSpec per server on this node: GPUs split in groups of tensor_parallel, ports from the base."""
     tp = cfg.servers.tensor_parallel
-    count = servers_on_node(cfg, len(gpu_ids))
+    count = servers_on_node(cfg, len(gpu_ids), node_cfg)
     specs = []
     for i in range(count):
         gpus = tuple(gpu_ids[i * tp:(i + 1) * tp]) if gpu_ids else ()
         specs.append(ServerSpec(
-            node=node_cfg.name, index=i, gpus=gpus, host=cfg.servers.host, port=cfg.servers.port_for(i),
+            node=node_cfg.name, index=i, gpus=gpus, host=cfg.servers.host, port=cfg.servers.port_for(i, node_cfg),
             model_path=model_path, served_name=cfg.model.name, python=python, workdir=node_cfg.workdir,
             api_key=cfg.api_key(), extra_args=tuple(cfg.servers.extra_args_by_index.get(i, ())),
         ))

@@ -227,6 +227,12 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
         by_node.setdefault(spec.node, []).append(spec)
     if not by_node:
         return failed("no server came up; nothing to generate with: " + " | ".join(failures), rows)
+    if len(cfg.nodes) > 1:   # one job over every node: flows/multinode.py
+        from flows.multinode import generate_multi
+
+        if failures:
+            logger.warning("generating with the servers that are up; not up: %s", " | ".join(failures))
+        return generate_multi(cfg, rows, specs, input, output, retry_errors, failures)
     node_name = max(by_node, key=lambda n: len(by_node[n]))
     if len(by_node) > 1:
         # The runner runs next to its servers; one job spans one node (see the README).

@@ -171,13 +171,14 @@ def check_server(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, rec: dict[s
 
 def missing_servers(cfg: FleetConfig, node_cfg: NodeConfig, recs: list[dict[str, Any]]) -> list[ServerCheck]:
     """Servers the config expects (servers.count) that no launch record names."""
-    if cfg.servers.count is None:
+    count = node_cfg.servers if node_cfg.servers is not None else cfg.servers.count
+    if count is None:
         return []  # one per GPU: the count is the node's, known only to a preflight
     have = {int(r.get("index", -1)) for r in recs}
     out = []
-    for i in range(cfg.servers.count):
+    for i in range(count):
         if i not in have:
-            c = ServerCheck(node_cfg.name, i, cfg.servers.port_for(i), None, process="no launch record")
+            c = ServerCheck(node_cfg.name, i, cfg.servers.port_for(i, node_cfg), None, process="no launch record")
             c.problems.append("never launched (no launch record): run the bringup deployment")
             out.append(c)
     return out

@@ -45,7 +45,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,8 +308,9 @@ class Assignments:
         with self._lock:
             return sorted(i for i, c in self.chunks.items() if c.state == "running" and c.node == node)
 
-    def claim(self, node: str) -> int | None:
-        """The chunk `node` should work on next: one it already runs (re-attach), else the lowest pending."""
+    def claim(self, node: str, output_for: Callable[[int], str] | None = None) -> int | None:
+        """The chunk `node` works on next: one it already runs (re-attach), else the lowest pending,
+        which is marked running on `node` at once (with `output_for`), so two nodes never take one chunk."""
         with self._lock:
             if self.nodes.get(node, {}).get("state") == "lost":
                 return None
@@ -318,6 +319,8 @@ class Assignments:
                 return mine[0]
             for i in sorted(self.chunks):
                 if self.chunks[i].state == "pending":
+                    if output_for is not None:
+                        self.start(i, node, output_for(i))
                     return i
             return None
 

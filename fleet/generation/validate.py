@@ -202,7 +202,8 @@ df -Pk "$d" 2>/dev/null | tail -n 1
 exit 0
 '''
 _FLEET_OUTPUT_NAMES = frozenset({"job.json", "shards", "progress.json", "manifest.json", "errors.jsonl",
-                                 "rejects.jsonl", ".lock"})
+                                 "rejects.jsonl", ".lock",
+                                 "multinode.json"})   # a job over several nodes (multinode.py): <node>/chunk-N
 
 
 def check_output(node: Node, output: str) -> OutputCheck:

@@ -1,0 +1,98 @@
+"""The generate action over several nodes: cut the input into chunks, let every node pull them.
+
+Called by `flows.fleet.generate_action` when the config has more than one node. The chunk
+plan, the assignments and everything gathered from the nodes live in the job's plan
+directory on the machine that runs the flow (`plan_root()/<fleet>-<hash of --output>`); the
+merged output (one directory, `fleet export` reads it) is `<plan dir>/output`, and
+`fleet fetch` writes the same merge wherever it is asked to.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as cf_wait
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.states import Completed
+
+from fleet.config import FleetConfig
+from fleet.engines import ServerSpec
+from fleet.generation.chunks import ControllerLock, plan_dir_for
+from fleet.generation.multinode import Controller, NodeWork, plan_root
+from flows.outcome import failed
+
+
+def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
+                   retry_errors: bool, failures: list[str] | None = None) -> Any:
+    from tasks.multinode import node_worker, watch_progress
+
+    logger = get_run_logger()
+    if retry_errors:
+        return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
+                      "rows as a new job (their ids are in the fetched errors.jsonl)")
+    if not Path(input).is_file():
+        return failed(f"input {input} is not a file on this machine: a job over several nodes cuts the "
+                      "input here and sends each node its chunks; give a local --input")
+    by_node: dict[str, list[ServerSpec]] = {}
+    for spec in specs:
+        by_node.setdefault(spec.node, []).append(spec)
+    if not by_node:
+        return failed("no server came up on any node; nothing to generate with")
+    nodes = {}
+    for name, node_specs in by_node.items():
+        facts = {r["server"]: {"max_running_requests": r.get("max_running_requests")}
+                 for r in rows if r["node"] == name and r["state"] in ("up", "adopted")}
+        nodes[name] = NodeWork(name, node_specs, facts)
+    pdir = plan_dir_for(plan_root(), cfg.name, output)
+    ctl = Controller(cfg, pdir, output, nodes)
+    t0 = time.monotonic()
+    with ControllerLock(pdir):
+        plan = ctl.prepare(input)
+        assert ctl.assign is not None
+        logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),
+                    ", ".join(sorted(nodes)), plan.total_lines, len(plan.chunks),
+                    ", ".join(str(c.lines) for c in plan.chunks[:6]) + (" …" if len(plan.chunks) > 6 else ""), pdir)
+        futs = {node_worker.submit(ctl, name): name for name in sorted(nodes)}
+
+        def finished(timeout: float) -> bool:
+            inner = [f.wrapped_future for f in futs]
+            cf_wait([f for f in inner if not f.done()], timeout=timeout, return_when=FIRST_COMPLETED)
+            if any(f.done() and f.exception() is not None for f in inner):
+                ctl.stop()   # a node task failed outright (a chunk failed too often): stop the others
+            return all(f.done() for f in inner)
+
+        try:
+            watch_progress(cfg, ctl, finished)
+        finally:
+            ctl.stop()
+        shares = []
+        errors = []
+        for fut, name in futs.items():
+            fut.wait()
+            if fut.state.is_completed():
+                shares.append(fut.result())
+            else:
+                try:
+                    fut.result(raise_on_failure=True)
+                except Exception as exc:
+                    errors.append(f"{name}: {str(exc).splitlines()[0][:300]}")
+        dest = pdir / "output"
+        manifest = ctl.finalize(dest)
+    counts = manifest["counts"]
+    result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],
+              "rows_total": plan.total_lines, "completed": counts["completed"], "errors": counts["errors"],
+              "rejects": counts["rejects"], "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
+              "checks": manifest.get("checks"), "nodes": manifest.get("nodes"), "shares": shares,
+              "seconds": round(time.monotonic() - t0, 1)}
+    if not ctl.assign.all_done():
+        left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
+        return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "
+                      "run the same command again to resume", result)
+    per = ", ".join(f"{n['node']} {n['rows']} ({n['share'] * 100:.0f}%)" for n in manifest.get("nodes") or [])
+    return Completed(message=f"generated {counts['completed']} row(s), {counts['errors']} error(s), "
+                             f"{counts['rejects']} reject(s) over {len(nodes)} node(s) [{per}] into {dest}"
+                             + (f"; not up: {' | '.join(failures)}" if failures else ""),
+                     data=result)

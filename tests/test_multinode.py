@@ -1,0 +1,263 @@
+"""One generation job over two nodes, end to end: the split, a node lost mid-job, the controller killed.
+
+Real parts: the Prefect test server (and a CLI subprocess with its own), sim servers on two
+local nodes with their own workdirs and ports (one node has half the servers: half the
+capacity), the detached runners, the merge, `fleet fetch` and `fleet export`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from fleet.config import FleetConfig
+from test_bringup import port_block, sim_config
+from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def two_nodes(tmp_path: Path, *, generation: dict[str, Any], sim: dict[str, Any] | None = None) -> FleetConfig:
+    base = port_block(3)
+    cfg = sim_config(tmp_path, base, n=1, generation=generation,
+                     engine={"sim": {"startup_s": 0.3, **(sim or {})}})
+    data = cfg.model_dump(mode="json")
+    # Two nodes on one machine would build one venv path at once: use this interpreter's (the sim needs
+    # nothing else).
+    data["venv"] = {"path": sys.prefix, "use_existing": True}
+    data["nodes"] = []
+    for name, servers, port in (("fast", 2, base), ("slow", 1, base + 2)):
+        (tmp_path / f"shm-{name}").mkdir()
+        data["nodes"].append({"name": name, "workdir": str(tmp_path / f"work-{name}"), "servers": servers,
+                              "base_port": port, "ramdisk": str(tmp_path / f"shm-{name}")})
+    return FleetConfig(**data)
+
+
+@pytest.fixture
+def state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(d))
+    return d
+
+
+def ids_of(out: Path) -> list[str]:
+    return [i for p in sorted((out / "shards").glob("*.parquet"))
+            for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+
+
+def plan_state(state_home: Path) -> tuple[Path, dict[str, Any]] | None:
+    found = list((state_home / "fleet" / "jobs").glob("*/state.json"))
+    if not found:
+        return None
+    try:
+        return found[0].parent, json.loads(found[0].read_text())
+    except ValueError:
+        return None
+
+
+def test_two_nodes_one_job_split_merge_fetch_export(tmp_path: Path, state_home: Path, stop_everything) -> None:
+    """The split: one job over two nodes of unequal size ends with every id exactly once in one merged
+    directory, both nodes took chunks, the manifest has per-node and per-server numbers and the cost over
+    every GPU; `fleet fetch` writes the same merge elsewhere and `fleet export` reads it unchanged."""
+    from flows.fleet import fleet
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 150, "price_per_gpu_hour": 2.0})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 1200, bad_lines=1)
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(tmp_path / "out"), return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res)
+    assert "not up" not in state.message, state.message
+    assert (res["completed"], res["errors"], res["rejects"]) == (1200, 0, 1)
+    out = Path(res["output"])
+    ids = ids_of(out)
+    assert len(ids) == len(set(ids)) == 1200
+    manifest = json.loads((out / "manifest.json").read_text())
+    nodes = {n["node"]: n for n in manifest["nodes"]}
+    assert set(nodes) == {"fast", "slow"} and all(n["chunks"] >= 1 and n["rows"] > 0 for n in nodes.values())
+    assert sum(n["rows"] for n in nodes.values()) == 1201        # the bad line is the reject's row
+    assert {s["name"] for s in manifest["servers"]} == {"fast/0", "fast/1", "slow/0"}
+    assert manifest["cost"]["gpus"] == 3 and manifest["cost"]["usd"] > 0
+    rej = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rej] == [1201]                     # the input's line, not the chunk's
+    progress = json.loads((Path(res["plan_dir"]) / "progress.json").read_text())
+    assert progress["rows_done"] == progress["rows_total"] == 1201
+    assert {n["node"] for n in progress["nodes"]} == {"fast", "slow"}
+
+    from fleet.cli import main
+
+    cfg_path = tmp_path / "fleet.toml"
+    from fleet.demo import to_toml
+
+    cfg_path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    assert main(["fetch", "-c", str(cfg_path), "--output", str(tmp_path / "fetched")]) == 0
+    assert sorted(ids_of(tmp_path / "fetched")) == sorted(ids)
+    assert main(["export", str(tmp_path / "fetched"), "--format", "jsonl"]) == 0
+    assert len((tmp_path / "fetched" / "export.jsonl").read_text().splitlines()) == 1200
+
+
+def _runner_pids(workdir: Path) -> list[int]:
+    from fleet.node import LocalNode
+
+    out = []
+    for p in workdir.glob("jobs/*/runner.pid"):
+        pid = int(p.read_text().strip() or 0)
+        if pid and LocalNode().is_alive(pid):
+            out.append(pid)
+    return out
+
+
+def _server_pids(workdir: Path) -> list[int]:
+    from fleet.node import LocalNode
+
+    return [pid for p in workdir.rglob("*.pid") if "jobs" not in p.parts
+            for pid in [int(p.read_text().strip() or 0)] if pid and LocalNode().is_alive(pid)]
+
+
+def _cli(cfg: FleetConfig, tmp_path: Path, inp: Path, out: Path, log: Path) -> subprocess.Popen:
+    from fleet.demo import to_toml
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    argv = [sys.executable, "-m", "fleet.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
+    env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    with log.open("wb") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def _wait(proc: subprocess.Popen, log: Path, check, what: str, timeout: float = 240) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert proc.poll() is None, f"the command ended before {what}: " + log.read_text(errors="replace")[-4000:]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: " + log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+
+
+def test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows(
+        tmp_path: Path, state_home: Path, stop_everything) -> None:
+    """A node lost mid-job (its runner and servers frozen: no progress for node_lost_s): its running chunk
+    goes to the other node, which starts from the shards already gathered from the lost one (rows committed
+    and fetched are not generated again); the job still ends with every id exactly once."""
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 16, "chunk_rows": 300, "shard_rows": 20, "node_lost_s": 4},
+                    sim={"tokens_per_s": 40, "max_running_requests": 4})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 900)
+    log = tmp_path / "cli.log"
+    proc = _cli(cfg, tmp_path, inp, tmp_path / "out", log)
+    frozen: list[int] = []
+    try:
+        def slow_chunk_with_gathered_shards() -> tuple[Path, int] | None:
+            got = plan_state(state_home)
+            if not got:
+                return None
+            pdir, st = got
+            for idx, c in st["chunks"].items():
+                if c["state"] == "running" and c["node"] == "slow":
+                    g = pdir / "gathered" / "slow" / f"chunk-{int(idx):05d}" / "shards"
+                    if len(list(g.glob("part-*.parquet"))) >= 2:
+                        return pdir, int(idx)
+            return None
+
+        pdir, idx = _wait(proc, log, slow_chunk_with_gathered_shards, "the slow node to commit and be gathered")
+        frozen = _runner_pids(tmp_path / "work-slow") + _server_pids(tmp_path / "work-slow")
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        gathered = pdir / "gathered" / "slow" / f"chunk-{idx:05d}" / "shards"
+        rc = proc.wait(timeout=400)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text(errors="replace")
+    assert rc == 0, output[-5000:]
+    st = json.loads((pdir / "state.json").read_text())
+    lost = [e for e in st["events"] if e["event"] == "node-lost" and e["node"] == "slow"]
+    assert lost and idx in lost[0]["released"]
+    chunk = st["chunks"][str(idx)]
+    assert chunk["state"] == "done" and chunk["attempts"][0]["outcome"] == "lost"
+    done_by = chunk["node"]
+    fetched_before = sum(pq.ParquetFile(p).metadata.num_rows for p in gathered.glob("part-*.parquet"))
+    final = json.loads((pdir / "gathered" / done_by / f"chunk-{idx:05d}" / "manifest.json").read_text())
+    lines = json.loads((pdir / "plan.json").read_text())["chunks"][idx]["lines"]
+    if done_by != "slow":
+        # the fetched rows came with the chunk to the other node: its runs sent only the rest
+        assert sum(r["fed"] for r in final["runs"]) <= lines - fetched_before
+    ids = ids_of(pdir / "output")
+    assert len(ids) == len(set(ids)) == 900
+
+
+def test_controller_killed_runners_go_on_then_rerun_reattaches(tmp_path: Path, state_home: Path,
+                                                              stop_everything) -> None:
+    """The controller is disposable: SIGKILL of `fleet generate` leaves each node's runner working on its
+    chunk; running the command again re-attaches to those runners (no second runner, no chunk started
+    twice on a node) and hands out the remaining chunks; every id exactly once."""
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 16, "chunk_rows": 200, "node_lost_s": 120},
+                    sim={"tokens_per_s": 40, "max_running_requests": 4})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 1000)
+    out = tmp_path / "out"
+    log1 = tmp_path / "first.log"
+    first = _cli(cfg, tmp_path, inp, out, log1)
+
+    def running_on_both() -> dict[str, Any] | None:
+        got = plan_state(state_home)
+        if not got:
+            return None
+        st = got[1]
+        nodes = {c["node"] for c in st["chunks"].values() if c["state"] == "running"}
+        return st if nodes == {"fast", "slow"} and any(c["state"] == "done" for c in st["chunks"].values()) else None
+
+    try:
+        _wait(first, log1, running_on_both, "a chunk done and one running on each node")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    pdir, st = plan_state(state_home)  # type: ignore[misc]
+    runners = _runner_pids(tmp_path / "work-fast") + _runner_pids(tmp_path / "work-slow")
+    assert len(runners) == 2, "the runners died with the controller"
+    # Hold them (alive, as busy ones are) until the second command re-attached: it first starts
+    # Prefect's temporary server and re-runs the bring-up, and a chunk that ended meanwhile is
+    # simply finished, with nothing left to re-attach to.
+    for pid in runners:
+        os.kill(pid, signal.SIGSTOP)
+    log2 = tmp_path / "second.log"
+    second = _cli(cfg, tmp_path, inp, out, log2)
+    try:
+        _wait(second, log2, lambda: log2.read_text(errors="replace").count("re-attached on") >= 2,
+              "the second command to re-attach to both runners")
+    finally:
+        for pid in runners:
+            os.kill(pid, signal.SIGCONT)
+    try:
+        rc = second.wait(timeout=400)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    text = log2.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    for pid in runners:
+        assert f"runner pid {pid}" in text
+    st = json.loads((pdir / "state.json").read_text())
+    for c in st["chunks"].values():
+        assert c["state"] == "done"
+        per_node = [a["node"] for a in c["attempts"]]
+        assert len(per_node) == len(set(per_node)), c     # re-attached, never started twice on one node
+    ids = ids_of(pdir / "output")
+    assert len(ids) == len(set(ids)) == 1000
