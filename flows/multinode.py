@@ -27,7 +27,7 @@ from flows.outcome import failed
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
                    retry_errors: bool, failures: list[str] | None = None) -> Any:
-    from tasks.multinode import node_worker, watch_progress
+    from tasks.multinode import node_worker, say, watch_progress
 
     logger = get_run_logger()
     if retry_errors:
@@ -47,7 +47,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                  for r in rows if r["node"] == name and r["state"] in ("up", "adopted")}
         nodes[name] = NodeWork(name, node_specs, facts)
     pdir = plan_dir_for(plan_root(), cfg.name, output)
-    ctl = Controller(cfg, pdir, output, nodes)
+    ctl = Controller(cfg, pdir, output, nodes, say=say)
     t0 = time.monotonic()
     with ControllerLock(pdir):
         plan = ctl.prepare(input)

@@ -29,6 +29,14 @@ PROGRESS_EVERY_S = 5.0
 TABLE_EVERY_S = 60.0
 
 
+def say(level: int, msg: str) -> None:
+    """The controller's lines, into the run's log (the task's or the flow's, whichever is current)."""
+    try:
+        get_run_logger().log(level, msg)
+    except Exception:   # no run context (a thread of our own): still say it
+        print(msg, flush=True)
+
+
 @task(name="chunk", task_run_name="chunk-{index:05d}@{node_name}", cache_policy=NO_CACHE, persist_result=False)
 def run_chunk(ctl: Controller, node_name: str, index: int) -> dict[str, Any]:
     """One chunk attempt on one node: Completed when the chunk is done, Failed (node lost / runner ended) else."""

@@ -231,7 +231,8 @@ def test_controller_killed_runners_go_on_then_rerun_reattaches(tmp_path: Path, s
         first.wait()
     pdir, st = plan_state(state_home)  # type: ignore[misc]
     runners = _runner_pids(tmp_path / "work-fast") + _runner_pids(tmp_path / "work-slow")
-    assert len(runners) == 2, "the runners died with the controller"
+    # one per node, plus a node's next chunk when it was started while the previous one drained
+    assert len(runners) >= 2, "the runners died with the controller"
     # Hold them (alive, as busy ones are) until the second command re-attached: it first starts
     # Prefect's temporary server and re-runs the bring-up, and a chunk that ended meanwhile is
     # simply finished, with nothing left to re-attach to.
@@ -252,8 +253,10 @@ def test_controller_killed_runners_go_on_then_rerun_reattaches(tmp_path: Path, s
             os.killpg(second.pid, signal.SIGKILL)
     text = log2.read_text(errors="replace")
     assert rc == 0, text[-5000:]
-    for pid in runners:
-        assert f"runner pid {pid}" in text
+    import re
+
+    reattached = {int(p) for p in re.findall(r"re-attached on \w+, runner pid (\d+)", text)}
+    assert len(reattached) >= 2 and reattached <= set(runners), (reattached, runners)
     st = json.loads((pdir / "state.json").read_text())
     for c in st["chunks"].values():
         assert c["state"] == "done"

@@ -308,14 +308,15 @@ class Assignments:
         with self._lock:
             return sorted(i for i, c in self.chunks.items() if c.state == "running" and c.node == node)
 
-    def claim(self, node: str, output_for: Callable[[int], str] | None = None) -> int | None:
+    def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False) -> int | None:
         """The chunk `node` works on next: one it already runs (re-attach), else the lowest pending,
-        which is marked running on `node` at once (with `output_for`), so two nodes never take one chunk."""
+        which is marked running on `node` at once (with `output_for`), so two nodes never take one chunk.
+        `another`: a pending chunk even though the node runs one (started while that one drains)."""
         with self._lock:
             if self.nodes.get(node, {}).get("state") == "lost":
                 return None
             mine = self.running_on(node)
-            if mine:
+            if mine and not another:
                 return mine[0]
             for i in sorted(self.chunks):
                 if self.chunks[i].state == "pending":

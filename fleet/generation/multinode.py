@@ -78,7 +78,8 @@ class NodeWork:
 class Controller:
     def __init__(self, cfg: FleetConfig, plan_dir: str | Path, output: str, nodes: dict[str, NodeWork], *,
                  node_lost_s: float | None = None, probe_s: float = 10.0, poll_s: float = 1.0,
-                 fetch_every_s: float = 30.0, rejoin_s: float = 3600.0) -> None:
+                 fetch_every_s: float = 30.0, rejoin_s: float = 3600.0,
+                 say: Callable[[int, str], None] | None = None) -> None:
         self.cfg = cfg
         self.plan_dir = Path(plan_dir)
         self.output = output.rstrip("/")
@@ -87,6 +88,8 @@ class Controller:
         self.probe_s, self.poll_s, self.rejoin_s = probe_s, poll_s, rejoin_s
         # gather committed shards often enough that a node lost now costs little
         self.fetch_every_s = min(fetch_every_s, max(1.0, self.node_lost_s / 4))
+        # where the controller's own lines go (the Prefect layer passes its run logger)
+        self.say: Callable[[int, str], None] = say or (lambda level, msg: log.log(level, msg))
         self.plan: Plan | None = None
         self.assign: Assignments | None = None
         self.started = time.monotonic()
@@ -137,7 +140,7 @@ class Controller:
                         work.state = "gone"
                         break
                     continue
-                log.warning("node %s answers again: it rejoins the job", name)
+                self.say(logging.WARNING, f"node {name} answers again: it rejoins the job")
                 lost_since = None
             self.assign.node_ok(name)
             index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)))
@@ -152,9 +155,9 @@ class Controller:
                 self.assign.node_lost(name, str(exc))
                 work.state, work.progress, work.chunk = "lost", None, None
                 lost_since = time.monotonic()
-                log.warning("node %s lost (%s): chunk %d goes back to the queue", name, exc.one_line(), index)
+                self.say(logging.WARNING, f"node {name} lost ({exc.one_line()}): chunk {index} goes back to the queue")
             except ChunkFailed as exc:
-                log.warning("chunk %d failed on %s: %s", index, name, exc.one_line())
+                self.say(logging.WARNING, f"chunk {index} failed on {name}: {exc.one_line()}")
                 if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
                     self._stop.set()
                     raise FatalError(f"chunk {index} failed {MAX_FAILED_ATTEMPTS} times (last on {name}: "
@@ -254,8 +257,8 @@ class Controller:
                 # a fresh attempt (no runner has written here yet) starts from what other nodes committed
                 seeded = self._seed(node, index, out) if not node.exists(f"{out}/progress.json") else 0
                 if seeded:
-                    log.info("chunk %d on %s starts from %d shard(s) gathered from earlier attempts", index, name,
-                             seeded)
+                    self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
+                                           "earlier attempts")
                 handle = start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
                                    specs=work.specs, facts=work.facts)
             except FleetError as exc:
@@ -263,11 +266,12 @@ class Controller:
                     raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
                 raise
             work.state, work.chunk = "running", index
-            log.info("chunk %d (%d lines) %s on %s, runner pid %d", index, chunk.lines,
-                     "re-attached" if handle.attached else "started", name, handle.pid)
+            self.say(logging.INFO, f"chunk {index} ({chunk.lines} lines) "
+                                   f"{'re-attached' if handle.attached else 'started'} on {name}, runner pid {handle.pid}")
             last_contact = last_change = last_fetch = time.monotonic()
             last_stamp: Any = None
             servers_down_since: float | None = None
+            prestarted = False
             while True:
                 now = time.monotonic()
                 try:
@@ -296,6 +300,9 @@ class Controller:
                     self._stop_runner(node, handle.pid)
                     self._gather_partial(node, index, out, dest)
                     raise NodeLost(why)
+                if prog is not None and not prestarted and _draining(prog):
+                    prestarted = True
+                    self._prestart(node, name)
                 if now - last_fetch > self.fetch_every_s:
                     last_fetch = now
                     self._gather_partial(node, index, out, dest)
@@ -333,6 +340,28 @@ class Controller:
             raise
         finally:
             node.close()
+
+    def _prestart(self, node: Node, name: str) -> None:
+        """Start the node's next chunk while the current one drains (its input all sent, the last rows in
+        flight): the servers stay busy across the runner's exit and the next one's start. The next
+        `run_chunk` of this node re-attaches to it like a new controller would."""
+        from fleet.generation.remote import start_job
+
+        assert self.assign is not None
+        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True)
+        if nxt is None:
+            return
+        chunk = self.chunk(nxt)
+        out = self.chunk_output(name, chunk)
+        try:
+            remote_input = self._put_input(node, self.node_cfg(name), chunk)
+            if not node.exists(f"{out}/progress.json"):
+                self._seed(node, nxt, out)
+            h = start_job(node, self.chunk_cfg, self.node_cfg(name), input_path=remote_input, output=out,
+                          specs=self.nodes[name].specs, facts=self.nodes[name].facts)
+            self.say(logging.INFO, f"chunk {nxt} started on {name} while the previous one drains, runner pid {h.pid}")
+        except Exception as exc:  # it stays claimed: the node's next run_chunk starts it the usual way
+            log.warning("could not start chunk %d early on %s: %s", nxt, name, exc)
 
     def _gather_partial(self, node: Node, index: int, out: str, dest: Path) -> None:
         assert self.assign is not None
@@ -494,6 +523,14 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
 
     write_manifest(dest, manifest)
     return manifest
+
+
+def _draining(prog: dict[str, Any]) -> bool:
+    """The runner has sent its whole input: what is left is in flight (or being retried)."""
+    total = prog.get("rows_total")
+    if not total or prog.get("state") not in ("running",):
+        return False
+    return int(prog.get("rows_done") or 0) + int(prog.get("in_flight") or 0) >= total and not prog.get("queued")
 
 
 def _unreachable(exc: BaseException) -> bool:
