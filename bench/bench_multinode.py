@@ -78,7 +78,7 @@ class RssWatch:
             for wd in self.workdirs:
                 for pidf in wd.glob("jobs/*/runner.pid"):
                     try:
-                        pid = int(pidf.read_text().strip())
+                        pid = int(pidf.read_text().split()[0])
                         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                             if line.startswith("VmHWM:"):
                                 kb = int(line.split()[1])

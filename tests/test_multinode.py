@@ -110,7 +110,7 @@ def _runner_pids(workdir: Path) -> list[int]:
 
     out = []
     for p in workdir.glob("jobs/*/runner.pid"):
-        pid = int(p.read_text().strip() or 0)
+        pid = int((p.read_text().split() or ["0"])[0])   # "PID STARTTIME"
         if pid and LocalNode().is_alive(pid):
             out.append(pid)
     return out
@@ -120,7 +120,7 @@ def _server_pids(workdir: Path) -> list[int]:
     from fleet.node import LocalNode
 
     return [pid for p in workdir.rglob("*.pid") if "jobs" not in p.parts
-            for pid in [int(p.read_text().strip() or 0)] if pid and LocalNode().is_alive(pid)]
+            for pid in [int((p.read_text().split() or ["0"])[0])] if pid and LocalNode().is_alive(pid)]
 
 
 def _cli(cfg: FleetConfig, tmp_path: Path, inp: Path, out: Path, log: Path) -> subprocess.Popen:
