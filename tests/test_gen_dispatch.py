@@ -590,6 +590,23 @@ def test_two_equal_servers_input_exhausted_at_once_both_work_to_the_end(sims) ->
     by = {s["name"]: s for s in summary.servers}
     assert by["a"]["held_s"] == 0 and by["b"]["held_s"] == 0, "an equal server was held back at the tail"
     assert by["a"]["requests"] >= 25 and by["b"]["requests"] >= 25, by
+    for srv in by.values():   # the per-server record over time ends where the job did
+        t, in_flight, done, tokens = srv["timeline"][-1]
+        assert (in_flight, done, tokens) == (0, srv["requests"], srv["completion_tokens"])
+
+
+def test_timeline_keeps_the_whole_job_in_bounded_memory() -> None:
+    """A two-day job must not grow progress.json without bound: past `cap` points every other
+    one is dropped and the interval doubles, so the record still spans the whole job."""
+    from fleet.generation.dispatch import _Timeline
+
+    tl = _Timeline(every_s=2.0, cap=50)
+    for t in range(0, 100_000, 1):
+        tl.sample(float(t), 1, t, t * 10)
+    rows = tl.rows()
+    assert len(rows) < 50 and rows[0][0] == 0.0 and rows[-1][0] > 100_000 - 2 * tl.every_s
+    gaps = [b[0] - a[0] for a, b in zip(rows, rows[1:])]
+    assert max(gaps) <= 2 * min(gaps), "spread over the whole job, roughly evenly"
 
 
 def test_slower_server_is_not_held_for_a_faster_one_that_stopped_finishing(sims) -> None:

@@ -224,8 +224,8 @@ class _Timeline:
         self.points: list[tuple[float, int, int, int]] = []
         self._next = 0.0
 
-    def sample(self, t: float, in_flight: int, completed: int, tokens: int) -> None:
-        if t < self._next:
+    def sample(self, t: float, in_flight: int, completed: int, tokens: int, force: bool = False) -> None:
+        if t < self._next and not force:
             return
         self.points.append((round(t, 1), in_flight, completed, tokens))
         if len(self.points) >= self.cap:
@@ -489,6 +489,8 @@ class Dispatcher:
 
     def summary(self) -> Summary:
         now = time.monotonic()
+        for s in self.servers:   # the last point: the timeline ends where the job did
+            s.timeline.sample(now - self._t0, s.in_flight, s.requests, s.completion_tokens, force=True)
         complete = self._feed_done and not self._inflight
         state = "failed" if self.state.startswith("failed") else ("done" if complete else "stopped")
         return Summary(
