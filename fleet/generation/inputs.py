@@ -612,8 +612,8 @@ _READ_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile, OSError)
 
 def _corrupt(path: Path, exc: BaseException, line: int, offset: int, raw_pos: int | None) -> InputError:
     gz = raw_pos is not None
-    at = (f"after line {line:,} (byte {offset:,} of the decompressed text, about byte {raw_pos:,} of the file)"
-          if gz else f"after line {line:,} (byte {offset:,})")
+    at = (f"after line {line:,} (reading stopped at byte {offset:,} of the decompressed text, about byte "
+          f"{raw_pos:,} of the file)" if gz else f"after line {line:,} (reading stopped at byte {offset:,})")
     what = "is corrupt or truncated" if isinstance(exc, (EOFError, zlib.error, gzip.BadGzipFile)) else "could not be read"
     return InputError(f"input {path} {what} {at}: {type(exc).__name__}: {exc}",
                       remedy="the rows before that point are kept; replace the file with a complete copy "
@@ -624,25 +624,24 @@ def _lines(path: Path) -> Iterator[bytes]:
     """The file's lines (gzip transparently); a corrupt/truncated stream raises InputError with its offset."""
     f = _open_text(path)
     raw = getattr(f, "fileobj", None)   # GzipFile: the compressed file, for the byte position
-    n = offset = 0
+    n = 0
     with f:
-        it = iter(f)
-        while True:
+        try:
+            for line in f:   # one try around the loop: no per-line cost on the hot path
+                n += 1
+                yield line
+        except _READ_ERRORS as exc:
+            pos = None
+            if raw is not None:
+                try:
+                    pos = raw.tell()
+                except (OSError, ValueError):
+                    pos = 0
             try:
-                line = next(it, b"")
-            except _READ_ERRORS as exc:
-                pos = None
-                if raw is not None:
-                    try:
-                        pos = raw.tell()
-                    except (OSError, ValueError):
-                        pos = 0
-                raise _corrupt(path, exc, n, offset, pos) from exc
-            if not line:
-                return
-            n += 1
-            offset += len(line)
-            yield line
+                offset = f.tell()   # the logical (decompressed) position reached
+            except (OSError, ValueError):
+                offset = 0
+            raise _corrupt(path, exc, n, offset, pos) from exc
 
 
 def _raw(row: Any) -> str:
