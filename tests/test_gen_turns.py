@@ -206,3 +206,17 @@ def test_the_drafter_example_config_and_sample_give_a_specforge_file(tmp_path: P
     assert all(ln["source"] == "tutor-mix" and "ORIGINAL" not in json.dumps(ln) for ln in lines)
     assert all("older model" not in json.dumps(ln) for ln in lines), "an input assistant turn leaked"
     assert all(m.get("reasoning_content") for ln in lines for m in ln["conversations"] if m["role"] == "assistant")
+
+
+def test_a_failed_turn_sends_the_conversation_to_errors_naming_the_turn(tmp_path: Path, sims) -> None:  # noqa: F811
+    """A conversation whose third turn no longer fits the context (the regenerated history
+    grew it) ends in errors.jsonl once, saying "turn 3 of 3"; nothing of it is in the shards."""
+    s = sims("--context-length", "40")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text(json.dumps({"id": "c0", "ignore_eos": True, "conversations": CONV[1:]}) + "\n")
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 16, "regenerate": "all-turns"})
+    assert run_local(cfg, inp, out, [ServerEntry(node="local", index=0, url=s.url, model="sim-model")],
+                     flush_interval_s=0.5, progress_interval_s=0.2) == 0
+    (err,) = [json.loads(ln) for ln in (out / "errors.jsonl").read_text().splitlines()]
+    assert err["id"] == "c0" and err["status"] == 400 and err["error"].startswith("turn 3 of 3: HTTP 400")
+    assert len(read_results(out)) == 0 and account(inp, out, cfg.generation)["ok"]

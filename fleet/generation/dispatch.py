@@ -1083,7 +1083,7 @@ class Dispatcher:
         req = job.req
         if req.id not in self._inflight:
             return
-        stored = self.store.add_error(req.id, error=job.last_error, attempts=job.attempts, line=req.line,
+        stored = self.store.add_error(req.id, error=req.label_error(job.last_error), attempts=job.attempts, line=req.line,
                                       server=job.last_server, status=job.last_status)
         self._inflight.discard(req.id)
         if stored is False:

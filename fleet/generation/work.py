@@ -190,6 +190,10 @@ class RowWork:
         self.messages = self._request_messages()
         return True
 
+    def label_error(self, error: str) -> str:
+        """An error of this row, saying which turn failed when the row has several."""
+        return error if self.turns == 1 else f"turn {self.turn + 1} of {self.turns}: {error}"
+
     def result(self, out: Outcome, server: str) -> tuple[dict[str, Any], list[str]]:
         """The result row (store.RESULT_COLUMNS) from the last answer, and the reasons it is
         rejected (empty: it is kept)."""
