@@ -159,7 +159,10 @@ def test_all_turns_kill_mid_conversation_then_resume_is_whole(tmp_path: Path, si
     """The runner SIGKILLed while conversations are half-regenerated: after resume every
     conversation is complete and consistent (3 new turns, never a mix of old and new), each
     id exactly once, nothing in errors or quality rejects."""
-    s = sims("--tokens-per-s", "400", "--max-running-requests", "8")
+    # slow while the first runner works (about 240 requests of 1-24 tokens at 40 tok/s over 8
+    # slots: far longer than the few commits the kill waits for, even on a loaded machine),
+    # fast for the resume
+    s = sims("--tokens-per-s", "40", "--max-running-requests", "8")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     _write(inp, 80)
     job = job_file(tmp_path, inp, out, [s], config={"generation": {"max_tokens": 24, "max_attempts": 3,
@@ -175,6 +178,8 @@ def test_all_turns_kill_mid_conversation_then_resume_is_whole(tmp_path: Path, si
             p.kill()
     committed = result_ids(out)
     assert 10 <= len(committed) < 80, "killed too late to test a half-done job"
+    s.kill()
+    s.start("--tokens-per-s", "4000", "--max-running-requests", "8")
     p = start_runner(job, log)
     assert p.wait(120) == 0, log.read_text()[-2000:]
     _check_conversations(out, 80)
