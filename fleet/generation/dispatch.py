@@ -11,15 +11,23 @@ advance. K per server = min(the server's max running requests, the configured ca
 
 Failures (see `fleet.generation.client` for how an answer is classified):
 - permanent (a 400 for a prompt over the context, say): the row goes to errors at once;
-- transient (5xx, 429, a garbled body, a timeout): retried after an exponential, jittered
-  delay; after `max_attempts` attempts the row goes to errors with the last error;
-- connection errors are *suspects*: if the server turns out to be dead (a quick probe, the
-  next requests, or the process check fail too), the row goes back to the queue and no
-  attempt is charged; if the server is fine, the attempt is charged and the row retried.
+- transient (5xx, 429, a garbled body): retried after an exponential, jittered delay; after
+  `max_attempts` attempts the row goes to errors with the last error;
+- connection errors, and timeouts while the server finished nothing else, are *suspects*: if
+  the server turns out to be dead or stalled (a probe, the next requests, or the process
+  check fail too), the row goes back to the queue and no attempt is charged; if the server is
+  fine, the attempt is charged and the row retried. A row's attempts pay only for its own
+  failures.
 
-A server is marked DOWN after `down_after` consecutive connection failures or timeouts (or
-one 401/403/404, or its process gone per `is_alive`, or `down_after_5xx` 5xx in a row): its
-workers are cancelled, every row it held goes back to the queue uncharged, and
+The stall watchdog (`_watchdog`): a server with rows in flight and none finished for
+`stall_s` (derived from its recent p99 row time, see `stall_s()`) gets a generation probe
+(/health_generate, else a one-token chat) on its own connection; a failed probe marks it down.
+
+A server is marked DOWN after `down_after` consecutive connection failures (or a failed
+stall probe, or one 401/403/404, or its process gone per `is_alive`, or `down_after_5xx`
+5xx in a row): its workers are cancelled — and each checks its server's state before and
+after every request, because a cancellation that races aiohttp's own timeout is lost — every
+row it held goes back to the queue uncharged, and
 `on_server_down(endpoint)` is awaited (the runner relaunches, waits and smokes it); True
 re-admits the server, False tries again after a growing delay. Without a callback the
 server is re-admitted once /health_generate answers (it runs a generation, so a server
@@ -30,6 +38,8 @@ comes back.
 The tail: once the input is exhausted, a server markedly slower than the others leaves the
 last rows to them whenever they would finish those sooner (`_others_sooner`), so the
 slowest GPU does not become the job's last finisher (bench/bench_balance.py).
+Per server, `_Timeline` keeps [elapsed, in flight, completed, tokens] over the whole job in
+bounded memory (progress.json and the manifest carry it).
 
 Exactly once: a row is accepted into `_inflight` when fed and leaves it exactly once, by
 `_finish_ok` or `_finish_error`; anything else (a stop, a kill) leaves the row unwritten,
