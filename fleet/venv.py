@@ -123,20 +123,22 @@ def ensure_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_modul
 
     uv = find_or_install_uv(node, node_cfg.workdir)
     # A stale or half-built venv is rebuilt from scratch: cheaper than reasoning about its state.
-    node.run(["rm", "-f", f"{path}/{STAMP}"], timeout=60)
-    venv_argv = [uv, "venv", "--quiet", "--allow-existing", path]
+    node.run(["rm", "-f", "--", f"{path}/{STAMP}"], timeout=60)
+    # Config values go as `--opt=value` and after `--`: a value starting with '-' is never an option.
+    venv_argv = [uv, "venv", "--quiet", "--allow-existing"]
     if cfg.venv.python:
-        venv_argv += ["--python", cfg.venv.python]
+        venv_argv += [f"--python={cfg.venv.python}"]
+    venv_argv += ["--", path]
     # UV_NATIVE_TLS is the older uv's name for UV_SYSTEM_CERTS; an unknown variable is ignored.
     uv_env = {"UV_SYSTEM_CERTS": "1", "UV_NATIVE_TLS": "1"} if cfg.venv.system_certs else None
     node.run(venv_argv, timeout=600, env=uv_env)
     if req["packages"]:
-        install = [uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", python]
+        install = [uv, "pip", "install", "--quiet", "--compile-bytecode", f"--python={python}"]
         if cfg.venv.index_url:
-            install += ["--index-url", cfg.venv.index_url]
+            install += [f"--index-url={cfg.venv.index_url}"]
         for link in cfg.venv.find_links:
-            install += ["--find-links", link]
-        node.run([*install, *req["packages"]], timeout=3600, env=uv_env)
+            install += [f"--find-links={link}"]
+        node.run([*install, "--", *req["packages"]], timeout=3600, env=uv_env)
     secs = time_import(node, python, import_module)
     node.write_text(f"{path}/{STAMP}", json.dumps({"hash": key, "request": req, "uv": uv,
                                                      "created": time.time()}, indent=2))

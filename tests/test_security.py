@@ -565,3 +565,37 @@ def test_a_config_error_never_echoes_a_secret(tmp_path: Path) -> None:
     r = _fleet("status", "-c", str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "sk-in-a-list-123" not in r.stderr and "servers.api_key" in r.stderr
+
+
+@pytest.mark.ssh
+def test_secrets_appear_nowhere_after_a_bringup_over_ssh(tmp_path: Path, sshd, prefect_api) -> None:
+    """Over SSH the launch goes through sshd's `sh -c …` command strings and the env file through
+    sftp/stdin: none of the processes started on the node (sshd sessions, shells, servers) ever
+    holds the key or the token in its command line, and nothing written on the node does."""
+    import httpx
+
+    from flows.fleet import fleet
+    from test_bringup import port_block, sim_config
+
+    key, token = "sk-ssh-test-0c1d2e3f4a", "hf_sshTOKEN_z9y8x7"
+    base = port_block(2)
+    # a workdir with a space, a quote, a '*' and a leading '-' in a component: one path everywhere
+    work = tmp_path / "-r w'o*rk"
+    node = sshd.node_config(name="remote", workdir=str(work)).model_dump(mode="json")
+    cfg = sim_config(tmp_path, base, n=2, node=node, servers={"api_key": key},
+                     engine={"env": {"HF_TOKEN": token}})
+    try:
+        with CmdlineWatcher() as watch:
+            state = fleet(config=cfg, action="bringup", return_state=True)
+            assert state.is_completed(), state.message
+            rows = state.result()
+            r = httpx.get(f"http://127.0.0.1:{base}/v1/models")
+            assert r.status_code == 401
+            environ = Path(f"/proc/{rows[0]['pid']}/environ").read_bytes()
+            assert f"HF_TOKEN={token}".encode() in environ.split(b"\0")
+    finally:
+        fleet(config=cfg, action="teardown", return_state=True)
+    assert any("sshd" in c or "fleet-launch" in c for c in watch.seen.values()), "the watcher saw no session"
+    leaked = {pid: cmd for pid, cmd in watch.seen.items() if key in cmd or token in cmd}
+    assert not leaked, leaked
+    assert (work / "servers" / "t-0.json").exists() and not _scan_tree(work, [key, token])
