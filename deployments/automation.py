@@ -8,17 +8,23 @@
 Runs against the Prefect API in PREFECT_API_URL. Idempotent: the block is overwritten and
 an automation of the same name is deleted and created again, so re-running applies edits.
 
-The trigger: any `prefect.flow-run.Failed` or `prefect.flow-run.Crashed` event of a run of
-the flow named `fleet` (every deployment: bringup, scheduled revalidate, generate,
-teardown). The notification names the run, its state message (revalidate puts every
-unhealthy server there) and a link to it in the UI.
+The trigger: a `fleet.flow-run.failed` event (emitted by every failed run of the `fleet`
+flow, flows/alerts.py) or Prefect's `prefect.flow-run.Crashed`, for every deployment:
+bringup, scheduled revalidate, generate, teardown. Not `prefect.flow-run.Failed`: for runs a
+fresh schedule creates, Prefect holds that event ≈ 15 minutes waiting for a Scheduled event
+that never comes. The notification names the run, its state message (revalidate puts every
+unhealthy server there) and a link to it in the UI (PREFECT_UI_URL on the server).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from uuid import UUID
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from flows.alerts import FAILED_EVENT  # noqa: E402
 
 AUTOMATION_NAME = "fleet-run-failed"
 WEBHOOK_BLOCK_NAME = "fleet-alerts"
@@ -29,7 +35,7 @@ BODY = """\
 Flow run {{ flow.name }}/{{ flow_run.name }} ended {{ flow_run.state.name }} at {{ flow_run.state.timestamp }}.
 {% if deployment %}Deployment: {{ deployment.name }}
 {% endif %}Message: {{ flow_run.state.message }}
-Run: {{ flow_run|ui_url }}
+Run: {{ flow_run|ui_url or ("flow run " ~ flow_run.id ~ " (set PREFECT_UI_URL on the server for a link)") }}
 """
 
 
@@ -61,7 +67,10 @@ def build_automation(block_id: UUID, flow_name: str = FLOW_NAME):  # -> Automati
         name=AUTOMATION_NAME,
         description=f"Notify through a notification block when a run of the `{flow_name}` flow fails or crashes.",
         trigger=EventTrigger(
-            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            # fleet.flow-run.failed comes from the run itself and follows no other event, so it is
+            # never held back waiting for a Scheduled event the scheduler did not emit (flows/alerts.py).
+            # Crashed: a run killed outright runs no hook; Prefect's event is the only word of it.
+            expect={FAILED_EVENT, "prefect.flow-run.Crashed"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": flow_name},
             posture=Posture.Reactive,

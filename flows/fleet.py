@@ -28,6 +28,7 @@ from fleet.engines import ServerSpec
 from fleet.errors import FleetError
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
+from flows.alerts import announce_failure
 from flows.outcome import failed, quiet_expected_failures
 from flows.params import resolve_config, run_name
 from tasks.audit import write_not_run, write_table
@@ -269,7 +270,7 @@ def generate_message(res: dict[str, Any]) -> str:
 
 
 @flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
-      flow_run_name=run_name)
+      flow_run_name=run_name, on_failure=[announce_failure])
 def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup", free_ramdisk: bool = False,
           node_wait_s: float = 3600.0, input: str | None = None, output: str | None = None,
           retry_errors: bool = False) -> Any:

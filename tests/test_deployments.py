@@ -94,7 +94,9 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"), PREFECT_WORKER_QUERY_SECONDS="1",
-               PREFECT_LOGGING_EXTRA_LOGGERS="fleet")
+               PREFECT_LOGGING_EXTRA_LOGGERS="fleet",
+               # the scheduler service inserts a fresh schedule's runs within seconds, not a minute
+               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
     log = open(home / "server.log", "wb")
     proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -246,7 +248,7 @@ def test_the_yaml_declares_four_deployments(deployed: PrefectServer) -> None:
     # the automation exists and points at a notification block
     autos = deployed.post("/automations/filter", {})
     (auto,) = [a for a in autos if a["name"] == "fleet-run-failed"]
-    assert set(auto["trigger"]["expect"]) == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
+    assert set(auto["trigger"]["expect"]) == {"fleet.flow-run.failed", "prefect.flow-run.Crashed"}
     assert auto["trigger"]["match_related"] == {"prefect.resource.role": "flow", "prefect.resource.name": "fleet"}
     assert auto["actions"][0]["type"] == "send-notification"
 
@@ -386,6 +388,38 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
         assert fr["state"]["message"].startswith("nothing is up (torn down at ")
     finally:
         run_deployment(s, "fleet/teardown-dep-block")
+
+
+def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServer, hook: Hook,
+                                                           tmp_path: Path) -> None:
+    """Fault: runs that a schedule creates right after a deploy (or a new schedule) have no
+    prefect.flow-run.Scheduled event; Prefect held their Failed event ≈ 15 minutes waiting for it,
+    so the automation alerted that late. The automation now follows fleet.flow-run.failed, which
+    the run emits and which follows nothing: the first scheduled run of a brand-new schedule (a
+    revalidate of a fleet never brought up, so Failed) is notified as soon as it ends."""
+    s = deployed
+    cfg_path, data = sim_toml(tmp_path, n=1)
+    data["name"] = "dep-late"
+    from fleet.demo import to_toml
+    cfg_path.write_text(to_toml(data))
+    res = subprocess.run([PY, "-m", "fleet.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "30"],
+                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    try:
+        def first_run_ended() -> dict[str, Any] | None:
+            runs = s.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": ["revalidate-dep-late"]}}})
+            return next((r for r in runs if r["state"]["type"] == "FAILED"), None)
+
+        run = poll(first_run_ended, timeout=180, what="the schedule's first revalidate run to end Failed")
+        assert run["auto_scheduled"]  # created by the schedule, not by hand
+        events = s.post("/events/filter", {"filter": {"event": {"name": ["prefect.flow-run.Scheduled"]},
+                                                      "resource": {"id": [f"prefect.flow-run.{run['id']}"]}}})
+        assert events["events"] == []  # the missing Scheduled event this alert must not wait for
+        note = hook.wait_for("revalidate-dep-late", "never launched", timeout=60)
+        assert note["subject"] == "fleet: revalidate-dep-late Failed"
+    finally:
+        for action in ("bringup", "revalidate", "generate", "teardown"):
+            s.cli("deployment", "delete", f"fleet/{action}-dep-late", check=False)
 
 
 def test_default_config_is_read_relative_to_the_repo(deployed: PrefectServer) -> None:
