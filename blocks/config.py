@@ -12,7 +12,10 @@ when it starts, so an edit applies to the next run, schedules included.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect.blocks.core import Block
+from prefect.types import SecretDict
 from pydantic import Field
 
 from fleet.config import FleetConfig
@@ -29,5 +32,25 @@ class FleetConfigBlock(Block):
     )
     _documentation_url = None
 
-    config: FleetConfig = Field(..., description="The fleet config (the TOML file's content, validated).")
+    config: FleetConfig = Field(..., description="The fleet config (the TOML file's content, validated). "
+                                                 "engine.env is kept in engine_env below.")
+    # Prefect masks a SecretStr field, but not the SecretStr values inside a dict (engine.env):
+    # checked on 3.9.1, the API returned them in clear text. A SecretDict is masked as a whole.
+    engine_env: SecretDict = Field(default_factory=lambda: SecretDict({}),
+                                   description="engine.env: environment variables for every server (secret).")
     source: str | None = Field(None, description="Where it was read from when saved (for reference; not re-read).")
+
+    @classmethod
+    def of(cls, cfg: FleetConfig, source: str | None = None) -> FleetConfigBlock:
+        env = {k: v.get_secret_value() if hasattr(v, "get_secret_value") else v for k, v in cfg.engine.env.items()}
+        bare = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"env": {}})})
+        return cls(config=bare, engine_env=SecretDict(env), source=source)
+
+    def fleet_config(self) -> FleetConfig:
+        """The config as saved, engine.env included."""
+        env: dict[str, Any] = dict(self.engine_env.get_secret_value() or {})
+        if not env:
+            return self.config
+        data = self.config.model_dump(mode="python")
+        data["engine"]["env"] = env
+        return FleetConfig(**data)

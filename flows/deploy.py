@@ -47,7 +47,7 @@ def save_config_block(cfg: FleetConfig, source: str | None = None) -> str:
     """Save (or replace) the fleet's config block; its `<type-slug>/<name>`."""
     from blocks.config import FleetConfigBlock
 
-    FleetConfigBlock(config=cfg, source=source).save(cfg.name, overwrite=True)
+    FleetConfigBlock.of(cfg, source).save(cfg.name, overwrite=True)
     return f"fleet-config/{cfg.name}"
 
 

@@ -50,7 +50,7 @@ def config_from_block(ref: str) -> dict[str, Any]:
                           remedy="create it (UI: Blocks → Secret) or pass the config inline or as a TOML path"
                           ) from exc
     if isinstance(block, FleetConfigBlock):
-        return block.config.model_dump(mode="python")  # SecretStr values stay SecretStr
+        return block.fleet_config().model_dump(mode="python")  # SecretStr values stay SecretStr
     value = block.get() if hasattr(block, "get") else getattr(block, "value", None)
     return _config_value(value, f"block {ref!r}")
 

@@ -308,7 +308,8 @@ def test_config_by_path_block_or_variable(tmp_path: Path) -> None:
 
 
 def test_fleet_config_block_keeps_secrets_and_runs_are_named_after_the_fleet(tmp_path: Path) -> None:
-    """The fleet-config block (what `fleet deploy` saves) gives back the config with its API key;
+    """The fleet-config block (what `fleet deploy` saves) gives back the config with its secrets (API key,
+    engine.env), which the API shows masked;
     a run whose config is a block or a variable is named after the fleet, not the reference
     (a `variable:` config used to rename the runs after the variable)."""
     from prefect.variables import Variable
@@ -316,10 +317,18 @@ def test_fleet_config_block_keeps_secrets_and_runs_are_named_after_the_fleet(tmp
     from flows.deploy import save_config_block
     from flows.params import resolve_config
 
-    cfg = sim_config(tmp_path, n=1, servers={"api_key": "sk-rv-secret"})
+    from prefect.client.orchestration import get_client
+
+    cfg = sim_config(tmp_path, n=1, servers={"api_key": "sk-rv-secret"}, engine={"env": {"HF_TOKEN": "hf-rv-456"}})
     assert save_config_block(cfg) == "fleet-config/rv"
     back = resolve_config("block:fleet-config/rv")
     assert back == cfg and back.api_key() == "sk-rv-secret"
+    assert back.engine.env["HF_TOKEN"].get_secret_value() == "hf-rv-456"
+    # what the UI reads: no secret in clear (a SecretStr inside a dict is not masked by Prefect)
+    with get_client(sync_client=True) as client:
+        doc = client.read_block_document_by_name("rv", "fleet-config", include_secrets=False)
+    shown = json.dumps(doc.data, default=str)
+    assert "sk-rv-secret" not in shown and "hf-rv-456" not in shown and "HF_TOKEN" in shown
     Variable.set("some_variable", sim_config(tmp_path, n=1).model_dump(mode="json"), overwrite=True)
     for ref in ("variable:some_variable", "block:fleet-config/rv"):
         st = run(ref, "revalidate")
