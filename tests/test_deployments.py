@@ -375,7 +375,7 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
     workdir = Path(data["nodes"][0]["workdir"])
     try:
         rc, fr = run_deployment(s, "fleet/bringup-dep-block")
-        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]["message"]
         assert fr["name"] == "bringup-dep-block" and fr["state"]["message"].startswith("2 server(s) up")
         assert (workdir / "servers" / "dep-block-0.json").exists()  # the block's workdir: that fleet
         rc, fr = run_deployment(s, "fleet/revalidate-dep-block")  # what the schedule runs: no parameter
@@ -384,7 +384,7 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
         rc, fr = run_deployment(s, "fleet/teardown-dep-block")
         assert rc == 0 and "stopped 2 server(s)" in fr["state"]["message"]
         rc, fr = run_deployment(s, "fleet/revalidate-dep-block")
-        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]
+        assert rc == 0 and fr["state"]["type"] == "COMPLETED", fr["state"]["message"]
         assert fr["state"]["message"].startswith("nothing is up (torn down at ")
     finally:
         run_deployment(s, "fleet/teardown-dep-block")
