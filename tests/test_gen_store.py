@@ -432,3 +432,48 @@ def test_a_shard_from_before_nested_types_reads_as_nested(tmp_path):
     rows = {r["id"]: r for r in t.to_pylist()}
     assert rows["old"]["messages"][0]["content"] == "hi" and rows["old"]["tool_calls"][0]["function"]["name"] == "f"
     assert rows["old"]["params"]["max_tokens"] == 8 and rows["new"]["messages"][0]["content"] == "q new"
+
+
+def test_flush_waits_for_a_commit_under_way_in_another_thread(tmp_path, monkeypatch):
+    """The runner's timed flush runs in a thread; at the end of a job its task is cancelled
+    while the thread may still be writing the last shard. The final flush returned at once (the
+    buffer was already taken) and the manifest said 0 completed, 0 shards, with every row in a
+    shard written a moment later. A flush now returns only when that commit is done."""
+    out = tmp_path / "out"
+    s = ResultStore(out)
+    for i in range(5):
+        s.add_result(result(i))
+    writing, release = threading.Event(), threading.Event()
+    real_write = pq.write_table
+
+    def slow_write(*a, **kw):
+        writing.set()
+        assert release.wait(30)
+        return real_write(*a, **kw)
+
+    monkeypatch.setattr(pq, "write_table", slow_write)
+
+    class CountingLock:   # counts who asks for the commit lock, so the test knows B is waiting
+        def __init__(self, inner):
+            self.inner, self.asked = inner, 0
+
+        def __enter__(self):
+            self.asked += 1
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    lock = s._commit_lock = CountingLock(s._commit_lock)
+    a = threading.Thread(target=s.flush)
+    a.start()
+    assert writing.wait(30)
+    done: list[dict] = []
+    b = threading.Thread(target=lambda: (s.flush(), done.append(s.counts())))
+    b.start()
+    wait_until(lambda: lock.asked >= 3, timeout=30, what="the second flush waiting for the commit lock")
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert done and done[0]["committed"] == 5 and done[0]["shards"] == 1
+    s.close()

@@ -571,7 +571,10 @@ class ResultStore:
             raise FatalError(f"cannot create output directory {self.dir}: {exc.strerror}",
                              remedy="pass an --output directory you can write to") from exc
         self._lock = threading.RLock()  # buffer, counters, files, the id set
-        self._commit_lock = threading.Lock()  # one shard write at a time
+        # One shard write at a time. Reentrant: `flush` holds it while it takes the buffer and
+        # commits, so a flush returns only after a commit under way in another thread (the
+        # runner's timed flush, whose task may be cancelled while its thread writes) is done.
+        self._commit_lock = threading.RLock()
         self._lock_fd: int | None = self._acquire_lock()
         try:
             self._open(input_fingerprint, job_params)
@@ -904,12 +907,16 @@ class ResultStore:
                         self._shards += 1
 
     def flush(self) -> None:
-        """Commit the buffered results as one shard now, and fsync the rejects file."""
-        with self._lock:
-            self._check_open()
-            rows, self._buffer = self._buffer, []
-        if rows:
-            self._commit(rows)
+        """Commit the buffered results as one shard now, and fsync the rejects file.
+
+        Returns once every row buffered before the call is committed, including rows another
+        thread's flush took and is still writing (the counts and the shards then agree)."""
+        with self._commit_lock:
+            with self._lock:
+                self._check_open()
+                rows, self._buffer = self._buffer, []
+            if rows:
+                self._commit(rows)
         with self._lock:
             self._rejects_f.flush()
             os.fsync(self._rejects_f.fileno())
