@@ -446,3 +446,35 @@ def test_serve_builds_the_deployments_the_yaml_declares() -> None:
     assert served["revalidate"].schedules[0].schedule.interval.total_seconds() == 1800
     assert served["revalidate"].concurrency_limit == 1
     assert served["revalidate"].concurrency_options.collision_strategy == "CANCEL_NEW"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_up_on_a_real_server_leaves_no_lock(prefect_server: PrefectServer, tmp_path: Path,
+                                                        sig: int) -> None:
+    """The lock heals on a real `prefect server start` too (where the dead run's Prefect lease
+    still lives in the server and must be revoked, not counted twice): Ctrl-C gives the slot
+    back itself; after kill -9 the next `fleet up` reclaims it at once, naming the dead run."""
+    from test_interrupt import Cmd
+
+    cfg_path, _ = sim_toml(tmp_path, n=2)
+    env = dict(prefect_server.env)
+    try:
+        first = Cmd(env, tmp_path / "first.txt", "up", "-c", str(cfg_path))
+        first.wait_for_text("holding")
+        took = first.signal_group(sig)
+        print(f"\nfleet up (real server) exited {took:.2f} s after {signal.Signals(sig).name}")
+        if sig == signal.SIGINT:
+            assert first.proc.returncode == 130 and "Traceback" not in first.text()
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg_path))
+        assert second.finish() == 0, second.text()[-3000:]
+        out = second.text()
+        assert "waiting" not in out
+        assert ("reclaimed the lock fleet-node-" in out) == (sig == signal.SIGKILL), out[-3000:]
+        limit = prefect_server.get(f"/v2/concurrency_limits/{'fleet-node-local-' + socket.gethostname().lower()}")
+        assert limit["active_slots"] == 0  # neither leaked nor freed twice
+        killed = [r for r in prefect_server.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": ["bringup-dep"]}}})
+                  if r["state"]["type"] != "COMPLETED"]
+        assert killed and all(r["state"]["type"] == "CRASHED" for r in killed)  # nothing left "Running"
+    finally:
+        subprocess.run([PY, "-m", "fleet.cli", "down", "-c", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
+                       timeout=120)
