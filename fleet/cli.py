@@ -528,10 +528,19 @@ def interrupt_paragraph(args: argparse.Namespace) -> str:
                 f"See them: `fleet status{c}`. Finish the bring-up (adopts what runs): `fleet up{c}`. "
                 f"Stop them: `fleet down{c}`.")
     if args.command == "generate":
+        jobs = "<workdir>/jobs"
+        try:
+            from fleet.config import load_config
+
+            loaded = load_config(cfg)
+            jobs = f"{loaded.nodes[0].workdir.rstrip('/')}/jobs/{loaded.name}-*"
+        except Exception:
+            pass  # the paragraph must not depend on the config being readable
         return (f"Servers and the generation runner, if it had started, keep running (detached): the job goes on, "
                 f"with progress in {args.output}/progress.json on the node. Re-attach: the same `fleet generate` "
                 f"command again (it never starts a second runner). Servers: `fleet status{c}`; stop them: "
-                f"`fleet down{c}`; stop the job: SIGTERM to the pid in <workdir>/jobs/*/runner.pid on the node.")
+                f"`fleet down{c}`. Stop the job (it commits what is done): "
+                f"`kill -TERM $(cut -d' ' -f1 {jobs}/runner.pid)` on the node.")
     if args.command == "down":
         return f"Servers not stopped yet keep running: `fleet status{c}` shows them; `fleet down{c}` again stops them."
     if args.command == "fetch":

@@ -200,3 +200,100 @@ def test_embedded_server_that_cannot_start_is_one_line_with_the_remedy(env: dict
     assert "embedded Prefect server exited with code" in lines[0] and "tried 2 times" in lines[0]
     assert "PREFECT_API_URL" in lines[0]
     assert not embedded_servers(env["PREFECT_HOME"])
+
+
+SCRIPT = r"""
+import sys, threading, time
+from pathlib import Path
+from fleet import interrupt
+
+marker = Path(sys.argv[1])
+def slow_cleanup():
+    marker.write_text("cleanup started")
+    time.sleep(60)
+interrupt.on_interrupt("slow", slow_cleanup)
+interrupt.on_interrupt("first", lambda: Path(str(marker) + ".first").write_text("ran"), order=-1)
+interrupt.install(lambda: "the paragraph")
+def chatter():  # a worker thread that keeps logging while the command shuts down
+    while True:
+        if marker.exists():
+            print("noise from a worker thread", file=sys.stderr, flush=True)
+        time.sleep(0.01)
+threading.Thread(target=chatter, daemon=True).start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def start_script(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, marker
+
+
+def test_second_ctrl_c_exits_at_once_without_waiting_for_cleanups(tmp_path: Path) -> None:
+    """A cleanup that hangs (an API that does not answer) must not hold the user: the second
+    Ctrl-C ends the process at once — before the cleanups finish and the paragraph prints."""
+    proc, marker = start_script(tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_until(marker.exists, timeout=30, what="the cleanups to start")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "the paragraph" not in err  # it did not wait for the slow cleanup
+    assert Path(str(marker) + ".first").read_text() == "ran"  # cleanups ran in order
+
+
+def test_first_ctrl_c_bounds_cleanups_silences_threads_and_prints_one_paragraph(tmp_path: Path) -> None:
+    """One Ctrl-C: a hanging cleanup is abandoned after CLEANUP_DEADLINE_S, nothing from other
+    threads reaches the terminal after it, and the paragraph is the last thing printed."""
+    from fleet.interrupt import CLEANUP_DEADLINE_S
+
+    proc, marker = start_script(tmp_path)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    print(f"\nexit {took:.2f} s after one Ctrl-C with a cleanup that hangs (deadline {CLEANUP_DEADLINE_S} s)")
+    assert proc.returncode == 130 and marker.exists()
+    # the worker thread wrote to stderr all through the shutdown: none of it got out
+    assert err.strip() == "fleet: interrupted. the paragraph"
+    assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
+
+
+def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_path: Path) -> None:
+    """`fleet generate` used to take minutes after Ctrl-C. Now: out in seconds, the paragraph
+    says how to re-attach and how to stop the job, and the detached runner keeps generating."""
+    import json
+
+    cfg = sim_cfg(tmp_path, "tg", startup_s=0.3)
+    cfg.write_text(cfg.read_text().replace("tokens_per_s = 5000", "tokens_per_s = 20"))
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"hi {i}"}],
+                                        "max_tokens": 64}) + "\n" for i in range(400)))
+    runner = None
+    try:
+        cmd = Cmd(env, tmp_path / "gen.txt", "generate", "-c", str(cfg), "--input", str(rows), "--output",
+                  str(tmp_path / "out"))
+        cmd.wait_for_text("started runner pid")
+        took = cmd.signal_group(signal.SIGINT)
+        print(f"\nfleet generate exited {took:.2f} s after Ctrl-C")
+        out = cmd.text()
+        assert cmd.proc.returncode == 130 and took < EXIT_BOUND_S and "Traceback" not in out
+        para = out[out.index("fleet: interrupted."):]
+        assert "the same `fleet generate` command again" in para and "runner.pid" in para
+        (pidfile,) = (tmp_path / "tg" / "work" / "jobs").glob("tg-*/runner.pid")
+        runner = int(pidfile.read_text().split()[0])
+        from fleet.node import LocalNode
+
+        assert LocalNode().is_alive(runner)  # the job goes on without the command
+    finally:
+        if runner:
+            try:
+                os.kill(runner, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        down(env, cfg)
