@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fleet.errors import FleetError
 
@@ -51,7 +51,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return EXIT_FAILED if bad else 0
 
 
-def _print_rows(rows: list[dict], columns: list[str]) -> None:
+def print_rows(rows: list[dict], columns: list[str]) -> None:
     def cell(v: object) -> str:
         if v is None:
             return "-"
@@ -66,63 +66,6 @@ def _print_rows(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for t in table:
         print("  ".join(v[:60].ljust(w) for v, w in zip(t, widths)))
-
-
-def _prefect_env() -> None:
-    from flows.api import prefect_env
-
-    prefect_env()
-
-
-def run_bringup(cfg) -> tuple[bool, list[dict], str]:  # type: ignore[no-untyped-def]
-    """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
-    from flows.api import ensure_api, run_flow
-
-    ensure_api()
-    from flows.fleet import SUMMARY_COLUMNS, fleet
-    from flows.outcome import run_data
-
-    state = run_flow(fleet, config=cfg, action="bringup")
-    data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
-    rows = data if isinstance(data, list) else []
-    _print_rows(rows, SUMMARY_COLUMNS)
-    return state.is_completed(), rows, state.message or ""
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from fleet.config import load_config
-
-    ok, _, message = run_bringup(load_config(args.config))
-    print(("fleet up: " if ok else "fleet up: FAILED: ") + message, file=sys.stdout if ok else sys.stderr)
-    return 0 if ok else EXIT_FAILED
-
-
-def cmd_deploy(args: argparse.Namespace) -> int:
-    """Save the config as the fleet-config block and register its four deployments (flows/deploy.py)."""
-    from pathlib import Path
-
-    from fleet.config import load_config
-
-    cfg = load_config(args.config)
-    _prefect_env()
-    from prefect.settings import PREFECT_API_URL
-
-    if not PREFECT_API_URL.value():
-        print("fleet deploy: PREFECT_API_URL is not set: deployments need a Prefect server that stays up\n"
-              "  remedy: start one (`prefect server start`) and export PREFECT_API_URL=http://127.0.0.1:4200/api",
-              file=sys.stderr)
-        return EXIT_ERROR
-    from flows.deploy import deploy
-
-    res = deploy(cfg, source=str(Path(args.config).resolve()), pool=args.pool,
-                 revalidate_every_s=args.revalidate_every or None)
-    print(f"fleet {cfg.name}: config saved as block {res.block}"
-          + (f"; work pool {res.pool} created" if res.pool_created else ""))
-    for name in res.deployments:
-        print(f"  {name}")
-    print(f"start a worker: prefect worker start --pool {res.pool}   (from this directory, in its venv)\n"
-          f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
-    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -143,7 +86,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"fleet": cfg.name, "servers": rows}, indent=2))
     elif rows:
-        _print_rows(rows, ["node", "server", "state", "pid", "port", "gpus", "up_s", "last_smoke_ago_s", "log"])
+        print_rows(rows, ["node", "server", "state", "pid", "port", "gpus", "up_s", "last_smoke_ago_s", "log"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     return 0 if all(r["state"] == "running" for r in rows) else EXIT_FAILED
@@ -160,7 +103,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         with connect(node_cfg) as node:
             rows += stop_servers(node, cfg, node_cfg)
     if rows:
-        _print_rows([{"server": r.get("index"), **r} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
+        print_rows([{"server": r.get("index"), **r} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     return EXIT_FAILED if any(str(r["action"]).startswith("error") for r in rows) else 0
@@ -213,38 +156,6 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
     return n
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    import os
-
-    from fleet.config import load_config
-    from fleet.generation.validate import plan_job
-    from flows.api import ensure_api, run_flow
-
-    cfg = load_config(args.config)
-    if args.limit is not None:
-        cfg.generation.limit = args.limit
-    # Before anything starts: the input, the output location, the job already there (exit 2).
-    plan = plan_job(cfg, input=args.input, output=args.output, retry_errors=args.retry_errors, cwd=os.getcwd())
-    if plan.verdict == "done":
-        print(f"fleet generate: {plan.message}")
-        return 0
-    print(f"fleet generate: {plan.message}", flush=True)
-    ensure_api()
-    from flows.fleet import fleet
-    from flows.outcome import run_data
-
-    state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
-                     retry_errors=args.retry_errors)
-    data = run_data(state)  # a bug raises here, with its traceback
-    if isinstance(data, dict):
-        print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
-                                                    "quality_rejects", "throughput", "cost", "checks", "quality")}, indent=2, default=str))
-    ok = state.is_completed()
-    print(("fleet generate: " if ok else "fleet generate: FAILED: ") + (state.message or ""),
-          file=sys.stdout if ok else sys.stderr)
-    return 0 if ok else EXIT_FAILED
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -330,16 +241,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from flows.report import report
+# The commands that run a Prefect flow (or read its records). The core cannot import the flows:
+# the entry point outside it (`flows/cli.py`, the `fleet` console script) supplies them.
+FLOW_COMMANDS = ("demo", "up", "deploy", "generate", "report")
+Command = Callable[[argparse.Namespace], int]
 
-    return report(args.config, args.run, args.key, args.list, args.full)
 
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from fleet.demo import run_demo
-
-    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+def _runs_a_flow(args: argparse.Namespace) -> int:
+    raise FleetError(f"`fleet {args.command}` runs a Prefect flow and is not part of the core command line",
+                     remedy="run it through the `fleet` command (or `python -m flows.cli`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers: real `transformers serve` on CPU (2 servers); sim: simulated SGLang (4 servers)")
     p.add_argument("--servers", type=int, default=None, help="number of servers (default 2 for transformers, 4 for sim)")
     p.add_argument("--keep", action="store_true", help="leave the servers running (stop them with `fleet down`)")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("preflight", help="inspect every node: GPUs, RAM, RAM disk, filesystems, ports",
                        description="Inspect every node of a fleet config and run the hard checks of the provision "
@@ -373,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Provision, venv, stage, launch and smoke every server of the config. "
                                    "Idempotent: what is already in place is adopted. Exit 1 when any server is not up.")
     _config_arg(p)
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("deploy", help="save the config in Prefect and register its bringup, revalidate, generate "
                                       "and teardown deployments",
@@ -386,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="fleet-pool", help="process work pool (created if missing; default %(default)s)")
     p.add_argument("--revalidate-every", type=float, default=1800, metavar="SECONDS",
                    help="revalidate schedule interval; 0 for no schedule (default %(default)s)")
-    p.set_defaults(func=cmd_deploy)
+    p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke",
                        description="Read every server's launch record on every node (no relaunch, no requests): "
@@ -428,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="read only the first N input rows (try a job on a few rows; a later run with a larger N "
                         "or none goes on from there)")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
                        description="Copy a job's output (shards, errors, rejects, manifest, progress) from each node "
@@ -474,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="also print every markdown artifact (per-task details)")
     p.add_argument("key", nargs="?", default=None,
                    help="one artifact by key (e.g. local-sim-summary): of that run, or the newest with that key")
-    p.set_defaults(func=cmd_report)
+    p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
                        description="Build a tiny random-weight Qwen2-style chat model (byte-level BPE tokenizer "
@@ -485,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | None = None) -> int:
+    """Run one command. `commands` supplies the FLOW_COMMANDS (from `flows/cli.py`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # every argument belongs to the simulator, --help included
@@ -494,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sim_main(argv[1:], prog="fleet sim")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if commands and args.command in commands:
+        args.func = commands[args.command]
     from fleet.interrupt import install
 
     install(lambda: interrupt_paragraph(args))

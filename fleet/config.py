@@ -23,13 +23,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from fleet.errors import ConfigError
+from fleet.errors import MASK, ConfigError
 
 EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
 
-# A value shown masked (pydantic's SecretStr rendering). A config that arrives with it (a
-# flow-run parameter read back from the API) lost its secret on the way and must not be used.
-MASK = "**********"
+# MASK (fleet.errors) is a value shown masked. A config that arrives with it (a flow-run
+# parameter read back from the API) lost its secret on the way and must not be used.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Environment variables fleet sets on the servers itself (the API key travels in them).

@@ -3,6 +3,7 @@
 transformers: a tiny random-weight chat model built locally, 2 real `transformers serve`
 servers on CPU. sim: 4 simulated SGLang servers, a fresh uv venv, a small fake model.
 The config it used is written next to its state, so `fleet status/down -c` work on it.
+This module builds the demo's config; `flows/demo.py` runs it through the flow.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleet.config import FleetConfig
 
 
 def demo_dir() -> Path:
@@ -110,32 +110,3 @@ def demo_config(engine: str, servers: int | None, state: Path) -> dict[str, Any]
             smoke={"first_timeout_s": 30.0, "timeout_s": 10.0},
         )
     return common
-
-
-def run_demo(engine: str = "transformers", keep: bool = False, servers: int | None = None) -> int:
-    from fleet.cli import run_bringup
-    from fleet.config import load_config
-    from fleet.node import LocalNode
-    from fleet.servers import stop_servers
-
-    state = demo_dir()
-    state.mkdir(parents=True, exist_ok=True)
-    cfg_path = state / f"demo-{engine}.toml"
-    cfg_path.write_text(to_toml(demo_config(engine, servers, state)))
-    cfg: FleetConfig = load_config(cfg_path)
-    print(f"fleet demo: {cfg.servers.count} {engine} server(s) on this machine; config: {cfg_path}\n", flush=True)
-    try:
-        ok, rows, message = run_bringup(cfg)
-    finally:
-        if not keep:
-            stopped = stop_servers(LocalNode(), cfg, cfg.nodes[0])
-            print(f"\nfleet demo: stopped {sum(1 for r in stopped if r['action'] != 'none')} server(s) "
-                  "(--keep leaves them running)")
-    print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
-    print("See what the run recorded (summary table, per-stage results, log excerpts):\n"
-          f"  .venv/bin/fleet report -c {cfg_path} [--full | KEY]\n"
-          f"  .venv/bin/prefect artifact ls; .venv/bin/prefect artifact inspect {cfg.name}-summary\n"
-          "or the UI: .venv/bin/prefect server start, then open http://127.0.0.1:4200/runs")
-    if keep:
-        print(f"Servers left running: .venv/bin/fleet status -c {cfg_path}; stop: .venv/bin/fleet down -c {cfg_path}")
-    return 0 if ok else 1

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# A secret as records, logs and errors show it (pydantic's SecretStr rendering). Here, at the
+# bottom of the core, so everything that masks can use it without importing the config.
+MASK = "**********"
+
 
 def tail(text: str | bytes | None, lines: int = 12) -> str:
     """The last `lines` non-empty lines of `text`, for error messages."""

@@ -11,12 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec, get_profile
-from fleet.errors import FleetError, PreflightFailed, is_transient
+from fleet.errors import FleetError, PreflightFailed
 from fleet.preflight import gather
 from fleet.servers import excerpt, launch, record_smoke, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
@@ -24,20 +22,7 @@ from fleet.staging import stage_model
 from fleet.venv import ensure_venv
 from tasks.audit import write_stage
 from tasks.nodes import node_for
-
-
-def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    try:
-        state.result()
-    except Exception as exc:  # the task's own exception
-        return is_transient(exc)
-    return False
-
-
-TASK_OPTS: dict[str, Any] = dict(
-    retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5,
-    retry_condition_fn=_retry_transient, cache_policy=NO_CACHE, persist_result=False,
-)
+from tasks.policy import TASK_OPTS
 
 
 def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,

@@ -21,9 +21,9 @@ from fleet.errors import FatalError
 from fleet.generation.remote import job_dir, outcome, start_job, watch_job
 from fleet.node import LocalNode
 from tasks.audit import artifact_key, write_stage, write_table
-from tasks.bringup import TASK_OPTS
 from tasks.charts import write_throughput_artifact
 from tasks.nodes import node_for
+from tasks.policy import TASK_OPTS
 
 TABLE_EVERY_S = 60.0
 

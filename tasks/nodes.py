@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import threading
 
+from blocks.credentials import PrefectCredentials
 from fleet.config import FleetConfig
 from fleet.node import Node, connect
+from fleet.node.credentials import install
+
+# Every process that runs a fleet flow reads node blocks and key secrets from Prefect, including
+# the core code the flows call directly (the multi-node controller connects on its own).
+install(PrefectCredentials())
 
 _lock = threading.Lock()
 _nodes: dict[tuple[str, str], Node] = {}
@@ -17,7 +23,7 @@ def node_for(cfg: FleetConfig, name: str) -> Node:
         node = _nodes.get(key)
         if node is None:
             node_cfg = next(n for n in cfg.nodes if n.name == name)
-            node = _nodes[key] = connect(node_cfg)
+            node = _nodes[key] = connect(node_cfg, PrefectCredentials())
         return node
 
 

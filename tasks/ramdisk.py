@@ -15,8 +15,8 @@ from prefect import task
 from fleet.config import FleetConfig
 from fleet.node import Node
 from fleet.staging import MANIFEST_NAME, staged_path
-from tasks.bringup import TASK_OPTS
 from tasks.nodes import node_for
+from tasks.policy import TASK_OPTS
 
 # sh -c USERS fleet-users HEAD TAIL: pids whose argv names the directory HEAD+TAIL (or a file in it).
 # The path goes in as two halves joined in the shell, so no process of the scan itself (the

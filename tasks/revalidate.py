@@ -37,8 +37,8 @@ from fleet.smoke import ServerWatch, smoke
 from fleet.staging import staged_path
 from flows.outcome import RunFailed, failed
 from tasks.audit import write_stage, write_table
-from tasks.bringup import TASK_OPTS
 from tasks.nodes import node_for
+from tasks.policy import TASK_OPTS
 from tasks.teardown import describe, torn_down
 
 HEAD_BYTES = 256_000     # startup facts (KV cache, ready line) are at the start of the log

@@ -19,8 +19,8 @@ from prefect import task
 from fleet.config import FleetConfig, NodeConfig
 from fleet.node import Node
 from fleet.servers import stop_servers
-from tasks.bringup import TASK_OPTS
 from tasks.nodes import node_for
+from tasks.policy import TASK_OPTS
 
 
 def marker_path(node_cfg: NodeConfig, fleet: str) -> str:

@@ -346,7 +346,7 @@ def test_demo_command_from_readme(tmp_path: Path) -> None:
     import sys
 
     env = {**os.environ, "FLEET_DEMO_DIR": str(tmp_path / "demo")}
-    r = subprocess.run([sys.executable, "-m", "fleet.cli", "demo", "--engine", "sim", "--servers", "2"],
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "demo", "--engine", "sim", "--servers", "2"],
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fleet demo: OK: 2 server(s) up" in r.stdout
@@ -367,7 +367,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
 
     def fleet_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fleet.cli", *args, "-c", str(path)], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args, "-c", str(path)], capture_output=True,
                               text=True, timeout=240, env=os.environ.copy())
 
     try:

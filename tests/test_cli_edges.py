@@ -18,7 +18,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def fleet(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
 

@@ -165,7 +165,7 @@ def test_cli_env_error_is_one_line_exit_2(tmp_path: Path) -> None:
 
     p = write(tmp_path, "")
     env = {**os.environ, "FLEET_SERVER__BASE_PORT": "31000"}
-    r = subprocess.run([sys.executable, "-m", "fleet.cli", "status", "-c", str(p)], env=env,
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "status", "-c", str(p)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()

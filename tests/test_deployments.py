@@ -352,7 +352,7 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
     data["servers"]["api_key"] = "sk-block-secret-123"
     from fleet.demo import to_toml
     cfg_path.write_text(to_toml(data))
-    res = subprocess.run([PY, "-m", "fleet.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "3600"],
+    res = subprocess.run([PY, "-m", "flows.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "3600"],
                          cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     assert "config saved as block fleet-config/dep-block" in res.stdout

@@ -31,11 +31,11 @@ def test_readme_opens_with_the_two_commands() -> None:
 @pytest.mark.parametrize("cmd", ["", "demo", "preflight", "up", "status", "down", "generate", "fetch", "export",
                                  "plan", "inspect-log", "tiny-model", "report"])
 def test_every_command_has_help(cmd: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "fleet.cli", *([cmd] if cmd else []), "--help"],
+    r = subprocess.run([sys.executable, "-m", "flows.cli", *([cmd] if cmd else []), "--help"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "usage: fleet" in r.stdout and len(r.stdout) > 150
 
 
 def test_sim_help_reaches_the_simulator() -> None:
-    r = subprocess.run([sys.executable, "-m", "fleet.cli", "sim", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "sim", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--crash-after" in r.stdout

@@ -331,7 +331,7 @@ def cli_config(tmp_path: Path, **generation: Any) -> Path:
 
 
 def fleet_generate(capsys, *args: str) -> tuple[int, str]:
-    from fleet.cli import main
+    from flows.cli import main
 
     rc = main(["generate", *args])
     cap = capsys.readouterr()
@@ -628,7 +628,7 @@ def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_t
     path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
     runner = None
     try:
-        from fleet.cli import main
+        from flows.cli import main
 
         assert main(["up", "-c", str(path)]) == 0
         node, node_cfg = LocalNode(), cfg.nodes[0]

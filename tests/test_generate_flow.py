@@ -107,7 +107,7 @@ def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everyth
     path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
     inp = prompts(tmp_path / "in.jsonl", 300)
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "fleet.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
+    argv = [sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     progress = out / "progress.json"
     deadline = time.monotonic() + 120

@@ -65,7 +65,7 @@ class Cmd:
     def __init__(self, env: dict[str, str], out: Path, *args: str) -> None:
         self.out = out
         with out.open("wb") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "fleet.cli", *args], cwd=ROOT, env=env, stdout=f,
+            self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=f,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def text(self) -> str:
@@ -112,7 +112,7 @@ def embedded_servers(home: str) -> list[int]:
 
 
 def down(env: dict[str, str], cfg: Path) -> None:
-    subprocess.run([sys.executable, "-m", "fleet.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
+    subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
                    capture_output=True, timeout=120)
 
 
@@ -192,7 +192,7 @@ def test_embedded_server_that_cannot_start_is_one_line_with_the_remedy(env: dict
     database fails the same way on every machine, loaded or not.)"""
     cfg = sim_cfg(tmp_path, "tc")
     e = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
-    r = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "-c", str(cfg)], cwd=ROOT, env=e,
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "up", "-c", str(cfg)], cwd=ROOT, env=e,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -93,7 +93,7 @@ def test_two_nodes_one_job_split_merge_fetch_export(tmp_path: Path, state_home: 
     assert progress["rows_done"] == progress["rows_total"] == 1201
     assert {n["node"] for n in progress["nodes"]} == {"fast", "slow"}
 
-    from fleet.cli import main
+    from flows.cli import main
 
     cfg_path = tmp_path / "fleet.toml"
     from fleet.demo import to_toml
@@ -128,7 +128,7 @@ def _cli(cfg: FleetConfig, tmp_path: Path, inp: Path, out: Path, log: Path) -> s
 
     path = tmp_path / "fleet.toml"
     path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
-    argv = [sys.executable, "-m", "fleet.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
+    argv = [sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
     env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     with log.open("wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)

@@ -162,7 +162,7 @@ def test_venv_on_network_fs_is_refused_with_remedy(tmp_path: Path) -> None:
 
 
 def _fleet(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
 
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def _fleet(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
 
 

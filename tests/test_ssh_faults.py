@@ -251,18 +251,37 @@ def test_forward_to_a_closed_remote_port(sshd: Sshd) -> None:
 def test_block_supplies_the_connection(sshd: Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the block names the connection: host, port, user, key, pinned host key and
     workdir all come from it; a field set in the config overrides the block's."""
+    from blocks.credentials import PrefectCredentials
     from blocks.node import FleetNode
 
     block = FleetNode(host=sshd.host, port=sshd.port, user=sshd.user, private_key=sshd.key_file.read_text(),
                       host_key=sshd.host_key, workdir="/tmp/fleet-block")
     loaded: list[str] = []
     monkeypatch.setattr(FleetNode, "load", classmethod(lambda cls, name, **kw: loaded.append(name) or block))
-    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="gpu-1", connect_timeout_s=5)) as node:
+    store = PrefectCredentials()
+    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="gpu-1", connect_timeout_s=5),
+                             store) as node:
         assert (node.target.port, node.workdir, loaded) == (sshd.port, "/tmp/fleet-block", ["gpu-1"])
         assert node.run(["echo", "block"]).stdout == "block\n"
     override = NodeConfig(name="from-block", kind="ssh", block="gpu-1", port=2222, workdir="/w")
-    node = SSHNode.from_config(override)
+    node = SSHNode.from_config(override, store)
     assert (node.target.port, node.workdir) == (2222, "/w")
+
+
+def test_a_named_block_without_a_credential_store_is_one_clear_error(sshd: Sshd) -> None:
+    """The core reads no credential store itself: a config naming a block or key secret, used
+    where none is installed, is refused with a remedy rather than reaching into Prefect."""
+    import fleet.node.credentials as creds
+
+    saved = creds.current()
+    creds.install(creds._NoStore())
+    try:
+        for cfg in (NodeConfig(name="b", kind="ssh", block="gpu-1"), sshd.node_config(key_file=None, key_secret="k")):
+            with pytest.raises(ConfigError) as info:
+                SSHNode.from_config(cfg)
+            assert "no credential store" in str(info.value) and "remedy:" in str(info.value)
+    finally:
+        creds.install(saved)
 
 
 @pytest.mark.prefect
@@ -273,17 +292,20 @@ def test_block_and_secret_round_trip_through_prefect(sshd: Sshd, prefect_api: No
 
     from blocks.node import FleetNode
 
+    from blocks.credentials import PrefectCredentials
+
+    store = PrefectCredentials()
     FleetNode(host=sshd.host, port=sshd.port, user=sshd.user, private_key=sshd.key_file.read_text(),
               host_key=sshd.host_key).save("test-node", overwrite=True)
-    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="test-node")) as node:
+    with SSHNode.from_config(NodeConfig(name="from-block", kind="ssh", block="test-node"), store) as node:
         assert node.run(["echo", "block"]).stdout == "block\n"
 
     Secret(value=sshd.extra_keys["ecdsa"].read_text()).save("test-node-key", overwrite=True)
-    with SSHNode.from_config(sshd.node_config(key_file=None, key_secret="test-node-key")) as node:
+    with SSHNode.from_config(sshd.node_config(key_file=None, key_secret="test-node-key"), store) as node:
         assert node.run(["echo", "secret"]).stdout == "secret\n"
 
     with pytest.raises(ConfigError) as info:
-        SSHNode.from_config(sshd.node_config(block="no-such-node"))
+        SSHNode.from_config(sshd.node_config(block="no-such-node"), store)
     assert "no-such-node" in str(info.value) and "remedy:" in str(info.value)
 
 

@@ -105,11 +105,11 @@ def test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy(server,
     cfg = tmp_path / "ui.toml"
     cfg.write_text(to_toml(data))
     try:
-        up = subprocess.run([sys.executable, "-m", "fleet.cli", "up", "-c", str(cfg)], cwd=ROOT, env=env,
+        up = subprocess.run([sys.executable, "-m", "flows.cli", "up", "-c", str(cfg)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
         assert up.returncode == 1, up.stdout + up.stderr
     finally:
-        subprocess.run([sys.executable, "-m", "fleet.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
+        subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
                        capture_output=True, timeout=120)
     (run,) = _post(base + "/api/flow_runs/filter", {"flow_runs": {"name": {"any_": ["bringup-ui"]}}})
     assert run["state"]["type"] == "FAILED"

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from fleet.errors import MASK
+
 if TYPE_CHECKING:
     from fleet.config import FleetConfig
 
@@ -156,8 +158,6 @@ class BaseProfile:
 
     def shown_env(self, cfg: FleetConfig, env: dict[str, str]) -> dict[str, str]:
         """`env` as records and logs may show it: the key and secret engine.env values masked."""
-        from fleet.config import MASK
-
         hidden = {self.key_env} | {k for k in cfg.engine.env if k not in cfg.engine.env_public}
         return {k: MASK if k in hidden else v for k, v in env.items()}
 

@@ -53,6 +53,8 @@ from fleet.errors import (
     NodeUnreachable,
 )
 from fleet.node.base import Node, PortForward, RunResult
+from fleet.node.credentials import CredentialSource
+from fleet.node.credentials import current as current_credentials
 
 if TYPE_CHECKING:
     from fleet.config import NodeConfig
@@ -179,30 +181,32 @@ def _local_user() -> str:
     return getpass.getuser()
 
 
-def _resolve(cfg: NodeConfig) -> tuple[SSHTarget, str]:
-    """The SSH target and node workdir for a config (loads a block or secret when named)."""
+def _resolve(cfg: NodeConfig, credentials: CredentialSource | None = None) -> tuple[SSHTarget, str]:
+    """The SSH target and node workdir for a config (asks `credentials` when it names a block or secret)."""
+    store = credentials or current_credentials()
     host, port, user, host_key = cfg.host, cfg.port, cfg.user, cfg.host_key
     known_hosts, workdir = cfg.known_hosts, cfg.workdir
     key: paramiko.PKey | None = None
     key_source = "ssh-agent / ~/.ssh default keys"
     if cfg.block:
-        block = _load_block(cfg.block)
+        block = store.node(cfg.block)
         # The block supplies the connection; a field set explicitly in the config overrides it.
         host = cfg.host or block.host
         port = cfg.port if "port" in cfg.model_fields_set else block.port
         user = cfg.user or block.user
         host_key = cfg.host_key or block.host_key
         known_hosts = cfg.known_hosts or (Path(block.known_hosts_path) if block.known_hosts_path else None)
-        workdir = cfg.workdir if "workdir" in cfg.model_fields_set else block.workdir
+        if "workdir" not in cfg.model_fields_set and block.workdir:
+            workdir = block.workdir
         if block.private_key is not None and not (cfg.key_file or cfg.key_secret):
             key_source = f"fleet-node block {cfg.block!r}"
-            key = load_private_key(block.private_key.get_secret_value(), source=key_source)
+            key = load_private_key(block.private_key, source=key_source)
     if cfg.key_file:
         key_source = f"key file {cfg.key_file}"
         key = load_private_key(_read_key_file(Path(cfg.key_file).expanduser()), source=key_source)
     elif cfg.key_secret:
         key_source = f"Prefect Secret block {cfg.key_secret!r}"
-        key = load_private_key(_load_secret(cfg.key_secret), source=key_source)
+        key = load_private_key(store.secret(cfg.key_secret), source=key_source)
     if not host:
         raise ConfigError(f"node {cfg.name!r} has no SSH host", remedy="set 'host' in the node config or its fleet-node block")
     target = SSHTarget(host=host, port=port, user=user or _local_user(), key=key, key_source=key_source,
@@ -217,34 +221,6 @@ def _read_key_file(path: Path) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot read the SSH key file {path}: {exc.strerror}",
                           remedy="check key_file in the node config points to a readable private key") from exc
-
-
-def _load_block(name: str) -> Any:
-    # Prefect is imported only here: the core must work without touching it.
-    try:
-        from blocks.node import FleetNode
-
-        # _sync=True: inside an event loop (an async flow) `load` would return a coroutine.
-        return FleetNode.load(name, _sync=True)  # type: ignore[call-arg]
-    except Exception as exc:  # Prefect raises ValueError, httpx errors, …: all mean "no block"
-        raise ConfigError(f"cannot load the fleet-node block {name!r}: {exc}",
-                          remedy="register and save it (prefect block register -m blocks.node), "
-                                 "and check PREFECT_API_URL") from exc
-
-
-def _load_secret(name: str) -> str:
-    try:
-        from prefect.blocks.system import Secret
-
-        secret: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
-        value = secret.get()
-    except Exception as exc:
-        raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {exc}",
-                          remedy="create it (Secret(value=KEY_TEXT).save(NAME)) and check PREFECT_API_URL") from exc
-    if not isinstance(value, str):
-        raise ConfigError(f"the Prefect Secret {name!r} does not hold text",
-                          remedy="store the private key text as the secret's value")
-    return value
 
 
 # -- exit-signal ------------------------------------------------------------------------------
@@ -284,9 +260,10 @@ class SSHNode(Node):
         self._forwards: set[_Forwarder] = set()
 
     @classmethod
-    def from_config(cls, cfg: NodeConfig) -> SSHNode:
-        """Build from a NodeConfig (loads a fleet-node block / Secret when named; no connection yet)."""
-        target, workdir = _resolve(cfg)
+    def from_config(cls, cfg: NodeConfig, credentials: CredentialSource | None = None) -> SSHNode:
+        """Build from a NodeConfig (a block or secret it names comes from `credentials`, else the
+        installed store; no connection yet)."""
+        target, workdir = _resolve(cfg, credentials)
         return cls(target, name=cfg.name, workdir=workdir)
 
     def __repr__(self) -> str:

@@ -1,0 +1,45 @@
+"""The Prefect layer's credential store for the core: fleet-node blocks and Secret blocks.
+
+`fleet.node.credentials` defines what the core asks for; this answers from Prefect
+(`PREFECT_API_URL`, or the embedded server's database). Installed by `flows/cli.py`
+and passed by `tasks/nodes.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.errors import ConfigError
+from fleet.node.credentials import StoredNode
+
+
+class PrefectCredentials:
+    """Reads `FleetNode` and `Secret` blocks by name."""
+
+    def node(self, name: str) -> StoredNode:
+        try:
+            from blocks.node import FleetNode
+
+            # _sync=True: inside an event loop (an async flow) `load` would return a coroutine.
+            block: Any = FleetNode.load(name, _sync=True)  # type: ignore[call-arg]
+        except Exception as exc:  # Prefect raises ValueError, httpx errors, …: all mean "no block"
+            raise ConfigError(f"cannot load the fleet-node block {name!r}: {exc}",
+                              remedy="register and save it (prefect block register -m blocks.node), "
+                                     "and check PREFECT_API_URL") from exc
+        key = block.private_key.get_secret_value() if block.private_key is not None else None
+        return StoredNode(host=block.host, port=block.port, user=block.user, private_key=key,
+                          host_key=block.host_key, known_hosts_path=block.known_hosts_path, workdir=block.workdir)
+
+    def secret(self, name: str) -> str:
+        try:
+            from prefect.blocks.system import Secret
+
+            secret: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
+            value = secret.get()
+        except Exception as exc:
+            raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {exc}",
+                              remedy="create it (Secret(value=KEY_TEXT).save(NAME)) and check PREFECT_API_URL") from exc
+        if not isinstance(value, str):
+            raise ConfigError(f"the Prefect Secret {name!r} does not hold text",
+                              remedy="store the private key text as the secret's value")
+        return value

@@ -1,0 +1,169 @@
+"""`fleet …`, the console script: the core command line (`fleet.cli`) plus the commands that run
+a Prefect flow or read its records (demo, up, deploy, generate, report).
+
+They live here, outside the core, because the core imports nothing from Prefect or the flows
+(tests/test_layers.py). This is also where the process gets its credential store: node blocks
+and key secrets named by a config are read from Prefect (blocks/credentials.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from blocks.credentials import PrefectCredentials
+from fleet import cli
+from fleet.cli import EXIT_ERROR, EXIT_FAILED, print_rows
+from fleet.node.credentials import install
+
+if TYPE_CHECKING:
+    from fleet.config import FleetConfig
+
+
+def _prefect_env() -> None:
+    from flows.api import prefect_env
+
+    prefect_env()
+
+
+def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict], str]:
+    """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
+    from flows.api import ensure_api, run_flow
+
+    ensure_api()
+    from flows.fleet import SUMMARY_COLUMNS, fleet
+    from flows.outcome import run_data
+
+    state = run_flow(fleet, config=cfg, action="bringup")
+    data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
+    rows = data if isinstance(data, list) else []
+    print_rows(rows, SUMMARY_COLUMNS)
+    return state.is_completed(), rows, state.message or ""
+def cmd_up(args: argparse.Namespace) -> int:
+    from fleet.config import load_config
+
+    ok, _, message = run_bringup(load_config(args.config))
+    print(("fleet up: " if ok else "fleet up: FAILED: ") + message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else EXIT_FAILED
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """Save the config as the fleet-config block and register its four deployments (flows/deploy.py)."""
+    from pathlib import Path
+
+    from fleet.config import load_config
+
+    cfg = load_config(args.config)
+    _prefect_env()
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        print("fleet deploy: PREFECT_API_URL is not set: deployments need a Prefect server that stays up\n"
+              "  remedy: start one (`prefect server start`) and export PREFECT_API_URL=http://127.0.0.1:4200/api",
+              file=sys.stderr)
+        return EXIT_ERROR
+    from flows.deploy import deploy
+
+    res = deploy(cfg, source=str(Path(args.config).resolve()), pool=args.pool,
+                 revalidate_every_s=args.revalidate_every or None)
+    print(f"fleet {cfg.name}: config saved as block {res.block}"
+          + (f"; work pool {res.pool} created" if res.pool_created else ""))
+    for name in res.deployments:
+        print(f"  {name}")
+    print(f"start a worker: prefect worker start --pool {res.pool}   (from this directory, in its venv)\n"
+          f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import os
+
+    from fleet.config import load_config
+    from fleet.generation.validate import plan_job
+    from flows.api import ensure_api, run_flow
+
+    cfg = load_config(args.config)
+    if args.limit is not None:
+        cfg.generation.limit = args.limit
+    # Before anything starts: the input, the output location, the job already there (exit 2).
+    plan = plan_job(cfg, input=args.input, output=args.output, retry_errors=args.retry_errors, cwd=os.getcwd())
+    if plan.verdict == "done":
+        print(f"fleet generate: {plan.message}")
+        return 0
+    print(f"fleet generate: {plan.message}", flush=True)
+    ensure_api()
+    from flows.fleet import fleet
+    from flows.outcome import run_data
+
+    state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
+                     retry_errors=args.retry_errors)
+    data = run_data(state)  # a bug raises here, with its traceback
+    if isinstance(data, dict):
+        print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
+                                                    "quality_rejects", "throughput", "cost", "checks", "quality")}, indent=2, default=str))
+    ok = state.is_completed()
+    print(("fleet generate: " if ok else "fleet generate: FAILED: ") + (state.message or ""),
+          file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else EXIT_FAILED
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import report
+
+    return report(args.config, args.run, args.key, args.list, args.full)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fleet.demo import run_demo
+
+    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+
+
+def run_demo(engine: str = "transformers", keep: bool = False, servers: int | None = None) -> int:
+    from fleet.config import load_config
+    from fleet.demo import demo_config, demo_dir, to_toml
+    from fleet.node import LocalNode
+    from fleet.servers import stop_servers
+
+    state = demo_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    cfg_path = state / f"demo-{engine}.toml"
+    cfg_path.write_text(to_toml(demo_config(engine, servers, state)))
+    cfg: FleetConfig = load_config(cfg_path)
+    print(f"fleet demo: {cfg.servers.count} {engine} server(s) on this machine; config: {cfg_path}\n", flush=True)
+    try:
+        ok, rows, message = run_bringup(cfg)
+    finally:
+        if not keep:
+            stopped = stop_servers(LocalNode(), cfg, cfg.nodes[0])
+            print(f"\nfleet demo: stopped {sum(1 for r in stopped if r['action'] != 'none')} server(s) "
+                  "(--keep leaves them running)")
+    print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
+    print("See what the run recorded (summary table, per-stage results, log excerpts):\n"
+          f"  .venv/bin/fleet report -c {cfg_path} [--full | KEY]\n"
+          f"  .venv/bin/prefect artifact ls; .venv/bin/prefect artifact inspect {cfg.name}-summary\n"
+          "or the UI: .venv/bin/prefect server start, then open http://127.0.0.1:4200/runs")
+    if keep:
+        print(f"Servers left running: .venv/bin/fleet status -c {cfg_path}; stop: .venv/bin/fleet down -c {cfg_path}")
+    return 0 if ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+
+
+COMMANDS: dict[str, cli.Command] = {"demo": cmd_demo, "up": cmd_up, "deploy": cmd_deploy,
+                                    "generate": cmd_generate, "report": cmd_report}
+assert set(COMMANDS) == set(cli.FLOW_COMMANDS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    install(PrefectCredentials())
+    return cli.main(argv, commands=COMMANDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
