@@ -68,9 +68,11 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
         now = time.monotonic()
         if now - last_log > 30:
             last_log = now
-            logger.info("%s: %s/%s rows (%.1f%%), %s tok/s, ETA %s s, servers up %s — %s",
+            # two rates, named as in the runner's log: the last minute's and the run's average
+            logger.info("%s: %s/%s rows (%.1f%%), %s tok/s now, avg %s, ETA %s s, servers up %s — %s",
                         node_name, p.get("rows_done"), p.get("rows_total"), p.get("percent") or 0,
-                        p.get("tok_s"), p.get("eta_s"), p.get("servers_up"), p.get("detail") or p.get("state"))
+                        p.get("tok_s"), p.get("tok_s_avg"), p.get("eta_s"), p.get("servers_up"),
+                        p.get("detail") or p.get("state"))
         if now - last_table > TABLE_EVERY_S and p.get("servers"):
             last_table = now
             write_table(cfg, (node_name, "generate-servers"), _server_rows(p), "per-server generation stats")
