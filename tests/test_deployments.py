@@ -402,7 +402,7 @@ def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServ
     data["name"] = "dep-late"
     from fleet.demo import to_toml
     cfg_path.write_text(to_toml(data))
-    res = subprocess.run([PY, "-m", "fleet.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "30"],
+    res = subprocess.run([PY, "-m", "flows.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "30"],
                          cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     try:
@@ -476,5 +476,5 @@ def test_interrupted_up_on_a_real_server_leaves_no_lock(prefect_server: PrefectS
                   if r["state"]["type"] != "COMPLETED"]
         assert killed and all(r["state"]["type"] == "CRASHED" for r in killed)  # nothing left "Running"
     finally:
-        subprocess.run([PY, "-m", "fleet.cli", "down", "-c", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
+        subprocess.run([PY, "-m", "flows.cli", "down", "-c", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
                        timeout=120)
