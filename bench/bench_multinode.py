@@ -108,7 +108,7 @@ def by_hand(cfg, specs, inp: Path, tmp: Path, tag: str) -> dict[str, Any]:
     for name, part in parts.items():
         p = tmp / f"half-{tag}-{name}.jsonl"
         p.write_text("".join(part))
-        node_cfg = next(n for n in cfg.nodes if n.name == name)
+        node_cfg = cfg.node(name)
         handles[name] = start_job(LocalNode(name), cfg, node_cfg, input_path=str(p), output=str(tmp / f"hand-{tag}-{name}"),
                                   specs=[s for s in specs if s.node == name])
     walls = {}

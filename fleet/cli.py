@@ -10,8 +10,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from fleet.errors import FleetError
+
+if TYPE_CHECKING:
+    from fleet.config import FleetConfig
 
 EXIT_FAILED = 1     # the command ran and found a problem (a failed check, a failed server)
 EXIT_ERROR = 2      # the command could not run (bad config, unreachable, bad input)
@@ -74,6 +78,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from fleet.servers import states
 
     cfg = load_config(args.config)
+    if args.check:
+        return _status_check(cfg, args.json)
     rows = []
     for node_cfg in cfg.nodes:
         with connect(node_cfg) as node:
@@ -92,20 +98,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(r["state"] == "running" for r in rows) else EXIT_FAILED
 
 
+def _status_check(cfg: FleetConfig, as_json: bool) -> int:
+    """`fleet status --check`: the revalidate action's checks, run here (no Prefect, no artifacts)."""
+    from fleet.node import connect
+    from fleet.revalidate import REVALIDATE_COLUMNS, check_node
+
+    checks = []
+    for node_cfg in cfg.nodes:
+        with connect(node_cfg) as node:
+            checks += check_node(node, cfg, node_cfg)
+    if as_json:
+        print(json.dumps({"fleet": cfg.name, "servers": [c.as_dict() for c in checks]}, indent=2))
+    elif checks:
+        print_rows([c.row() for c in checks], REVALIDATE_COLUMNS)
+    else:
+        print(f"no servers of fleet {cfg.name!r} recorded on any node")
+    for c in checks:
+        if not c.healthy:
+            print(f"fleet status: {c.label()}: {'; '.join(c.problems)}", file=sys.stderr)
+    return 0 if checks and all(c.healthy for c in checks) else EXIT_FAILED
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     from fleet.config import load_config
     from fleet.node import connect
     from fleet.servers import stop_servers
+    from fleet.staging import free_ramdisk
 
     cfg = load_config(args.config)
     rows = []
+    freed = []
     for node_cfg in cfg.nodes:
         with connect(node_cfg) as node:
             rows += stop_servers(node, cfg, node_cfg)
+            if args.free_ramdisk:
+                freed.append({"node": node_cfg.name, **free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
+                                                                    ramdisk=node_cfg.ramdisk)})
     if rows:
         print_rows([{"server": r.get("index"), **r} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
+    if freed:
+        print_rows(freed, ["node", "path", "action", "bytes"])
     return EXIT_FAILED if any(str(r["action"]).startswith("error") for r in rows) else 0
 
 
@@ -301,16 +335,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke",
                        description="Read every server's launch record on every node (no relaunch, no requests): "
                                    "state (running / dead / stopped), pid, port, GPUs, seconds up, when its last "
-                                   "smoke passed, its log. Exit 1 when any recorded server is not running.")
+                                   "smoke passed, its log. Exit 1 when any recorded server is not running. "
+                                   "--check re-validates each one instead (what the revalidate deployment does).")
     _config_arg(p)
+    p.add_argument("--check", action="store_true",
+                   help="re-validate every server: process alive, health endpoint, one chat completion, log "
+                        "verdict (no relaunch); exit 1 when any is unhealthy or never launched")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("down", help="stop every server of the config (TERM, then KILL after servers.stop_grace_s)",
                        description="Stop every server this fleet recorded on every node: SIGTERM to its whole "
                                    "process group, SIGKILL after servers.stop_grace_s. Idempotent. The RAM-disk copy "
-                                   "stays (the teardown deployment can free it).")
+                                   "stays unless --free-ramdisk.")
     _config_arg(p)
+    p.add_argument("--free-ramdisk", action="store_true",
+                   help="also remove the model's RAM-disk copy on each node (only a copy fleet staged, and only "
+                        "when no live process uses it)")
     p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("inspect-log", help="classify a server log: facts, fatal lines, readiness verdict",

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleet.errors import MASK, ConfigError
+from fleet.net import is_loopback
 
 EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
 
@@ -49,18 +50,6 @@ def no_control(value: Any, what: str) -> Any:
             raise ValueError(f"{what} holds a control character ({m.group()!r} at position {m.start()}) in "
                              f"{text!r}; paths and names may not contain newlines, NUL or other control characters")
     return value
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and 'localhost': reachable from the node itself only."""
-    import ipaddress
-
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def default_workdir(kind: str, user: str | None) -> str:
@@ -484,6 +473,14 @@ class FleetConfig(BaseSettings):
         """Stable short hash of the config (secrets excluded), for manifests and cache keys."""
         data = self.model_dump(mode="json", exclude={"servers": {"api_key"}})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def node(self, name: str) -> NodeConfig:
+        """The node of this config called `name`."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ConfigError(f"fleet {self.name!r} has no node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})",
+                          remedy="name a node of the config")
 
     def api_key(self) -> str | None:
         return self.servers.api_key.get_secret_value() if self.servers.api_key else None

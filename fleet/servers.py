@@ -212,7 +212,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     t0 = time.monotonic()
     profile = get_profile(cfg.engine.kind)
     paths = server_paths(spec.workdir, cfg.name, spec.index)
-    url = node.local_url(spec.port, "127.0.0.1" if spec.host in ("0.0.0.0", "::", "localhost") else spec.host)
+    url = node.local_url(spec.port, spec.connect_host)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     deadline = t0 + (timeout or cfg.servers.ready_timeout_s)
     text = ""

@@ -107,7 +107,7 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     # 4. launch every server of every ready node at once; 5. smoke each as soon as it is ready.
     specs: list[ServerSpec] = []
     for name, (v, s) in prepared.items():
-        node_cfg = next(n for n in cfg.nodes if n.name == name)
+        node_cfg = cfg.node(name)
         specs += plan_servers(cfg, node_cfg, provisioned[name]["gpu_ids"], model_path=s["model_path"],
                               python=v["python"])
     logger.info("launching %d server(s) on %d node(s)", len(specs), len(prepared))

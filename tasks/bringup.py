@@ -48,7 +48,7 @@ def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,
 def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
     """Preflight the node; hard failures stop this node here, with the reason."""
     def body() -> tuple[dict[str, Any], str | None]:
-        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        node_cfg = cfg.node(node_name)
         report = gather(node_for(cfg, node_name), cfg, node_cfg)
         if not report.reachable:
             from fleet.errors import NodeUnreachable
@@ -72,7 +72,7 @@ def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
 def venv(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
     """Create or adopt the engine venv on local disk; time the engine import."""
     def body() -> tuple[dict[str, Any], str | None]:
-        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        node_cfg = cfg.node(node_name)
         module = cfg.engine.import_check or get_profile(cfg.engine.kind).default_import
         res = ensure_venv(node_for(cfg, node_name), cfg, node_cfg, module,
                           network_fs=provisioned.get("venv_network_fs", False))
@@ -87,7 +87,7 @@ def venv(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[
 def stage(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
     """Copy the model once to the node's RAM disk (or serve it from its source when staging is off)."""
     def body() -> tuple[dict[str, Any], str | None]:
-        node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+        node_cfg = cfg.node(node_name)
         if not cfg.model.stage or not cfg.model.source:
             return {"model_path": cfg.model.source, "staged": False, "adopted": True}, None
         res = stage_model(node_for(cfg, node_name), source=cfg.model.source, ramdisk=node_cfg.ramdisk,

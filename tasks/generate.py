@@ -34,7 +34,7 @@ def node_input(cfg: FleetConfig, node_name: str, input_path: str) -> str:
     local = Path(input_path)
     if isinstance(node, LocalNode) or not local.is_file():
         return input_path  # local node, or already a path on the node
-    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    node_cfg = cfg.node(node_name)
     st = local.stat()
     remote = f"{node_cfg.workdir.rstrip('/')}/inputs/{st.st_size}-{int(st.st_mtime)}-{local.name}"
     if not node.exists(remote):
@@ -47,7 +47,7 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
              input_path: str, output: str, retry_errors: bool = False) -> dict[str, Any]:
     logger = get_run_logger()
     node = node_for(cfg, node_name)
-    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    node_cfg = cfg.node(node_name)
     t0 = time.monotonic()
     remote_input = node_input(cfg, node_name, input_path)
     handle = start_job(node, cfg, node_cfg, input_path=remote_input, output=output, specs=specs,

@@ -22,7 +22,7 @@ def node_for(cfg: FleetConfig, name: str) -> Node:
     with _lock:
         node = _nodes.get(key)
         if node is None:
-            node_cfg = next(n for n in cfg.nodes if n.name == name)
+            node_cfg = cfg.node(name)
             node = _nodes[key] = connect(node_cfg, PrefectCredentials())
         return node
 

@@ -55,7 +55,7 @@ def describe(marker: dict[str, Any]) -> str:
 
 @task(name="stop-servers", task_run_name="stop-servers-{node_name}", **TASK_OPTS)
 def stop_node(cfg: FleetConfig, node_name: str) -> list[dict[str, Any]]:
-    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    node_cfg = cfg.node(node_name)
     node = node_for(cfg, node_name)
     rows = stop_servers(node, cfg, node_cfg)
     if not any(str(r["action"]).startswith("error") for r in rows):

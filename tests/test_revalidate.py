@@ -238,7 +238,7 @@ def test_artifacts_name_their_run_and_unreached_stages_say_not_run(tmp_path: Pat
 def test_unstage_keeps_a_copy_in_use_or_not_made_by_fleet(tmp_path: Path) -> None:
     """free_ramdisk must never pull a model from under a live server (another fleet's, say),
     nor delete a directory fleet did not stage."""
-    from tasks.ramdisk import unstage
+    from fleet.staging import unstage
 
     node = LocalNode()
     foreign = tmp_path / "foreign"

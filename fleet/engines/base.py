@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from fleet.errors import MASK
+from fleet.net import LOOPBACK_HOSTS, connect_host  # noqa: F401  (LOOPBACK_HOSTS: re-exported)
 
 if TYPE_CHECKING:
     from fleet.config import FleetConfig
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # How SGLang and the sim receive servers.api_key (vLLM reads its own VLLM_API_KEY).
 API_KEY_ENV = "FLEET_ENGINE_API_KEY"
 
@@ -63,6 +63,11 @@ class ServerSpec:
     workdir: str                   # node workdir; the sim script lives at f"{workdir}/bin/fleet_sim.py"
     api_key: str | None = None     # API key the engine enforces (None: no auth)
     extra_args: tuple[str, ...] = ()   # per-server extra argv (servers.extra_args_by_index)
+
+    @property
+    def connect_host(self) -> str:
+        """The address that reaches this server from its own node (a wildcard bind -> loopback)."""
+        return connect_host(self.host)
 
 
 @dataclass

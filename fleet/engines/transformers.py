@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 from fleet.engines.base import (
     BaseProfile,
     COMMON_FATAL,
-    LOOPBACK_HOSTS,
     Fatal,
     LogRules,
     ServerSpec,
@@ -46,6 +45,7 @@ from fleet.engines.base import (
     switch,
 )
 from fleet.errors import ConfigError
+from fleet.net import is_loopback
 
 if TYPE_CHECKING:
     from fleet.config import FleetConfig
@@ -87,7 +87,7 @@ class TransformersProfile(BaseProfile):
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         e = cfg.engine
-        if spec.host not in LOOPBACK_HOSTS:
+        if not is_loopback(spec.host):
             raise ConfigError(
                 f"transformers serve has no API key support; binding {spec.host} would expose "
                 f"server {spec.index} on {spec.node} without authentication",

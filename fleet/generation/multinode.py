@@ -108,7 +108,7 @@ class Controller:
         return self.plan
 
     def node_cfg(self, name: str) -> NodeConfig:
-        return next(n for n in self.cfg.nodes if n.name == name)
+        return self.cfg.node(name)
 
     def chunk(self, index: int) -> Chunk:
         assert self.plan is not None

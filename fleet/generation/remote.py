@@ -93,7 +93,7 @@ def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, d
     profile = get_profile(cfg.engine.kind)
     out = []
     for spec in specs:
-        host = "127.0.0.1" if spec.host in ("0.0.0.0", "::", "localhost") else spec.host
+        host = spec.connect_host
         fields = {k: v for k, v in dataclasses.asdict(spec).items() if k != "api_key"}
         out.append({"node": spec.node, "index": spec.index, "url": f"http://{host}:{spec.port}",
                     "model": profile.request_model(spec), "gpus": list(spec.gpus),
