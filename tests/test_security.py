@@ -599,3 +599,37 @@ def test_secrets_appear_nowhere_after_a_bringup_over_ssh(tmp_path: Path, sshd, p
     leaked = {pid: cmd for pid, cmd in watch.seen.items() if key in cmd or token in cmd}
     assert not leaked, leaked
     assert (work / "servers" / "t-0.json").exists() and not _scan_tree(work, [key, token])
+
+
+def test_fleet_config_block_masks_engine_env_in_the_api(prefect_api) -> None:
+    """Prefect masks a SecretStr field but not the SecretStr values inside a dict: HF_TOKEN in a
+    fleet-config block would show in clear in the UI and the API (the block keeps engine.env in
+    a SecretDict of its own). Masked there; loading the block gives the real values back."""
+    from prefect.client.orchestration import get_client
+
+    from blocks.config import FleetConfigBlock
+
+    cfg = FleetConfig(name="blk", servers={"api_key": "sk-blk-4444"},
+                      engine={"env": {"HF_TOKEN": "hf_blk_5555", "NCCL_DEBUG": "WARN"}, "env_public": ["NCCL_DEBUG"]})
+    FleetConfigBlock.of(cfg).save("blk-secrets", overwrite=True)
+    with get_client(sync_client=True) as client:
+        doc = client.read_block_document_by_name("blk-secrets", "fleet-config", include_secrets=False)
+    shown = json.dumps(doc.data)
+    assert "hf_blk_5555" not in shown and "sk-blk-4444" not in shown and "HF_TOKEN" in shown
+    got = FleetConfigBlock.load("blk-secrets").fleet_config()
+    assert got.api_key() == "sk-blk-4444" and got.engine.env_values()["HF_TOKEN"] == "hf_blk_5555"
+
+
+def test_runner_gets_the_real_engine_env_back_for_a_relaunch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """job.json holds engine.env masked; a relaunch by the runner must still export the real
+    HF_TOKEN, which the runner gets from its environment (FLEET_ENGINE_ENV), never from the file."""
+    from fleet.generation.remote import runner_secret_env
+    from fleet.generation.runner import _fleet_config
+
+    cfg = FleetConfig(servers={"api_key": "sk-run-1"}, engine={"env": {"HF_TOKEN": "hf_run_2"}})
+    masked = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    assert masked["engine"]["env"]["HF_TOKEN"] == "**********"
+    for k, v in runner_secret_env(cfg).items():
+        monkeypatch.setenv(k, v)
+    back = _fleet_config(masked)
+    assert back.api_key() == "sk-run-1" and back.engine.env_values() == {"HF_TOKEN": "hf_run_2"}
