@@ -561,10 +561,10 @@ def test_a_killed_runner_is_reported_with_a_cause_and_a_remedy(tmp_path: Path, l
     assert "running" not in cause.split("died")[0]
 
 
-@pytest.mark.usefixtures("prefect_api")
-def test_fleet_generate_prints_the_runners_cause_and_remedy(tmp_path: Path, capsys) -> None:
+def test_fleet_generate_prints_the_runners_cause_and_remedy(tmp_path: Path) -> None:
     """Fault: `fleet generate` said `FAILED: … ended running: running` when the runner failed. Now it prints
-    the runner's own cause (a truncated .jsonl.gz at line N) and remedy, exit 1; the rows before are kept."""
+    the runner's own cause (a truncated .jsonl.gz at line N) and remedy, exit 1; the rows before are kept.
+    (The CLI runs as a process: Prefect's log handler must not bind to a test's captured stream.)"""
     from fleet.demo import to_toml
     from fleet.node import connect
     from fleet.servers import stop_servers
@@ -578,11 +578,14 @@ def test_fleet_generate_prints_the_runners_cause_and_remedy(tmp_path: Path, caps
     inp.write_bytes(data[: len(data) * 2 // 3])
     out = tmp_path / "out"
     try:
-        rc, text = fleet_generate(capsys, "-c", str(path), "--input", str(inp), "--output", str(out))
+        r = subprocess.run([sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp),
+                            "--output", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           capture_output=True, text=True, timeout=400)
     finally:
         with connect(cfg.nodes[0]) as node:
             stop_servers(node, cfg, cfg.nodes[0])
-    assert rc == 1, text[-3000:]
+    text = r.stdout + r.stderr
+    assert r.returncode == 1, text[-3000:]
     line = next(ln for ln in text.splitlines() if ln.startswith("fleet generate: FAILED:"))
     assert f"input {inp} is corrupt or truncated after line" in line, line
     assert "the rows before that point are kept" in line and "ended running" not in line
@@ -605,12 +608,11 @@ def test_a_repaired_copy_of_a_broken_input_may_continue_its_job_but_no_other_inp
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_the_live_job(tmp_path: Path,
-                                                                                            capsys) -> None:
+def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_the_live_job(tmp_path: Path) -> None:
     """Faults, through the flow as a deployment runs it: (1) the generate action with a missing input started
     every server first; now it ends Failed with the reason and starts nothing. (2) `fleet up` with a changed
     spec under a live job replaced its server; now it fails naming the job and `kill -TERM <runner pid>`."""
-    from fleet.demo import to_toml
+    from flows.cli import run_bringup
     from fleet.generation.remote import start_job
     from fleet.node import LocalNode, connect
     from fleet.servers import plan_servers, stop_servers
@@ -624,28 +626,22 @@ def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_t
     assert state.is_failed() and "does not exist" in state.message, state.message
     assert not (tmp_path / "work" / "servers").exists(), "the generate action started nothing"
 
-    path = tmp_path / "fleet.toml"
-    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
     runner = None
     try:
-        from flows.cli import main
-
-        assert main(["up", "-c", str(path)]) == 0
+        ok, _, message = run_bringup(cfg)   # what `fleet up` runs and prints
+        assert ok, message
         node, node_cfg = LocalNode(), cfg.nodes[0]
         spec = plan_servers(cfg, node_cfg, [], model_path=cfg.model.source, python=sys.executable)[0]
         inp = tmp_path / "in.jsonl"
         inp.write_bytes(rows_jsonl(300))
         handle = start_job(node, cfg, node_cfg, input_path=str(inp), output=str(tmp_path / "out"), specs=[spec])
         runner = handle.pid
-        capsys.readouterr()
         changed = cfg.model_copy(update={"engine": cfg.engine.model_copy(
             update={"sim": cfg.engine.sim.model_copy(update={"tokens_per_s": 50})})})
-        path.write_text(to_toml(changed.model_dump(mode="json", exclude_none=True)))
-        assert main(["up", "-c", str(path)]) == 1
-        text = capsys.readouterr()
-        text = text.out + text.err
-        assert f"in use by the generation job writing {tmp_path / 'out'}" in text, text[-3000:]
-        assert f"kill -TERM {runner}" in text
+        ok, _, message = run_bringup(changed)
+        assert not ok
+        assert f"in use by the generation job writing {tmp_path / 'out'}" in message, message
+        assert f"kill -TERM {runner}" in message
         assert node.is_alive(runner)
     finally:
         if runner:
