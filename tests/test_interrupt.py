@@ -180,6 +180,16 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
         waited = [t for t in (first.text(), second.text()) if "is held by run 'bringup-t" in t]
         assert len(waited) == 1, outs[-4000:]
         assert " s; waiting (up to 3600 s)" in waited[0]
+
+        # what the runs recorded, read back while nothing serves the database (the command path)
+        t0 = time.monotonic()
+        rep = subprocess.run([sys.executable, "-m", "fleet.cli", "report", "-c", str(a)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+        print(f"\nfleet report took {time.monotonic() - t0:.2f} s")
+        assert rep.returncode == 0 and rep.stderr == "", rep.stderr  # no warnings, no telemetry errors
+        assert rep.stdout.startswith("bringup-ta  Completed")
+        header = next(ln for ln in rep.stdout.splitlines() if "kv_cache_tokens" in ln)
+        assert "max_running_requests" in header and "error" in header  # the whole summary row, not cut at 80
     finally:
         down(env, a)
         down(env, b)

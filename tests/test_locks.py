@@ -238,3 +238,26 @@ def test_the_record_is_written_while_held_and_removed_after() -> None:
     with client() as c:
         assert c.read_variable_by_name(locks.record_name(name)) is None
     assert active(name) == 0
+
+
+def test_of_two_runs_reclaiming_one_dead_holder_only_one_frees_its_slot(logs: Logs) -> None:
+    """Two waiting runs see the same dead holder; the slower one must not free the slot the
+    faster one has meanwhile taken (two bring-ups on the same GPUs). Deleting the dead record by
+    its id is the claim: the second delete finds nothing and frees nothing."""
+    cfg = cfg_for("race.example")
+    name = locks.lock_names(cfg)[0]
+    lease = take_slot(name)
+    write_record(name, host=socket.gethostname(), machine=locks._machine_id(), pid=2**22 + 7, pid_start="1",
+                 lease_id=lease, run_name="bringup-dead")
+    with client() as c:
+        var, h = locks._read_record(c, name)  # both waiters read the record before either acts
+        import logging as _logging
+
+        log = _logging.getLogger("test-locks")
+        locks._reclaim_dead(c, name, var, h, "its process is gone", log)  # the first waiter
+        assert locks._active_slots(c, name) == 0
+        taken = locks._try_acquire(c, [name], None)  # ... which then takes the node
+        assert taken is not None
+        locks._reclaim_dead(c, name, var, h, "its process is gone", log)  # the second, on its stale view
+        assert locks._active_slots(c, name) == 1  # still held by the first
+        c.release_concurrency_slots_with_lease(taken)
