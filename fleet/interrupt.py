@@ -19,7 +19,6 @@ clean (`on_interrupt`), so this module knows nothing of Prefect.
 
 from __future__ import annotations
 
-import contextvars
 import os
 import signal
 import sys
@@ -57,21 +56,41 @@ def interrupted() -> bool:
 
 
 def install(paragraph: Callable[[], str]) -> None:
-    """Take over SIGINT for this process (main thread only). `paragraph()` is printed on the way out."""
+    """Take over SIGINT for this process (call from the main thread, before starting threads).
+
+    Python runs signal handlers only in the main thread, and only when it is running Python
+    code: a main thread blocked waiting for a task future (the flow waiting for a launch) and a
+    signal delivered to another thread meant 20 s before anything happened. So the handler does
+    nothing itself; the C-level handler writes the signal number to a wakeup fd at once, from
+    whatever thread got it, and a watcher thread acts on it."""
     global _paragraph
     _paragraph = paragraph
-    signal.signal(signal.SIGINT, _on_sigint)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(r,), name="fleet-sigint", daemon=True).start()
 
 
-def _on_sigint(signum: int, frame: object) -> None:
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        if not data:
+            return
+        for signum in data:
+            if signum == signal.SIGINT:
+                _on_sigint()
+
+
+def _on_sigint() -> None:
     if _started.is_set():
         os._exit(EXIT_INTERRUPTED)  # second Ctrl-C: now
     _started.set()
-    # The handler runs in the main thread between bytecodes; the work goes to a thread so
-    # a second SIGINT is still handled while the cleanups run. The cleanups see the main
-    # thread's context variables as they are now (e.g. which flow run it is in).
-    ctx = contextvars.copy_context()
-    threading.Thread(target=_shutdown, args=(ctx,), name="fleet-interrupt", daemon=True).start()
+    # the cleanups run in their own thread, so the watcher still sees a second Ctrl-C
+    threading.Thread(target=_shutdown, name="fleet-interrupt", daemon=True).start()
 
 
 def _silence() -> int:
@@ -86,13 +105,13 @@ def _silence() -> int:
     return err
 
 
-def _run_bounded(fn: Callable[[], None], timeout: float, ctx: contextvars.Context) -> None:
-    t = threading.Thread(target=ctx.copy().run, args=(fn,), daemon=True)
+def _run_bounded(fn: Callable[[], None], timeout: float) -> None:
+    t = threading.Thread(target=fn, daemon=True)
     t.start()
     t.join(max(0.0, timeout))
 
 
-def _shutdown(ctx: contextvars.Context) -> None:
+def _shutdown() -> None:
     t0 = time.monotonic()
     try:
         err = _silence()
@@ -102,7 +121,7 @@ def _shutdown(ctx: contextvars.Context) -> None:
         cleanups = sorted(_cleanups, key=lambda e: e[0])
     for _order, _name, fn in cleanups:
         # each gets at least a moment: the last one (stopping the embedded server) is a signal
-        _run_bounded(fn, max(0.3, CLEANUP_DEADLINE_S - (time.monotonic() - t0)), ctx)
+        _run_bounded(fn, max(0.3, CLEANUP_DEADLINE_S - (time.monotonic() - t0)))
     try:
         text = _paragraph().strip()
     except Exception:  # the paragraph must never stand between the user and the exit

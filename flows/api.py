@@ -185,22 +185,32 @@ def run_flow(flow: Any, **params: Any) -> Any:
     """Call the flow in-process and return its final state; on Ctrl-C its run is marked Crashed
     ("interrupted") rather than left Running, so nobody mistakes it for a live run."""
     ensure_api()
-    unregister = on_interrupt("mark the flow run crashed", _mark_crashed, order=50)
+    run_ids: list[Any] = []
+    name_it = flow.flow_run_name
+
+    def named() -> str:
+        # Prefect calls this in the run as it starts: the one place to learn the run's id
+        # without a hook (hooks log two lines each) or the main thread's context.
+        from prefect.runtime import flow_run
+
+        run_ids.append(flow_run.id)
+        if callable(name_it):
+            return name_it()
+        return name_it.format(**flow_run.parameters) if isinstance(name_it, str) else f"{flow.name}-{flow_run.id}"
+
+    unregister = on_interrupt("mark the flow run crashed", lambda: _mark_crashed(run_ids), order=50)
     try:
-        return flow(**params, return_state=True)
+        return flow.with_options(flow_run_name=named)(**params, return_state=True)
     finally:
         unregister()
 
 
-def _mark_crashed() -> None:
-    """Runs in the context the main thread had when Ctrl-C came (fleet/interrupt.py)."""
+def _mark_crashed(run_ids: list[Any]) -> None:
     from prefect.client.orchestration import get_client
-    from prefect.context import FlowRunContext
     from prefect.states import Crashed
 
-    ctx = FlowRunContext.get()
-    if ctx is None or ctx.flow_run is None:
+    if not run_ids:
         return
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(ctx.flow_run.id, Crashed(message="interrupted (Ctrl-C in the terminal); detached "
-                                                                   "servers and runners keep running"), force=True)
+        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C in the terminal); detached "
+                                                               "servers and runners keep running"), force=True)
