@@ -648,3 +648,23 @@ def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_t
             subprocess.run(["kill", "-9", str(runner)], check=False)
         with connect(cfg.nodes[0]) as node:
             stop_servers(node, cfg, cfg.nodes[0])
+
+
+def test_an_input_path_on_the_node_is_checked_there(tmp_path: Path) -> None:
+    """Fault: an --input that is only a path on an SSH node (not on this machine) was found missing, a
+    directory or empty only by the runner, after the bring-up. Now it is checked on the node first (exercised
+    through the same shell the SSH node runs, on the local node)."""
+    from fleet.generation.validate import _check_input_on_node
+    from fleet.node import LocalNode
+
+    node = LocalNode()
+    with pytest.raises(InputError, match="does not exist here nor on node local"):
+        _check_input_on_node(node, str(tmp_path / "nope.jsonl"))
+    with pytest.raises(InputError, match="is a directory"):
+        _check_input_on_node(node, str(tmp_path))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(InputError, match="is empty"):
+        _check_input_on_node(node, str(tmp_path / "empty.jsonl"))
+    (tmp_path / "in.jsonl").write_bytes(rows_jsonl(2))
+    got = _check_input_on_node(node, str(tmp_path / "in.jsonl"))
+    assert got.size == (tmp_path / "in.jsonl").stat().st_size and not got.local
