@@ -20,8 +20,9 @@
 
 Every message names the host, what was run, and ends with a remedy. paramiko and OS
 errors are translated into this tree at the node boundary (`fleet.node`), so nothing
-above it needs to know which transport was used. Prefect tasks retry only
-`TransientError` (see `is_transient`).
+above it needs to know which transport was used. Prefect tasks retry only a
+`TransientError` worth retrying (tasks/policy.py): not ServerNotReady, whose wait already
+took servers.ready_timeout_s.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
 
@@ -62,8 +63,7 @@ class SmokeResult:
 
 def backoff_delay(attempt: int, cfg: SmokeConfig, rng: random.Random) -> float:
     """Delay before retry number `attempt` (1-based): base * 2^(n-1), capped, plus up to jitter share."""
-    base = min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1))
-    return base * (1 + cfg.jitter * rng.random())
+    return backoff(attempt, cfg.backoff_s, max_s=cfg.backoff_max_s, jitter=cfg.jitter, rng=rng)
 
 
 def check_answer(body: Any) -> tuple[str, int | None, int | None, str | None]:

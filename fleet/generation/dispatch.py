@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from fleet.backoff import backoff_delay
 from fleet.config import GenerationConfig
 from fleet.generation.client import Outcome, chat, dumps, loads, new_session
 from fleet.generation.work import RowPlan
@@ -697,7 +698,7 @@ class Dispatcher:
         if srv.session is not None:
             session, srv.session = srv.session, None
             await session.close()
-        delay = self.recovery_backoff_s
+        rounds = 0
         while not self._stopping:
             srv.state = "recovering"
             try:
@@ -718,8 +719,9 @@ class Dispatcher:
                 srv.down_reason = f"recovery failed: {exc}"[:500]
             srv.state = "down"
             self._update_state()
-            await asyncio.sleep(delay * (1 + 0.25 * self.rng.random()))
-            delay = min(delay * 2, self.recovery_backoff_max_s)
+            rounds += 1
+            await asyncio.sleep(backoff_delay(rounds, self.recovery_backoff_s, max_s=self.recovery_backoff_max_s,
+                                              jitter=0.25, rng=self.rng))
 
     def _update_state(self) -> None:
         if self._stopping or self.state.startswith("failed"):
@@ -1013,8 +1015,7 @@ class Dispatcher:
         if self._stopping:
             return  # left unwritten: resume sends it again
         self.retries += 1
-        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (job.attempts - 1))
-        delay *= 1 + self.jitter * self.rng.random()
+        delay = backoff_delay(job.attempts, self.backoff_s, max_s=self.backoff_max_s, jitter=self.jitter, rng=self.rng)
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle | None = None
 

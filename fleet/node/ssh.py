@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import paramiko
 from paramiko.common import MSG_CHANNEL_REQUEST
 
+from fleet.backoff import backoff_delay
 from fleet.errors import (
     AuthFailed,
     CommandFailed,
@@ -70,7 +71,7 @@ REMOTE_KILL_AFTER_S = 5
 # OpenSSH's default MaxSessions is 10 per connection; past it sshd refuses new channels.
 MAX_SESSIONS = 8
 CONNECT_ATTEMPTS = 3
-RETRY_DELAYS_S = (0.2, 0.6)
+RETRY_BASE_S, RETRY_FACTOR = 0.2, 3.0   # 0.2 s, then 0.6 s
 _BUF = 65536
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KEY_CLASSES: tuple[type[paramiko.PKey], ...] = (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey)
@@ -295,7 +296,7 @@ class SSHNode(Node):
                 # would multiply the wait; the caller's own retries cover those.
                 if attempt == CONNECT_ATTEMPTS - 1 or time.monotonic() - started > 2.0:
                     raise
-                delay = RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
+                delay = backoff_delay(attempt + 1, RETRY_BASE_S, factor=RETRY_FACTOR)
                 log.info("[%s] %s; retrying in %.1f s", self.host, exc.reason, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
