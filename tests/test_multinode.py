@@ -216,28 +216,27 @@ def test_controller_killed_runners_go_on_then_rerun_reattaches(tmp_path: Path, s
     log1 = tmp_path / "first.log"
     first = _cli(cfg, tmp_path, inp, out, log1)
 
-    def running_on_both() -> dict[str, Any] | None:
+    def live_runner_on_each_node_and_a_chunk_done() -> list[int] | None:
         got = plan_state(state_home)
-        if not got:
+        if not got or not any(c["state"] == "done" for c in got[1]["chunks"].values()):
             return None
-        st = got[1]
-        nodes = {c["node"] for c in st["chunks"].values() if c["state"] == "running"}
-        return st if nodes == {"fast", "slow"} and any(c["state"] == "done" for c in st["chunks"].values()) else None
+        fast, slow = _runner_pids(tmp_path / "work-fast"), _runner_pids(tmp_path / "work-slow")
+        return fast + slow if fast and slow else None
 
     try:
-        _wait(first, log1, running_on_both, "a chunk done and one running on each node")
+        runners = _wait(first, log1, live_runner_on_each_node_and_a_chunk_done,
+                        "a chunk done and a runner on each node")
+        # Hold the runners (alive, as busy ones are) from before the kill until the second command has
+        # re-attached: a chunk that ends meanwhile is simply finished, with nothing to re-attach to.
+        for pid in runners:
+            os.kill(pid, signal.SIGSTOP)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     pdir, st = plan_state(state_home)  # type: ignore[misc]
-    runners = _runner_pids(tmp_path / "work-fast") + _runner_pids(tmp_path / "work-slow")
-    # one per node, plus a node's next chunk when it was started while the previous one drained
-    assert len(runners) >= 2, "the runners died with the controller"
-    # Hold them (alive, as busy ones are) until the second command re-attached: it first starts
-    # Prefect's temporary server and re-runs the bring-up, and a chunk that ended meanwhile is
-    # simply finished, with nothing left to re-attach to.
-    for pid in runners:
-        os.kill(pid, signal.SIGSTOP)
+    from fleet.node import LocalNode
+
+    assert all(LocalNode().is_alive(pid) for pid in runners), "a runner died with the controller"
     log2 = tmp_path / "second.log"
     second = _cli(cfg, tmp_path, inp, out, log2)
     try:

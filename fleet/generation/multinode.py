@@ -525,12 +525,19 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     return manifest
 
 
+PRESTART_LEAD_S = 8.0   # about what a runner takes from its start to its first completed rows, with margin
+
+
 def _draining(prog: dict[str, Any]) -> bool:
-    """The runner has sent its whole input: what is left is in flight (or being retried)."""
+    """The runner is within a runner start of its end: what is left is in flight, or would be sent in
+    the next PRESTART_LEAD_S at its current rate. Starting the next chunk now keeps the servers busy
+    while this runner drains and exits and the next one imports, reads its input and connects."""
     total = prog.get("rows_total")
-    if not total or prog.get("state") not in ("running",):
+    if not total or prog.get("state") != "running":
         return False
-    return int(prog.get("rows_done") or 0) + int(prog.get("in_flight") or 0) >= total and not prog.get("queued")
+    left = total - int(prog.get("rows_done") or 0)
+    lead = int(prog.get("in_flight") or 0) + float(prog.get("rows_per_s") or 0.0) * PRESTART_LEAD_S
+    return left <= lead
 
 
 def _unreachable(exc: BaseException) -> bool:
