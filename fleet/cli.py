@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | None = None) -> int:
     """Run one command. `commands` supplies the FLOW_COMMANDS (from `flows/cli.py`)."""
+    # Only the real command (argv from sys.argv) takes over Ctrl-C: a test calling main([...])
+    # in its own process keeps its SIGINT (fleet/interrupt.py ends the process on Ctrl-C).
+    take_sigint = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # every argument belongs to the simulator, --help included
@@ -448,9 +451,10 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
     args = parser.parse_args(argv)
     if commands and args.command in commands:
         args.func = commands[args.command]
-    from fleet.interrupt import install
+    if take_sigint:
+        from fleet.interrupt import install
 
-    install(lambda: interrupt_paragraph(args))
+        install(lambda: interrupt_paragraph(args))
     try:
         return args.func(args)
     except FleetError as exc:

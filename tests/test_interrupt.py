@@ -183,7 +183,7 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
 
         # what the runs recorded, read back while nothing serves the database (the command path)
         t0 = time.monotonic()
-        rep = subprocess.run([sys.executable, "-m", "fleet.cli", "report", "-c", str(a)], cwd=ROOT, env=env,
+        rep = subprocess.run([sys.executable, "-m", "flows.cli", "report", "-c", str(a)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
         print(f"\nfleet report took {time.monotonic() - t0:.2f} s")
         assert rep.returncode == 0 and rep.stderr == "", rep.stderr  # no warnings, no telemetry errors
