@@ -120,6 +120,7 @@ def _status_check(cfg: FleetConfig, as_json: bool) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    from fleet import torndown
     from fleet.config import load_config
     from fleet.node import connect
     from fleet.servers import stop_servers
@@ -130,7 +131,12 @@ def cmd_down(args: argparse.Namespace) -> int:
     freed = []
     for node_cfg in cfg.nodes:
         with connect(node_cfg) as node:
-            rows += stop_servers(node, cfg, node_cfg)
+            stopped = stop_servers(node, cfg, node_cfg)
+            rows += stopped
+            if not any(str(r["action"]).startswith("error") for r in stopped):
+                # revalidation then says "nothing is up (torn down …)" rather than alerting (fleet/torndown.py)
+                torndown.mark(node, node_cfg, cfg.name, by="fleet down",
+                              stopped=sum(1 for r in stopped if r["action"] in ("stopped", "killed")))
             if args.free_ramdisk:
                 freed.append({"node": node_cfg.name, **free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
                                                                     ramdisk=node_cfg.ramdisk)})

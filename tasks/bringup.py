@@ -18,6 +18,7 @@ from fleet.errors import FleetError, PreflightFailed
 from fleet.preflight import gather
 from fleet.servers import excerpt, launch, record_smoke, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
+from fleet import torndown
 from fleet.staging import stage_model
 from fleet.venv import ensure_venv
 from tasks.audit import write_stage
@@ -58,8 +59,7 @@ def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
             raise PreflightFailed("; ".join(f"{c.name}: {c.detail}" for c in failures), host=report.host,
                                   remedy=" / ".join(c.remedy for c in failures if c.remedy))
         # A bring-up means the fleet should be up again: revalidation checks this node from now on.
-        from tasks.teardown import clear_torn_down
-        clear_torn_down(node_for(cfg, node_name), node_cfg, cfg.name)
+        torndown.clear(node_for(cfg, node_name), node_cfg, cfg.name)
         d = report.as_dict()
         d["gpu_ids"] = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
         venv = report.path("venv")

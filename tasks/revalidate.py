@@ -21,11 +21,12 @@ from fleet.config import FleetConfig
 from fleet.errors import FleetError
 from fleet.revalidate import REVALIDATE_COLUMNS, check_server, missing_servers
 from fleet.servers import records, server_paths
+from fleet.torndown import describe
+from fleet.torndown import read as torn_down
 from flows.outcome import RunFailed, failed
 from tasks.audit import write_stage, write_table
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
-from tasks.teardown import describe, torn_down
 
 
 @task(name="revalidate-inventory", task_run_name="inventory-{node_name}", **TASK_OPTS)

@@ -210,6 +210,22 @@ def test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup(tmp
     assert st.is_failed() and "process" in st.message and "not running" in st.message
 
 
+def test_revalidate_after_fleet_down_says_nothing_is_up(tmp_path: Path, stop_after) -> None:
+    """`fleet down` is a teardown too: it leaves the same marker, so the scheduled revalidate
+    does not alert about servers an operator stopped from the shell."""
+    from fleet.cli import main
+    from fleet.demo import to_toml
+
+    cfg = sim_config(tmp_path, n=1)
+    stop_after(cfg)
+    path = tmp_path / "rv.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json")))
+    assert run(str(path), "bringup").is_completed()
+    assert main(["down", "-c", str(path)]) == 0
+    st = run(str(path), "revalidate")
+    assert st.is_completed() and st.message.startswith("nothing is up (torn down at ") and "by fleet down" in st.message
+
+
 def test_artifacts_name_their_run_and_unreached_stages_say_not_run(tmp_path: Path, stop_after) -> None:
     """Fault: the artifacts page shows each key's newest version across runs, so an older run's
     `server-1-smoke` OK sat beside the latest run's `server-1-launch` FAILED. Every artifact's

@@ -1,0 +1,46 @@
+"""The teardown marker: "this fleet was stopped on purpose on this node, at …, by …".
+
+`<workdir>/teardown/<fleet>.json`, written by a teardown (the `teardown` action, `fleet down`)
+once every server of the fleet on the node is stopped, removed by a bring-up. Revalidation
+reads it: a node that holds it and runs none of the fleet's servers has nothing to check,
+and says so instead of reporting every server as down (tasks/revalidate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from typing import Any
+
+from fleet.config import NodeConfig
+from fleet.node import Node
+
+
+def marker_path(node_cfg: NodeConfig, fleet: str) -> str:
+    # Not under servers/: launch records are globbed there as `<fleet>-*.json`.
+    return posixpath.join(node_cfg.workdir, "teardown", f"{fleet}.json")
+
+
+def mark(node: Node, node_cfg: NodeConfig, fleet: str, *, stopped: int, by: str | None) -> None:
+    node.write_text(marker_path(node_cfg, fleet),
+                    json.dumps({"fleet": fleet, "at": time.time(), "by": by, "stopped": stopped}))
+
+
+def clear(node: Node, node_cfg: NodeConfig, fleet: str) -> None:
+    node.run(["rm", "-f", marker_path(node_cfg, fleet)], check=False, timeout=30)
+
+
+def read(node: Node, node_cfg: NodeConfig, fleet: str) -> dict[str, Any] | None:
+    """The node's marker for this fleet ({"at", "by", ...}), or None."""
+    text = node.read_text(marker_path(node_cfg, fleet))
+    try:
+        marker = json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("at"), int | float) else None
+
+
+def describe(marker: dict[str, Any]) -> str:
+    at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(marker["at"]))
+    return f"torn down at {at}" + (f" by {marker['by']}" if marker.get("by") else "")
