@@ -388,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_runs_a_flow)
 
     p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
-                       description="Copy a job's output (shards, errors, rejects, manifest, progress) from each node "
-                                   "to a local directory; with several nodes, one subdirectory per node. While the job "
+                       description="Copy a job's output (shards, errors, rejects, manifest, progress) from the node "
+                                   "to a local directory. A job over several nodes: gather every chunk from every node "
+                                   "and write one merged directory (every id once) with one manifest. While the job "
                                    "runs, shards and the manifest come whole (written, then renamed); errors.jsonl and "
                                    "rejects.jsonl are appended to, so fetch again once the job ends.")
     _config_arg(p)
