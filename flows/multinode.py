@@ -55,6 +55,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),
                     ", ".join(sorted(nodes)), plan.total_lines, len(plan.chunks),
                     ", ".join(str(c.lines) for c in plan.chunks[:6]) + (" …" if len(plan.chunks) > 6 else ""), pdir)
+        already_done = ctl.assign.all_done()
         futs = {node_worker.submit(ctl, name): name for name in sorted(nodes)}
 
         def finished(timeout: float) -> bool:
@@ -91,6 +92,9 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
         return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "
                       "run the same command again to resume", result)
+    if already_done:
+        return Completed(message=f"nothing to do: {counts['completed'] + counts['errors'] + counts['rejects']:,} rows "
+                                 f"already done in {dest}", data=result)
     per = ", ".join(f"{n['node']} {n['rows']} ({n['share'] * 100:.0f}%)" for n in manifest.get("nodes") or [])
     return Completed(message=f"generated {counts['completed']} row(s), {counts['errors']} error(s), "
                              f"{counts['rejects']} reject(s) over {len(nodes)} node(s) [{per}] into {dest}"
