@@ -30,6 +30,7 @@ from typing import Any
 
 from fleet.errors import CommandFailed, ConfigError, PreflightFailed
 from fleet.node.base import Node, describe
+from fleet.remote.stage import EXIT_IO, EXIT_NOSPACE, EXIT_USAGE, MANIFEST
 
 __all__ = ["StageResult", "stage_model", "staged_path", "is_staged", "read_manifest", "stage_argv",
            "STAGE_SCRIPT", "MANIFEST_NAME"]
@@ -37,12 +38,8 @@ __all__ = ["StageResult", "stage_model", "staged_path", "is_staged", "read_manif
 log = logging.getLogger("fleet.staging")
 
 STAGE_SCRIPT = Path(__file__).parent / "remote" / "stage.py"
-MANIFEST_NAME = ".fleet-stage.json"
-
-# exit codes of stage.py
-_EXIT_USAGE = 2
-_EXIT_NOSPACE = 3
-_EXIT_IO = 4
+# The script's manifest name and exit codes, from the script itself (stdlib only, safe to import).
+MANIFEST_NAME = MANIFEST
 
 GiB = 2**30
 
@@ -160,16 +157,16 @@ def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], st
     """Turn the stage script's exit code into an error that says what to do."""
     code = exc_or_code if isinstance(exc_or_code, int) else exc_or_code.exit_code
     why = _error_line(stderr)
-    if code == _EXIT_USAGE:
+    if code == EXIT_USAGE:
         reason = f"cannot stage {source} on {node.name}: {why or 'bad source'}"
         remedy = ("set model.stage=false to serve the model from where it is" if "same directory" in why else
                   f"set model.source to an existing model directory as seen from {node.name} "
                   "(paths are on the node, not where the flow runs)")
-    elif code == _EXIT_NOSPACE:
+    elif code == EXIT_NOSPACE:
         reason = f"RAM disk {ramdisk} on {node.name} ran out of space while staging {source}: {why}"
         remedy = (f"free {ramdisk} (old models: ls -la {ramdisk}), use a node with more RAM, or set "
                   "model.stage=false; the partial copy is marked incomplete and a re-run resumes it")
-    elif code == _EXIT_IO:
+    elif code == EXIT_IO:
         reason = f"I/O error while staging {source} to {dst} on {node.name}: {why}"
         remedy = ("check that the source is readable and nobody is writing to it, then re-run: "
                   "files already staged are kept")

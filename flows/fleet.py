@@ -29,7 +29,7 @@ from fleet.errors import FleetError
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from flows.alerts import announce_failure
-from flows.outcome import failed, quiet_expected_failures
+from flows.outcome import failed, outcome, quiet_expected_failures
 from flows.params import resolve_config, run_name
 from tasks.audit import write_not_run, write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
@@ -44,22 +44,6 @@ LOCKED_ACTIONS = frozenset({"bringup", "revalidate", "teardown"})
 
 SUMMARY_COLUMNS = ["node", "server", "gpus", "port", "pid", "state", "ready_s", "smoke_latency_s",
                    "kv_cache_tokens", "max_running_requests", "flag", "error"]
-
-
-def _outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
-    """(result, None) or (None, error text) without raising."""
-    fut.wait()
-    state = fut.state
-    if state.is_completed():
-        return fut.result(), None
-    try:
-        fut.result(raise_on_failure=True)
-    except Exception as exc:  # the task's exception, re-raised by Prefect
-        from fleet.errors import FleetError
-
-        # a fleet error's one line keeps its remedy (which setting to change), not just the reason
-        return None, (exc.one_line() if isinstance(exc, FleetError) else str(exc).splitlines()[0])[:800]
-    return None, f"task ended {state.name}"
 
 
 def _row(node: str, index: Any, **kw: Any) -> dict[str, Any]:
@@ -78,7 +62,7 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     provs = {n.name: provision.submit(cfg, n.name) for n in cfg.nodes}
     provisioned: dict[str, dict[str, Any]] = {}
     for name, fut in provs.items():
-        res, err = _outcome(fut)
+        res, err = outcome(fut)
         if err:
             rows.append(_row(name, "-", state="provision failed", error=err))
             failures.append(f"{name}: provision: {err}")
@@ -93,8 +77,8 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     prepared: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     futs = {name: (venv.submit(cfg, name, p), stage.submit(cfg, name, p)) for name, p in provisioned.items()}
     for name, (vf, sf) in futs.items():
-        v, verr = _outcome(vf)
-        s, serr = _outcome(sf)
+        v, verr = outcome(vf)
+        s, serr = outcome(sf)
         for what, err in (("venv", verr), ("stage", serr)):
             if err:
                 rows.append(_row(name, "-", state=f"{what} failed", error=err))
@@ -116,7 +100,7 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     smokes: dict[PrefectFuture, ServerSpec] = {}
     for fut in as_completed(list(launches)):
         spec = launches[fut]
-        res, err = _outcome(fut)
+        res, err = outcome(fut)
         if err:
             rows.append(_row(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, state="launch failed",
                              error=err))
@@ -127,7 +111,7 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
         launched[(spec.node, spec.index)] = res
         smokes[smoke_server.submit(cfg, spec, res)] = spec
     for fut, spec in smokes.items():
-        res, err = _outcome(fut)
+        res, err = outcome(fut)
         lr = launched[(spec.node, spec.index)]
         facts = lr.get("facts") or {}
         row = _row(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, pid=lr["pid"],
@@ -171,7 +155,7 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
              "action": r["action"], "seconds": r.get("seconds"), "bytes": None} for r in teardown(cfg)]
     if free_ramdisk:
         for f in [free_task.submit(cfg, n.name) for n in cfg.nodes]:
-            res, err = _outcome(f)
+            res, err = outcome(f)
             res = res or {}
             rows.append({"node": res.get("node"), "what": f"ramdisk {res.get('path') or ''}".strip(), "port": None,
                          "pid": None, "action": f"error: {err}" if err else res.get("action"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prefect.futures import PrefectFuture
 from prefect.states import Failed, State
 
 from fleet.errors import FatalError, FleetError
@@ -44,6 +45,24 @@ class RunFailed(FatalError):
 def failed(message: str, data: Any = None) -> State:
     """A Failed state with `message` that the engine can resolve into an exception (never a bare list)."""
     return Failed(message=message, data=RunFailed(message, data))
+
+
+def outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
+    """(result, None) when the task completed; else (its row or None, one line saying why). Never
+    raises. A task that ended through `failed(message, row)` gives back its row and message; a fleet
+    error's one line keeps its remedy (which setting to change), not just the reason."""
+    fut.wait()
+    state = fut.state
+    if state.is_completed():
+        return fut.result(), None
+    data = fut.result(raise_on_failure=False)
+    if isinstance(data, RunFailed) and isinstance(data.data, dict):
+        return data.data, state.message or data.reason
+    if isinstance(data, FleetError):
+        return None, data.one_line()[:800]
+    if isinstance(data, BaseException):
+        return None, (str(data).splitlines() or [type(data).__name__])[0][:800]
+    return None, f"task ended {state.name}"
 
 
 def run_data(state: State) -> Any:

@@ -18,12 +18,11 @@ from prefect import get_run_logger, task
 from prefect.futures import PrefectFuture
 
 from fleet.config import FleetConfig
-from fleet.errors import FleetError
 from fleet.revalidate import REVALIDATE_COLUMNS, check_server, missing_servers
 from fleet.servers import records, server_paths
 from fleet.torndown import describe
 from fleet.torndown import read as torn_down
-from flows.outcome import RunFailed, failed
+from flows.outcome import failed, outcome
 from tasks.audit import write_stage, write_table
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
@@ -61,24 +60,6 @@ def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) 
     return check.row()
 
 
-def _outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
-    """(result, None) when completed; (row or None, why) when not. Never raises."""
-    fut.wait()
-    state = fut.state
-    if state.is_completed():
-        return fut.result(), None
-    data = fut.result(raise_on_failure=False)
-    if isinstance(data, RunFailed):
-        data = data.data
-    if isinstance(data, dict):  # an unhealthy server: its row, and the state's message
-        return data, state.message or "unhealthy"
-    if isinstance(data, FleetError):
-        return None, data.reason
-    if isinstance(data, BaseException):
-        return None, str(data).splitlines()[0][:500]
-    return None, f"task ended {state.name}"
-
-
 def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """Re-validate every server of every node; (table rows, one line per unhealthy server)."""
     rows: list[dict[str, Any]] = []
@@ -87,7 +68,7 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
     checks: dict[PrefectFuture, tuple[str, dict[str, Any]]] = {}
     blank = {c: None for c in REVALIDATE_COLUMNS}
     for node_cfg in cfg.nodes:
-        inv, err = _outcome(inventories[node_cfg.name])
+        inv, err = outcome(inventories[node_cfg.name])
         if err:
             rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "unreachable", "problem": err})
             failures.append(f"{node_cfg.name}: {err}")
@@ -107,7 +88,7 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
         for rec in recs:
             checks[revalidate_server.submit(cfg, node_cfg.name, rec)] = (node_cfg.name, rec)
     for fut, (node_name, rec) in checks.items():
-        row, err = _outcome(fut)
+        row, err = outcome(fut)
         label = f"{node_name} server {rec.get('index')} (port {rec.get('port')})"
         if row is None:  # the check itself could not run (node lost mid-way)
             row = blank | {"node": node_name, "server": rec.get("index"), "port": rec.get("port"),
