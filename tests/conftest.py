@@ -66,30 +66,28 @@ class Proc:
 
 
 def processes() -> list[Proc]:
-    """This machine's processes from /proc (no psutil: it is not a test dependency)."""
+    """This machine's processes (psutil); one that exits while being read is left out."""
+    import psutil
+
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue  # exited meanwhile
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        out.append(Proc(int(entry), ppid, comm, [a.decode(errors="replace") for a in argv]))
+    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline"]):
+        info = p.info
+        if info["ppid"] is None or info["name"] is None:
+            continue  # exited meanwhile (or not ours to read)
+        out.append(Proc(info["pid"], info["ppid"], info["name"], list(info["cmdline"] or [])))
     return out
 
 
 def descendants(pid: int) -> list[Proc]:
-    procs = processes()
-    found, frontier = [], {pid}
-    while frontier:
-        kids = [p for p in procs if p.ppid in frontier]
-        found += kids
-        frontier = {p.pid for p in kids}
-    return found
+    """Every process below `pid` (children, their children, …)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    by_pid = {p.pid: p for p in processes()}
+    return [by_pid[k.pid] for k in kids if k.pid in by_pid]
 
 
 def _keygen(path: Path, kind: str = "ed25519") -> str:
