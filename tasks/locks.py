@@ -381,8 +381,9 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
                     holders.append(f"{name} is taken by a run that left no holder record (reclaimed if still so "
                                    f"after {ORPHAN_GRACE_S:.0f} s)")
             waited = time.monotonic() - t0
-            if holders and waited > wait_s:
-                raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: " + "; ".join(holders),
+            if waited > wait_s:
+                raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: "
+                               + ("; ".join(holders) or f"{', '.join(names)} refused a slot"),
                                remedy="wait for that run to end (`fleet status`, the Prefect UI), or raise the "
                                       "flow parameter node_wait_s")
             text = "; ".join(holders)
@@ -406,6 +407,7 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
         yield names
     finally:
         held.release()
+
 
 class NodeBusy(TransientError):
     """Another run held the node longer than this run would wait."""
