@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleet.errors import FleetError
 
@@ -55,7 +55,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return EXIT_FAILED if bad else 0
 
 
-def print_rows(rows: list[dict], columns: list[str]) -> None:
+def print_rows(rows: list[dict[str, Any]], columns: list[str]) -> None:
     def cell(v: object) -> str:
         if v is None:
             return "-"
@@ -463,7 +463,8 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
 
         install(lambda: interrupt_paragraph(args))
     try:
-        return args.func(args)
+        func: Command = args.func
+        return func(args)
     except FleetError as exc:
         from fleet.errors import ConfigError
 

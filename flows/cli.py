@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blocks.credentials import PrefectCredentials
 from fleet import cli
@@ -29,7 +29,7 @@ def _prefect_env() -> None:
     prefect_env()
 
 
-def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict], str]:
+def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
     """Run the `fleet` flow in-process (embedded Prefect unless PREFECT_API_URL is set)."""
     from flows.api import ensure_api, run_flow
 
@@ -113,13 +113,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from flows.report import report
 
-    return report(args.config, args.run, args.key, args.list, args.full)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from fleet.demo import run_demo
-
-    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+    rc: int = report(args.config, args.run, args.key, args.list, args.full)
+    return rc
 
 
 def run_demo(engine: str = "transformers", keep: bool = False, servers: int | None = None) -> int:
