@@ -13,7 +13,6 @@ doubled, and the store's lock refuses a second writer even if someone tries by h
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import posixpath
@@ -28,7 +27,7 @@ from typing import Any
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed
-from fleet.generation.runner import EXIT_FILE
+from fleet.generation.jobdir import EXIT_FILE, LIVE_PID_SH, job_dir  # noqa: F401  (re-exported)
 from fleet.node import LocalNode, Node
 
 RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
@@ -46,12 +45,6 @@ class JobHandle:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def job_dir(node_cfg: NodeConfig, cfg: FleetConfig, output: str) -> str:
-    """One job directory per (fleet, output dir) on the node: job.json, runner.log, runner.pid."""
-    key = hashlib.sha256(output.encode()).hexdigest()[:10]
-    return f"{node_cfg.workdir.rstrip('/')}/jobs/{cfg.name}-{key}"
 
 
 def build_pyz() -> bytes:
@@ -166,19 +159,6 @@ class LiveJob:
                 "the manifest is written; the same `fleet generate` command resumes it), or wait for it to finish")
 
 
-# sh: live_pid PIDFILE prints the pid of the process a fleet pid file ("PID STARTTIME") names, when
-# that very process is alive (not a zombie, and started at that time: a reused pid does not count).
-LIVE_PID_SH = r'''
-live_pid() {
-  read p s _ < "$1" 2>/dev/null || [ -n "$p" ] || return 1
-  case "$p" in ''|*[!0-9]*) return 1;; esac
-  rest=$(sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null) || return 1
-  [ -n "$rest" ] || return 1
-  case "$(echo "$rest" | cut -d' ' -f1)" in Z|X) return 1;; esac
-  if [ -n "$s" ] && [ "$(echo "$rest" | cut -d' ' -f20)" != "$s" ]; then return 1; fi
-  echo "$p"
-}
-'''
 
 _LIVE_JOBS = LIVE_PID_SH + r'''
 for d in "$1"/jobs/"$2"-*; do

@@ -55,13 +55,13 @@ from typing import Any
 
 from fleet.config import FleetConfig
 from fleet.generation.dispatch import Dispatcher, Endpoint, Summary
+from fleet.generation.jobdir import EXIT_FILE
 
 log = logging.getLogger("fleet.generation")
 
 __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
 
 PROGRESS_FILE = "progress.json"
-EXIT_FILE = "exit.json"      # in the job directory, next to job.json: the runner's last word
 
 
 @dataclass

@@ -276,7 +276,7 @@ exit 0
 
 def read_existing(node: Node, node_cfg: NodeConfig, cfg: FleetConfig, output: str) -> ExistingJob:
     """The live runner (if any) and the records of the job in `output` on this node: one round trip."""
-    from fleet.generation.remote import LIVE_PID_SH, job_dir
+    from fleet.generation.jobdir import LIVE_PID_SH, job_dir
 
     text = node.run(["sh", "-c", LIVE_PID_SH + _EXISTING_SCRIPT, "fleet-job", job_dir(node_cfg, cfg, output), output],
                     timeout=60).stdout
