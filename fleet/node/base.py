@@ -134,11 +134,15 @@ echo stopped
 """
 
 # sh -c WRITE fleet-write PATH < TEXT
+# sh -c WRITE fleet-write PATH NBYTES < text. The byte count matters: when the writer dies
+# mid-send (Ctrl-C ends fleet with os._exit, kill -9, a dropped SSH connection) `cat` sees
+# EOF early, and a cut-short launch record used to replace the good one (`fleet down` then
+# missed that server).
 _WRITE = r"""
 umask 077
 mkdir -p -- "$(dirname -- "$1")" || exit 1
 tmp=$(mktemp "$1.XXXXXX") || exit 1
-if cat > "$tmp" && mv -f -- "$tmp" "$1"; then exit 0; fi
+if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$2" ] && mv -f -- "$tmp" "$1"; then exit 0; fi
 rm -f -- "$tmp"; exit 1
 """
 
@@ -176,6 +180,7 @@ class Node(abc.ABC):
 
     name: str
     host: str
+    input_encoding = "utf-8"  # how `input=` text reaches the command's stdin (write_text counts bytes)
 
     # -- transport primitives (per implementation) ------------------------------------
     @abc.abstractmethod
@@ -310,7 +315,8 @@ class Node(abc.ABC):
         """Write a file atomically on the node: mode 0600 (directories 0700), through a fresh temp
         file (mktemp: O_EXCL, so never through a symlink someone planted), then a rename (which
         replaces a link at `path` rather than following it). The text travels on stdin."""
-        self.run(["sh", "-c", _WRITE, "fleet-write", path], input=text, timeout=60)
+        nbytes = len(text.encode(self.input_encoding))
+        self.run(["sh", "-c", _WRITE, "fleet-write", path, str(nbytes)], input=text, timeout=60)
 
     def exists(self, path: str) -> bool:
         return self.run(["sh", "-c", '[ -e "$1" ]', "fleet-exists", path], check=False, timeout=30).ok

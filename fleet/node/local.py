@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import locale
 import os
 import queue
 import shutil
@@ -17,6 +18,9 @@ from fleet.node.base import Node, PortForward, RunResult
 
 
 class LocalNode(Node):
+    # subprocess text mode encodes stdin with the locale's encoding
+    input_encoding = locale.getpreferredencoding(False)
+
     def __init__(self, name: str = "local") -> None:
         self.name = name
         self.host = "localhost"
