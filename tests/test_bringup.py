@@ -360,6 +360,8 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     import subprocess
     import sys
 
+    import psutil
+
     from fleet.demo import to_toml
 
     cfg = sim_config(tmp_path, port_block(2), n=2)
@@ -378,9 +380,20 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         servers = json.loads(st.stdout)["servers"]
         assert [s["state"] for s in servers] == ["running", "running"]
         assert all(s["pid"] and s["up_s"] >= 0 and s["last_smoke"]["ok"] for s in servers)
+        started = {s["pid"]: psutil.Process(s["pid"]).create_time() for s in servers}
     finally:
         down = fleet_cli("down")
     assert down.returncode == 0 and down.stdout.count("stopped") == 2, down.stdout
-    assert not any(LocalNode().is_alive(s["pid"]) for s in servers)
+
+    def same_process_alive(pid: int) -> bool:
+        # by pid *and* start time: on a busy machine (pid_max 32768, a shell per node command)
+        # a stopped server's pid can be reused within seconds by an unrelated process
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == started[pid] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    assert not any(same_process_alive(pid) for pid in started)
     st = fleet_cli("status", "--json")
     assert [s["state"] for s in json.loads(st.stdout)["servers"]] == ["stopped", "stopped"] and st.returncode == 1
