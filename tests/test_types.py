@@ -1,0 +1,84 @@
+"""The type checker's gate: mypy, strict on `fleet/`, passes.
+
+The configuration is `[tool.mypy]` in pyproject.toml (strict, the pydantic plugin, stubs for
+paramiko; pyarrow, which ships no types, is the one untyped import). Modules not yet clean sit in
+ONE temporary override list there; it must be empty at the end of the refactoring.
+
+mypy keeps its cache in `.mypy_cache/` at the repository root (gitignored): a cold run takes
+about a minute on a small machine, a warm one a few seconds. Only this module runs mypy, so
+pytest-xdist workers never share the cache within one run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mypy(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=1200,
+    )
+
+
+def _overrides() -> list[dict[str, object]]:
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return list(cfg["tool"]["mypy"].get("overrides", []))
+
+
+def _names(override: dict[str, object]) -> list[str]:
+    mods = override["module"]
+    return [str(m) for m in mods] if isinstance(mods, list) else [str(mods)]
+
+
+@pytest.mark.timeout(1300)
+def test_fleet_is_strict_clean() -> None:
+    r = _mypy()  # files, strictness and the cache come from pyproject.toml
+    assert r.returncode == 0, f"mypy (strict on fleet/) failed:\n{r.stdout}{r.stderr}"
+
+
+def test_config_is_strict() -> None:
+    """The gate is not toothless: the config in force is strict on fleet/."""
+    mypy_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert mypy_cfg.get("strict") is True
+    assert mypy_cfg.get("files") == ["fleet"]
+    for o in _overrides():
+        # no blanket silencing of fleet/ except the one temporary list of not-yet-clean modules
+        if any(m.startswith("fleet") for m in _names(o)):
+            assert set(o) == {"module", "ignore_errors"}, o
+
+
+@pytest.mark.timeout(300)
+def test_strict_config_catches_an_untyped_function(tmp_path: Path) -> None:
+    """The same config flags what strict mode is for: an unannotated function and a bare ignore."""
+    pkg = tmp_path / "probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "def f(x):\n    return x\n\n"
+        "y: int = 'text'  # type: ignore\n"
+    )
+    r = _mypy("--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "cache"),
+              str(pkg), cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "[no-untyped-def]" in r.stdout, r.stdout
+    assert "[ignore-without-code]" in r.stdout, r.stdout
+
+
+def test_temporary_list_names_real_modules() -> None:
+    """A module split or renamed away must leave the not-yet-clean list too (no stale names)."""
+    for o in _overrides():
+        if not o.get("ignore_errors"):
+            continue
+        for mod in _names(o):
+            rel = Path(*mod.split("."))
+            assert (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file(), (
+                f"{mod} is in the temporary mypy override list in pyproject.toml but no such module exists:"
+                " remove it from the list"
+            )
