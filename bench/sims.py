@@ -6,9 +6,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-SIM = Path(__file__).resolve().parents[1] / "fleet" / "sim" / "server.py"
+SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 
 
 def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
@@ -19,7 +18,7 @@ def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        argv = [sys.executable, str(SIM), "--port", str(port), "--startup-s", "0", "--tokens-per-s", str(tps),
+        argv = [sys.executable, *SIM, "--port", str(port), "--startup-s", "0", "--tokens-per-s", str(tps),
                 "--max-running-requests", str(slots), "--log-interval-s", "3600"]
         if seed is not None:
             argv += ["--seed", str(seed)]

@@ -71,17 +71,16 @@ def launch_hash(argv: list[str], env: dict[str, str]) -> str:
 
 
 def upload_sim_script(node: Node, workdir: str) -> None:
-    """Put the simulator (one stdlib-only file) on the node. Read through pkgutil, not a path:
-    the runner on an SSH node imports fleet from a zip file."""
-    import pkgutil
+    """Put the simulator on the node: one stdlib-only zip (`fleet.sim.bundle`), built from
+    package resources, not paths (the runner on an SSH node imports fleet from a zip file)."""
     import tempfile
 
-    data = pkgutil.get_data("fleet.sim", "server.py")
-    assert data is not None
-    with tempfile.NamedTemporaryFile(suffix=".py") as tmp:
-        tmp.write(data)
+    from fleet.sim.bundle import build_pyz
+
+    with tempfile.NamedTemporaryFile(suffix=".pyz") as tmp:
+        tmp.write(build_pyz())
         tmp.flush()
-        node.put(tmp.name, f"{workdir.rstrip('/')}/bin/fleet_sim.py")
+        node.put(tmp.name, f"{workdir.rstrip('/')}/bin/fleet_sim.pyz")
 
 
 @dataclass

@@ -224,7 +224,7 @@ def test_sim_argv_takes_sim_config_and_seeds_per_server() -> None:
                                                 "max_running_requests": 16, "kv_cache_tokens": 123456, "seed": 40}})
     spec = spec_of(index=2, port=30002, workdir="/tmp/fleet/", gpus=())
     assert get_profile("sim").argv(cfg, spec) == [
-        PY, "/tmp/fleet/bin/fleet_sim.py",
+        PY, "/tmp/fleet/bin/fleet_sim.pyz",
         "--host", "127.0.0.1", "--port", "30002",
         "--model-name", "qwen3-next", "--model-path", MODEL,
         "--startup-s", "2.5", "--first-request-delay-s", "3.0", "--tokens-per-s", "500.0",

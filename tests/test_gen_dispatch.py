@@ -24,7 +24,7 @@ from fleet.generation.client import chat, classify_status, new_session
 from fleet.generation.dispatch import Dispatcher, Endpoint, WorkQueue
 from fleet.generation.inputs import Reject, Request
 
-SIM = Path(__file__).resolve().parents[1] / "fleet" / "sim" / "server.py"
+SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 
 
 def free_port() -> int:
@@ -47,7 +47,7 @@ class Sim:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, *args: str) -> Sim:
-        argv = [sys.executable, str(SIM), "--port", str(self.port), "--startup-s", "0", "--log-interval-s", "60",
+        argv = [sys.executable, *SIM, "--port", str(self.port), "--startup-s", "0", "--log-interval-s", "60",
                 *(args or self.args)]
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)

@@ -1,7 +1,8 @@
 """The simulated SGLang server, driven as a real subprocess over real HTTP.
 
-Every server here is `python fleet/sim/server.py --port P ...` with its output in a log
-file (as the launcher runs it); waits poll with a deadline, never a fixed sleep.
+Every server here is `python -m fleet.sim --port P ...` (or the zip a node runs, `python
+fleet_sim.pyz ...`) with its output in a log file (as the launcher runs it); waits poll with
+a deadline, never a fixed sleep.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-SERVER = Path(__file__).resolve().parents[1] / "fleet" / "sim" / "server.py"
+SIM_DIR = Path(__file__).resolve().parents[1] / "fleet" / "sim"
+SERVER = ("-m", "fleet.sim")
 FAST = ("--tokens-per-s", "1000000")  # generations answer at once
 
 
@@ -32,14 +34,15 @@ def free_port() -> int:
 class Sim:
     """One simulated server process and its log file."""
 
-    def __init__(self, tmp: Path, *flags: str, python_flags: tuple[str, ...] = (), port: int | None = None):
+    def __init__(self, tmp: Path, *flags: str, python_flags: tuple[str, ...] = (), port: int | None = None,
+                 entry: tuple[str, ...] = SERVER):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"sim-{self.port}-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("wb")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, *python_flags, str(SERVER), "--port", str(self.port), *flags],
+            [sys.executable, *python_flags, *entry, "--port", str(self.port), *flags],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -518,9 +521,17 @@ def test_speculative_accept_length_and_decode_log(sims):
 # --------------------------------------------------------------------------- process
 
 
-def test_runs_isolated_without_site_packages(sims):
-    """-S -I: no site-packages, no PYTHON* env, no cwd on sys.path -> stdlib only."""
-    s = sims("--startup-s", "0", *FAST, python_flags=("-S", "-I"))
+def test_runs_isolated_without_site_packages(sims, tmp_path):
+    """-S -I: no site-packages, no PYTHON* env, no cwd on sys.path -> stdlib only.
+
+    Protects: the zip a node runs (`fleet.sim.bundle`) serving with a bare interpreter, every
+    module of the package inside it and none of them importing beyond the standard library.
+    """
+    from fleet.sim.bundle import build_pyz
+
+    pyz = tmp_path / "fleet_sim.pyz"
+    pyz.write_bytes(build_pyz())
+    s = sims("--startup-s", "0", *FAST, python_flags=("-S", "-I"), entry=(str(pyz),))
     s.wait_ready()
     assert httpx.post(s.url + "/v1/chat/completions", json=chat_body()).status_code == 200
 
@@ -547,10 +558,43 @@ def test_port_in_use_fails_like_uvicorn(sims):
 
 
 def test_importable_main_rejects_bad_flags():
-    from fleet.sim import SERVER_FILE
     from fleet.sim.server import main
 
-    assert SERVER_FILE == SERVER
     with pytest.raises(SystemExit) as exc:
         main(["--port", "1", "--error-rate", "2"])
     assert exc.value.code == 2
+
+
+def test_bundle_holds_every_module_and_is_deterministic():
+    """Protects: a module added to fleet/sim but left out of the zip a node runs (the sim
+    would fail there with ModuleNotFoundError only), and a zip whose bytes change from build
+    to build (every launch would upload a "new" file)."""
+    import io
+    import zipfile
+
+    from fleet.sim.bundle import build_pyz
+
+    data = build_pyz()
+    assert data == build_pyz()
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert sorted(names) == sorted(["__main__.py", "fleet/__init__.py",
+                                    *(f"fleet/sim/{p.name}" for p in SIM_DIR.glob("*.py"))])
+
+
+def test_sim_imports_only_the_standard_library():
+    """Protects: a node runs the sim with a bare interpreter, so a module of fleet/sim that
+    imports fleet's other code or a third-party package works here and fails there."""
+    import ast
+
+    for path in SIM_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert name.startswith("fleet.sim") or top in sys.stdlib_module_names or top == "__future__", \
+                    f"{path.name} imports {name}"

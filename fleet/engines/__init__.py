@@ -11,7 +11,7 @@
 | sglang | `python -m sglang.launch_server` | /health | The server is fired up and ready to roll! | served name |
 | vllm | `python -m vllm.entrypoints.openai.api_server` | /health | Application startup complete. / Starting vLLM … server | served name |
 | transformers | `<venv>/bin/transformers serve PATH` | /health | Uvicorn running on … | the model path |
-| sim | `python <workdir>/bin/fleet_sim.py` | /health | (SGLang's) | served name |
+| sim | `python <workdir>/bin/fleet_sim.pyz` | /health | (SGLang's) | served name |
 """
 
 from __future__ import annotations

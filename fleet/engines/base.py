@@ -60,7 +60,7 @@ class ServerSpec:
     model_path: str                # path on the node (RAM-disk copy or source)
     served_name: str               # model name the API answers to (where the engine lets us choose)
     python: str                    # the node venv's python executable (absolute path)
-    workdir: str                   # node workdir; the sim script lives at f"{workdir}/bin/fleet_sim.py"
+    workdir: str                   # node workdir; the sim lives at f"{workdir}/bin/fleet_sim.pyz"
     api_key: str | None = None     # API key the engine enforces (None: no auth)
     extra_args: tuple[str, ...] = ()   # per-server extra argv (servers.extra_args_by_index)
 

@@ -1,8 +1,8 @@
 """The simulated SGLang server (fleet/sim): same API, same log lines, no GPU.
 
-The launch stage copies the script to `<workdir>/bin/fleet_sim.py` on the node and runs it
-with the node venv's python (it needs only the standard library, hence `json` as the
-import check). It prints SGLang-shaped log lines, so its log is read by SGLang's rules.
+The launch stage copies it, as one zip file (`fleet.sim.bundle`), to `<workdir>/bin/fleet_sim.pyz`
+on the node and runs it with the node venv's python (it needs only the standard library,
+hence `json` as the import check). It prints SGLang-shaped log lines, so its log is read by SGLang's rules.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ DEFAULT_CONTEXT_LENGTH = 8192
 
 
 def sim_script(spec: ServerSpec) -> str:
-    return f"{spec.workdir.rstrip('/')}/bin/fleet_sim.py"
+    return f"{spec.workdir.rstrip('/')}/bin/fleet_sim.pyz"
 
 
 class SimProfile(BaseProfile):

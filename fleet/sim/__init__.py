@@ -1,14 +1,11 @@
-"""The simulated SGLang server (``fleet.sim.server``): SGLang's endpoints and log lines, no GPU.
+"""The simulated SGLang server: SGLang's endpoints and log lines, no GPU.
 
-``server.py`` is a single stdlib-only file so the launcher can copy it to a node and run it
-with a bare interpreter; nothing here may import from it at package import time.
+Modules, top to bottom: ``server`` (the entry point, ``main``; the package's overview),
+``options`` (flags), ``startup`` (startup log lines), ``app`` (routes, probes, info,
+metrics), ``generation`` (the generation endpoints), ``faults``, ``engine`` (slots, token
+timing, the scheduler log), ``http_front`` (HTTP/1.1 on asyncio.Protocol), ``determinism``
+(hashes and words), ``log``; ``bundle`` packs them into the one file a node runs.
+
+Everything here imports only the standard library and ``fleet.sim`` itself: a node runs it
+with a bare interpreter. Importing the package imports no module of it.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-#: The file the launcher copies to a node and runs as ``python server.py --port P ...``.
-SERVER_FILE = Path(__file__).with_name("server.py")
-
-__all__ = ["SERVER_FILE"]

@@ -1,0 +1,10 @@
+"""``python -m fleet.sim --port P ...``: run the simulated SGLang server."""
+
+from __future__ import annotations
+
+import sys
+
+from fleet.sim.server import main
+
+if __name__ == "__main__":
+    sys.exit(main())
