@@ -26,7 +26,8 @@ from fleet.errors import (
     NodeUnreachable,
     is_transient,
 )
-from fleet.node.ssh import CONNECT_ATTEMPTS, SSHNode, fingerprint, load_private_key, remote_argv
+from fleet.node.ssh import SSHNode, fingerprint, load_private_key, remote_argv
+from fleet.node.ssh.connection import CONNECT_ATTEMPTS
 
 pytestmark = pytest.mark.ssh
 
@@ -244,6 +245,48 @@ def test_forward_to_a_closed_remote_port(sshd: Sshd) -> None:
             with socket.create_connection(("127.0.0.1", fwd.local_port), timeout=5) as s:
                 s.settimeout(5)
                 assert s.recv(1) == b""
+
+
+def _echo_server() -> tuple[socket.socket, int]:
+    """A loopback server that echoes one line per connection (a stand-in for an inference server)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return  # closed by the test
+            with conn:
+                conn.sendall(conn.makefile("rb").readline())
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+def _echo(port: int, text: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.settimeout(20)
+        s.sendall(text + b"\n")
+        return s.makefile("rb").readline().strip()
+
+
+def test_forward_outlives_a_dropped_connection(sshd: Sshd) -> None:
+    """The node's SSH connection drops under an open forward: the forward keeps its local
+    port and the next client connection goes through a fresh connection. This is why fleet
+    forwards over the node's own transport (fleet/node/ssh/forward.py) instead of a tunnel
+    library that holds a connection of its own and does not reconnect."""
+    srv, port = _echo_server()
+    try:
+        with _node(sshd) as node, node.forward_port(port) as fwd:
+            assert _echo(fwd.local_port, b"before") == b"before"
+            assert node._sock is not None
+            node._sock.shutdown(socket.SHUT_RDWR)
+            wait_until(lambda: not node.connected, what="the transport to notice the drop")
+            assert _echo(fwd.local_port, b"after") == b"after"
+            assert node.connected
+    finally:
+        srv.close()
 
 
 # -- config sources: fleet-node block, Prefect Secret ----------------------------------------

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from fleet.errors import CommandFailed, CommandNotFound
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What an environment variable name may be (sh `export` and `env K=V` accept these).
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ class Node(abc.ABC):
         `env` reaches the process through a 0600 file, never through any command line."""
         env_file = ""
         if env:
-            bad = [k for k in env if not _ENV_NAME.match(k)]
+            bad = [k for k in env if not ENV_NAME.match(k)]
             if bad:
                 raise CommandFailed(f"invalid environment variable names: {bad}", host=self.host,
                                     remedy="use letters, digits and _ only")

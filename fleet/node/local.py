@@ -10,7 +10,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from fleet.errors import CommandFailed, CommandNotFound, CommandTimeout
@@ -139,8 +139,8 @@ def _makedirs(path: Path, mode: int) -> None:
             pass
 
 
-def _pump(stream: object, out: queue.Queue[str | None]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
+def _pump(stream: Iterable[str], out: queue.Queue[str | None]) -> None:
+    for line in stream:
         out.put(line)
     out.put(None)
 
@@ -150,7 +150,7 @@ def _shell_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen[str]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
