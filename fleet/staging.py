@@ -30,7 +30,7 @@ from typing import Any
 
 from fleet.errors import CommandFailed, ConfigError, PreflightFailed
 from fleet.node.base import Node, describe
-from fleet.remote.stage import EXIT_IO, EXIT_NOSPACE, EXIT_USAGE, MANIFEST
+from fleet.remote.stage import ERROR_MARK, EXIT_IO, EXIT_NOSPACE, EXIT_USAGE, LOG_PREFIX, MANIFEST
 
 __all__ = ["StageResult", "stage_model", "staged_path", "is_staged", "read_manifest", "stage_argv",
            "STAGE_SCRIPT", "MANIFEST_NAME"]
@@ -122,7 +122,7 @@ def read_manifest(node: Node, dst: str) -> dict[str, Any] | None:
 def is_staged(node: Node, dst: str) -> bool:
     """True when `dst` holds a finished copy (its manifest says complete)."""
     manifest = read_manifest(node, dst)
-    return bool(manifest) and manifest.get("complete") is True
+    return manifest is not None and manifest.get("complete") is True
 
 
 def _script_sha() -> str:
@@ -147,8 +147,8 @@ def ensure_script(node: Node, workdir: str) -> str:
 
 def _error_line(stderr: str) -> str:
     for line in reversed(stderr.splitlines()):
-        if "error:" in line:
-            return line.split("error:", 1)[1].strip()
+        if ERROR_MARK in line:
+            return line.split(ERROR_MARK, 1)[1].strip()
     return ""
 
 
@@ -188,8 +188,20 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
     t0 = time.monotonic()
     dst = staged_path(source, ramdisk)
     script = ensure_script(node, workdir)
+    plan = _plan(node, stage_argv(python, script, source=source, dst=dst, streams=streams, plan_only=True),
+                 source=source, dst=dst, ramdisk=ramdisk, timeout=timeout)
+    _check_room(node, plan, source=source, ramdisk=ramdisk, margin_bytes=margin_bytes)
+    report = _copy(node, stage_argv(python, script, source=source, dst=dst, streams=streams, verify=verify),
+                   source=source, dst=dst, ramdisk=ramdisk, timeout=timeout)
+    result = _result(node, report, source=source, dst=dst, seconds=round(time.monotonic() - t0, 3))
+    log.info("[%s] staged %s -> %s: %d/%d files copied, %.2f GiB at %.0f MB/s, %.1f s%s", node.name, source,
+             dst, result.copied_files, result.files, result.bytes_copied / GiB, result.mb_per_s, result.seconds,
+             " (adopted)" if result.adopted else "")
+    return result
 
-    argv = stage_argv(python, script, source=source, dst=dst, streams=streams, plan_only=True)
+
+def _plan(node: Node, argv: list[str], *, source: str, dst: str, ramdisk: str, timeout: float) -> dict[str, Any]:
+    """The stage script's --plan-only report: sizes, what is staged already, what removal frees."""
     log.info("[%s] %s", node.name, describe(argv))
     res = node.run(argv, check=False, timeout=min(timeout, 1800.0))
     if res.exit_code == 127:
@@ -203,10 +215,14 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
                             remedy=f"run the command by hand on {node.name} and check its output")
     for item in plan.get("ignored", []):
         log.warning("[%s] not staged: %s/%s (%s)", node.name, source, item.get("path"), item.get("reason"))
+    return plan
 
-    # Room check before the first byte moves. Old copies of changed files and stale files
-    # are deleted before copying, so they count as room. With nothing to copy there is
-    # nothing to refuse: adopting a finished copy takes no space.
+
+def _check_room(node: Node, plan: dict[str, Any], *, source: str, ramdisk: str, margin_bytes: int) -> None:
+    """Room check before the first byte moves; PreflightFailed when what is left does not fit."""
+    # Old copies of changed files and stale files are deleted before copying, so they count
+    # as room. With nothing to copy there is nothing to refuse: adopting a finished copy
+    # takes no space.
     df_argv = ["df", "-B1", "--output=avail", ramdisk]
     free = parse_df_avail(node.run(df_argv, timeout=60).stdout)
     needed = int(plan["bytes_total"]) - int(plan["already_staged_bytes"])
@@ -221,14 +237,16 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
                     "lower model.stage_margin_gb, or set model.stage=false to serve from the source"),
         )
 
-    argv = stage_argv(python, script, source=source, dst=dst, streams=streams, verify=verify)
+
+def _copy(node: Node, argv: list[str], *, source: str, dst: str, ramdisk: str, timeout: float) -> dict[str, Any]:
+    """Run the copy, its progress lines to the log; its final report (complete: true)."""
     log.info("[%s] %s", node.name, describe(argv))
     lines: list[str] = []
     try:
         for line in node.stream(argv, timeout=timeout):
             lines.append(line)
-            if line.startswith("fleet-stage: "):
-                log.info("[%s] %s", node.name, line.removeprefix("fleet-stage: "))
+            if line.startswith(LOG_PREFIX):
+                log.info("[%s] %s", node.name, line.removeprefix(LOG_PREFIX))
     except CommandFailed as exc:
         raise _failed(node, exc, argv=argv, stderr="\n".join(lines[-40:]) or exc.stderr_tail,
                       source=source, dst=dst, ramdisk=ramdisk) from exc
@@ -237,7 +255,11 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
         raise CommandFailed("the stage script finished without a report", host=node.host, command=argv,
                             exit_code=0, stderr="\n".join(lines[-40:]),
                             remedy=f"run the command by hand on {node.name} and check its output")
-    result = StageResult(
+    return report
+
+
+def _result(node: Node, report: dict[str, Any], *, source: str, dst: str, seconds: float) -> StageResult:
+    return StageResult(
         src=source,
         dst=dst,
         files=int(report["files"]),
@@ -245,7 +267,7 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
         skipped_files=int(report["skipped_files"]),
         bytes_total=int(report["bytes_total"]),
         bytes_copied=int(report["bytes_copied"]),
-        seconds=round(time.monotonic() - t0, 3),
+        seconds=seconds,
         mb_per_s=float(report["mb_per_s"]),
         adopted=int(report["copied_files"]) == 0,
         verified=bool(report["verified"]),
@@ -253,10 +275,6 @@ def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: 
         removed_files=int(report.get("removed_files", 0)),
         ignored=tuple(f"{i.get('path')} ({i.get('reason')})" for i in report.get("ignored", [])),
     )
-    log.info("[%s] staged %s -> %s: %d/%d files copied, %.2f GiB at %.0f MB/s, %.1f s%s", node.name, source,
-             dst, result.copied_files, result.files, result.bytes_copied / GiB, result.mb_per_s, result.seconds,
-             " (adopted)" if result.adopted else "")
-    return result
 
 
 # -- freeing the copy ---------------------------------------------------------------------

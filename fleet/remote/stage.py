@@ -20,9 +20,14 @@ The manifest ``DST/.fleet-stage.json`` is the single source of truth for the cop
   of the staged copy matches the source). Everything else in DST (stale files, leftover
   ``*.fleet-part``) is removed.
 
-Exit codes: 0 done; 2 bad source or arguments; 3 not enough space in DST (the partial copy
-stays marked incomplete); 4 an I/O error while reading or writing; 1 a bug (traceback).
-One JSON object is printed on stdout at the end; progress goes to stderr every ~2 s.
+Exit codes (the EXIT_* names below): 0 done; 2 bad source or arguments; 3 not enough space
+in DST (the partial copy stays marked incomplete); 4 an I/O error while reading or writing;
+130 interrupted; 1 a bug (traceback). One JSON object is printed on stdout at the end;
+progress goes to stderr every ~2 s, each line starting with LOG_PREFIX.
+
+One file on purpose: it is uploaded and run as it is, so it cannot import its own helpers.
+`stage` runs the named steps in order: lock_dst -> plan -> clear_stale -> reverify (--verify)
+-> check_room -> copy_todo -> finish_copy.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 MANIFEST = ".fleet-stage.json"
 LOCK = ".fleet-stage.lock"
@@ -51,9 +58,15 @@ SLICE = 16 * 2**20
 PROGRESS_S = 2.0
 MANIFEST_FLUSH_S = 5.0
 
+# The exit codes and the lines fleet reads back (fleet/staging.py imports these names; this
+# file stays importable there because it uses only the standard library).
+EXIT_BUG = 1  # with a traceback
 EXIT_USAGE = 2
 EXIT_NOSPACE = 3
 EXIT_IO = 4
+EXIT_INTERRUPTED = 130
+LOG_PREFIX = "fleet-stage: "  # every stderr line
+ERROR_MARK = "error: "  # the line that says why it failed
 
 
 class StageError(Exception):
@@ -63,7 +76,7 @@ class StageError(Exception):
 
 
 def log(msg: str) -> None:
-    sys.stderr.write("fleet-stage: " + msg + "\n")
+    sys.stderr.write(LOG_PREFIX + msg + "\n")
     sys.stderr.flush()
 
 
@@ -89,7 +102,7 @@ class SrcFile:
         self.via_symlink = via_symlink
 
 
-def walk_source(src: str):
+def walk_source(src: str) -> tuple[dict[str, SrcFile], list[str], list[dict[str, str]]]:
     """Every file under src, symlinks followed (to files and directories; a link back to an
     ancestor directory is reported, not followed).
 
@@ -97,11 +110,11 @@ def walk_source(src: str):
     symlinks, sockets, fifos, devices, directory cycles), each with a reason.
     An unreadable directory is an error: skipping it would stage a model with holes.
     """
-    files = {}
-    dirs = []
-    ignored = []
+    files: dict[str, SrcFile] = {}
+    dirs: list[str] = []
+    ignored: list[dict[str, str]] = []
 
-    def visit(abs_dir: str, rel_dir: str, ancestors: frozenset) -> None:
+    def visit(abs_dir: str, rel_dir: str, ancestors: frozenset[tuple[int, int]]) -> None:
         st = os.stat(abs_dir)
         key = (st.st_dev, st.st_ino)
         if key in ancestors:
@@ -140,10 +153,10 @@ def walk_source(src: str):
     return files, dirs, ignored
 
 
-def scan_dest(dst: str):
+def scan_dest(dst: str) -> tuple[dict[str, os.stat_result], list[str]]:
     """Everything under dst (no symlinks followed): (files {rel: lstat}, dirs [rel])."""
-    files = {}
-    dirs = []
+    files: dict[str, os.stat_result] = {}
+    dirs: list[str] = []
     if not os.path.isdir(dst):
         return files, dirs
     for root, dnames, fnames in os.walk(dst):
@@ -163,7 +176,7 @@ def scan_dest(dst: str):
     return files, dirs
 
 
-def load_manifest(dst: str, src: str):
+def load_manifest(dst: str, src: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The previous run's manifest and its entries {rel: entry}; empty when absent, unreadable
     or written for another source."""
     try:
@@ -173,14 +186,14 @@ def load_manifest(dst: str, src: str):
         return {}, {}
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("src") != src:
         return {}, {}
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for entry in data.get("files", []):
         if isinstance(entry, dict) and isinstance(entry.get("path"), str):
             out[entry["path"]] = entry
     return data, out
 
 
-def looks_staged(f: SrcFile, prev: dict, dst_st) -> bool:
+def looks_staged(f: SrcFile, prev: dict[str, dict[str, Any]], dst_st: os.stat_result | None) -> bool:
     """Cheap check: the staged copy is the one the manifest recorded for this very source state."""
     entry = prev.get(f.rel)
     return (
@@ -234,6 +247,17 @@ class Throttle:
             time.sleep(delay)
 
 
+class FileCopy:
+    """One file's copy across its chunks (guarded by its own lock)."""
+
+    __slots__ = ("lock", "opened", "chunks_left")
+
+    def __init__(self, chunks: int) -> None:
+        self.lock = threading.Lock()
+        self.opened = False  # the part file exists
+        self.chunks_left = chunks
+
+
 class Stager:
     def __init__(self, src: str, dst: str, streams: int, verify: bool, throttle: Throttle | None) -> None:
         self.src = src
@@ -244,12 +268,12 @@ class Stager:
         self.slice = SLICE if throttle is None else 2**20
         self.lock = threading.Lock()
         self.abort = threading.Event()
-        self.error = None  # the first StageError
+        self.error: StageError | None = None  # the first StageError
         self.bytes_done = 0
-        self.entries = {}  # rel -> manifest entry, for files in place
+        self.entries: dict[str, dict[str, Any]] = {}  # rel -> manifest entry, for files in place
         self.manifest_dirty = False
         self.verified = False
-        self.made_dirs = set()
+        self.made_dirs: set[str] = set()
 
     # manifest -------------------------------------------------------------------------
     def write_manifest(self, complete: bool) -> None:
@@ -277,7 +301,7 @@ class Stager:
         fsync_dir(self.dst)
 
     def record(self, f: SrcFile, dst_mtime_ns: int, sha: str | None) -> None:
-        entry = {"path": f.rel, "size": f.size, "mtime_ns": f.mtime_ns, "dst_mtime_ns": dst_mtime_ns}
+        entry: dict[str, Any] = {"path": f.rel, "size": f.size, "mtime_ns": f.mtime_ns, "dst_mtime_ns": dst_mtime_ns}
         if sha:
             entry["sha256"] = sha
         with self.lock:
@@ -293,7 +317,7 @@ class Stager:
         elif isinstance(exc, OSError):
             err = StageError("I/O error while %s: %s" % (what, exc), EXIT_IO)
         else:
-            err = StageError("unexpected %s while %s: %s" % (type(exc).__name__, what, exc), 1)
+            err = StageError("unexpected %s while %s: %s" % (type(exc).__name__, what, exc), EXIT_BUG)
         with self.lock:
             if self.error is None:
                 self.error = err
@@ -408,31 +432,32 @@ class Stager:
         os.replace(part, final)
         self.record(f, os.stat(final).st_mtime_ns, sha)
 
-    def copy_files(self, todo: list) -> None:
+    def copy_files(self, todo: list[SrcFile]) -> None:
         """Copy every file in todo with self.streams threads; raise the first error."""
         todo = sorted(todo, key=lambda f: (-f.size, f.rel))
-        # per file: [lock, opened, chunks left]; the first chunk to run creates the part file,
-        # the last to finish renames it into place
-        state = {}
-        tasks = []
+        # per file: the first chunk to run creates the part file, the last to finish renames
+        # it into place
+        state: dict[str, FileCopy] = {}
+        tasks: list[tuple[SrcFile, int | None, int | None]] = []
         for f in todo:
+            chunks: list[tuple[int | None, int | None]]
             if self.verify:
                 chunks = [(None, None)]
             else:
                 chunks = [(off, min(CHUNK, f.size - off)) for off in range(0, f.size, CHUNK)] or [(0, 0)]
-            state[f.rel] = [threading.Lock(), False, len(chunks)]
+            state[f.rel] = FileCopy(len(chunks))
             tasks.extend((f, off, ln) for off, ln in chunks)
 
-        def run(task) -> None:
+        def run(task: tuple[SrcFile, int | None, int | None]) -> None:
             f, off, ln = task
             if self.abort.is_set():
                 return
             st = state[f.rel]
             try:
-                with st[0]:
-                    if not st[1]:
+                with st.lock:
+                    if not st.opened:
                         self.open_part(f)
-                        st[1] = True
+                        st.opened = True
                 if off is None:
                     sha = self.copy_hashing(f)
                     if not self.abort.is_set():
@@ -442,9 +467,9 @@ class Stager:
                     self.copy_range(f, off, ln)
                 if self.abort.is_set():
                     return
-                with st[0]:
-                    st[2] -= 1
-                    last = st[2] == 0
+                with st.lock:
+                    st.chunks_left -= 1
+                    last = st.chunks_left == 0
                 if last:
                     self.finish(f, None)
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
@@ -455,9 +480,9 @@ class Stager:
         if self.error is not None:
             raise self.error
 
-    def hash_check(self, candidates: list, prev: dict) -> list:
+    def hash_check(self, candidates: list[SrcFile], prev: dict[str, dict[str, Any]]) -> list[SrcFile]:
         """--verify: return the candidates whose staged copy does not hash like the source."""
-        bad = []
+        bad: list[SrcFile] = []
 
         def check(f: SrcFile) -> None:
             if self.abort.is_set():
@@ -540,12 +565,37 @@ class Progress(threading.Thread):
 
 # -- the command ------------------------------------------------------------------------
 
-def plan(src: str, dst: str):
+@dataclass
+class Plan:
+    """What a run finds before it changes anything in DST."""
+
+    files: dict[str, SrcFile]  # every source file, by path relative to SRC
+    dirs: list[str]  # every source directory (empty ones too)
+    ignored: list[dict[str, str]]  # what is not copied: {"path", "reason"}
+    prev: dict[str, dict[str, Any]]  # the previous manifest's entries, by path
+    staged: list[SrcFile]  # in place and unchanged: kept
+    todo: list[SrcFile]  # to copy
+    doomed: list[str]  # in DST and removed before copying: stale files, parts, old copies
+    stale_dirs: list[str]  # directories in DST the source no longer has
+    reclaimable: int  # bytes the removals free
+    prev_complete: bool  # the previous manifest said complete
+    prev_verified: bool  # ... and verified
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    @property
+    def changes_dst(self) -> bool:
+        return bool(self.todo or self.doomed or self.stale_dirs)
+
+
+def plan(src: str, dst: str) -> Plan:
     files, dirs, ignored = walk_source(src)
     prev_manifest, prev = load_manifest(dst, src)
     dfiles, ddirs = scan_dest(dst)
-    staged = []
-    todo = []
+    staged: list[SrcFile] = []
+    todo: list[SrcFile] = []
     for f in files.values():
         (staged if looks_staged(f, prev, dfiles.get(f.rel)) else todo).append(f)
     staged_rels = set(g.rel for g in staged)
@@ -558,14 +608,13 @@ def plan(src: str, dst: str):
         for i in range(1, len(parts) + 1):
             want_dirs.add("/".join(parts[:i]))
     stale_dirs = [d for d in ddirs if d not in want_dirs]
-    return {
-        "files": files, "dirs": dirs, "ignored": ignored, "prev": prev, "staged": staged,
-        "prev_complete": prev_manifest.get("complete") is True, "prev_verified": prev_manifest.get("verified") is True,
-        "todo": todo, "doomed": doomed, "stale_dirs": stale_dirs, "reclaimable": reclaimable,
-    }
+    return Plan(files=files, dirs=dirs, ignored=ignored, prev=prev, staged=staged, todo=todo, doomed=doomed,
+                stale_dirs=stale_dirs, reclaimable=reclaimable,
+                prev_complete=prev_manifest.get("complete") is True,
+                prev_verified=prev_manifest.get("verified") is True)
 
 
-def check_paths(src: str, dst: str) -> tuple:
+def check_paths(src: str, dst: str) -> tuple[str, str]:
     if not os.path.exists(src):
         raise StageError("source directory %s does not exist" % src, EXIT_USAGE)
     if not os.path.isdir(src):
@@ -585,24 +634,21 @@ def allocated(size: int, block: int) -> int:
     return -(-size // block) * block if block > 0 else size
 
 
-def stage(args) -> dict:
-    # the manifest names the source by its real path: a re-pointed symlink is a new source
-    src, dst = check_paths(args.src, args.dst)
-    shown_src = os.path.abspath(args.src)
-    t0 = time.monotonic()
+def plan_report(p: Plan, shown_src: str, dst: str) -> dict[str, Any]:
+    """--plan-only: sizes and what is already staged; nothing in DST changes."""
+    return {
+        "src": shown_src, "dst": dst,
+        "files": len(p.files),
+        "bytes_total": p.bytes_total,
+        "already_staged_bytes": sum(f.size for f in p.staged),
+        "reclaimable_bytes": p.reclaimable,
+        "free_bytes": free_bytes(dst),
+        "ignored": p.ignored,
+    }
 
-    if args.plan_only:
-        p = plan(src, dst)
-        return {
-            "src": shown_src, "dst": dst,
-            "files": len(p["files"]),
-            "bytes_total": sum(f.size for f in p["files"].values()),
-            "already_staged_bytes": sum(f.size for f in p["staged"]),
-            "reclaimable_bytes": p["reclaimable"],
-            "free_bytes": free_bytes(dst),
-            "ignored": p["ignored"],
-        }
 
+def lock_dst(dst: str) -> int:
+    """Create DST and hold its lock until the process exits (the returned fd stays open)."""
     try:
         os.makedirs(dst, exist_ok=True)
     except OSError as exc:
@@ -615,46 +661,45 @@ def stage(args) -> dict:
     except OSError:
         log("another fleet-stage holds %s; waiting for it" % os.path.join(dst, LOCK))
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    return lock_fd
 
-    p = plan(src, dst)
-    files = p["files"]
-    for item in p["ignored"]:
-        log("not staged: %s (%s)" % (item["path"], item["reason"]))
-    bytes_total = sum(f.size for f in files.values())
-    stager = Stager(src, dst, args.streams, args.verify, Throttle(args.max_mb_s * 1e6) if args.max_mb_s else None)
-    for f in p["staged"]:
-        stager.entries[f.rel] = p["prev"][f.rel]
 
+def clear_stale(stager: Stager, p: Plan) -> bool:
+    """Mark the copy incomplete, then remove what the source no longer has; True when marked."""
     # Before the first change to DST, mark it incomplete. A copy with nothing to change is
     # never marked, so servers reading it while a flow re-runs never see it "incomplete".
     marked = False
-    if p["todo"] or p["doomed"] or p["stale_dirs"]:
+    if p.changes_dst:
         stager.write_manifest(complete=False)
         marked = True
-    for rel in p["doomed"]:
-        remove(os.path.join(dst, rel))
-    for d in p["stale_dirs"]:
-        remove(os.path.join(dst, d))
+    for rel in p.doomed:
+        remove(os.path.join(stager.dst, rel))
+    for d in p.stale_dirs:
+        remove(os.path.join(stager.dst, d))
+    return marked
 
-    todo = list(p["todo"])
-    if args.verify and p["staged"]:
-        with stager.lock:
-            for f in p["staged"]:
-                stager.entries.pop(f.rel, None)  # re-entered once its hash matches
-        prog = Progress(stager, sum(f.size for f in p["staged"]), "verified", flush=False)
-        prog.start()
-        try:
-            bad = stager.hash_check(p["staged"], p["prev"])
-        finally:
-            prog.stop()
-        if bad and not marked:
-            stager.write_manifest(complete=False)
-        for f in bad:
-            remove(os.path.join(dst, f.rel))
-        todo.extend(bad)
-        stager.bytes_done = 0
 
-    need = sum(f.size for f in todo)
+def reverify(stager: Stager, p: Plan, marked: bool) -> list[SrcFile]:
+    """--verify over the files kept: those whose copy hashes differently, removed, to copy again."""
+    with stager.lock:
+        for f in p.staged:
+            stager.entries.pop(f.rel, None)  # re-entered once its hash matches
+    prog = Progress(stager, sum(f.size for f in p.staged), "verified", flush=False)
+    prog.start()
+    try:
+        bad = stager.hash_check(p.staged, p.prev)
+    finally:
+        prog.stop()
+    if bad and not marked:
+        stager.write_manifest(complete=False)
+    for f in bad:
+        remove(os.path.join(stager.dst, f.rel))
+    stager.bytes_done = 0
+    return bad
+
+
+def check_room(dst: str, todo: list[SrcFile]) -> tuple[int, int]:
+    """(bytes the copy will allocate, bytes free now); StageError when they do not fit."""
     block = os.statvfs(dst).f_frsize
     need_alloc = sum(allocated(f.size, block) for f in todo)
     free_at_start = free_bytes(dst)
@@ -662,48 +707,83 @@ def stage(args) -> dict:
         raise StageError("not enough space in %s: %d bytes (%s) to copy, %d bytes (%s) free; "
                          "free the RAM disk or stage on a larger node"
                          % (dst, need_alloc, human(need_alloc), free_at_start, human(free_at_start)), EXIT_NOSPACE)
+    return need_alloc, free_at_start
 
-    for d in p["dirs"]:
+
+def copy_todo(stager: Stager, todo: list[SrcFile], room: tuple[int, int]) -> None:
+    """Copy with progress; on failure drop the parts and keep the manifest incomplete."""
+    need_alloc, free_at_start = room
+    prog = Progress(stager, sum(f.size for f in todo), "copied")
+    prog.start()
+    try:
+        stager.copy_files(todo)
+    except StageError as exc:
+        prog.stop()
+        # Parts are garbage and a full RAM disk starves the node: drop them now.
+        # Files already renamed into place stay entered, so a re-run resumes.
+        for f in todo:
+            remove(stager.part_path(f))
+        try:
+            stager.write_manifest(complete=False)
+        except OSError:
+            pass
+        if exc.code == EXIT_NOSPACE:
+            vfs = os.statvfs(stager.dst)
+            why = ("it has no free inodes left (%d files to create)" % len(todo) if vfs.f_favail == 0
+                   else "something else is filling it, or it cannot hold the model")
+            exc.args = ("%s: %d bytes (%s) were to be copied and %d bytes (%s) were free at the start; "
+                        "%s; free the RAM disk or stage on a larger node"
+                        % (exc.args[0], need_alloc, human(need_alloc), free_at_start, human(free_at_start), why),)
+        raise
+    finally:
+        prog.stop()
+
+
+def finish_copy(stager: Stager, p: Plan, todo: list[SrcFile], verify: bool) -> None:
+    """Make the copied files durable, then say complete (unless nothing changed)."""
+    for d in set(os.path.dirname(f.rel) for f in todo):
+        fsync_dir(os.path.join(stager.dst, d))
+    # An adopted copy keeps its manifest untouched (a no-op stays a no-op); a fresh --verify
+    # pass is recorded
+    unchanged = not (todo or p.doomed or p.stale_dirs) and p.prev_complete
+    if not unchanged or (verify and not p.prev_verified):
+        stager.verified = verify
+        stager.write_manifest(complete=True)
+
+
+def stage(args: argparse.Namespace) -> dict[str, Any]:
+    # the manifest names the source by its real path: a re-pointed symlink is a new source
+    src, dst = check_paths(args.src, args.dst)
+    shown_src = os.path.abspath(args.src)
+    t0 = time.monotonic()
+    if args.plan_only:
+        return plan_report(plan(src, dst), shown_src, dst)
+
+    lock_dst(dst)
+    p = plan(src, dst)
+    files = p.files
+    for item in p.ignored:
+        log("not staged: %s (%s)" % (item["path"], item["reason"]))
+    stager = Stager(src, dst, args.streams, args.verify, Throttle(args.max_mb_s * 1e6) if args.max_mb_s else None)
+    for f in p.staged:
+        stager.entries[f.rel] = p.prev[f.rel]
+    marked = clear_stale(stager, p)
+    todo = list(p.todo)
+    if args.verify and p.staged:
+        todo.extend(reverify(stager, p, marked))
+    need = sum(f.size for f in todo)
+    room = check_room(dst, todo)
+
+    for d in p.dirs:
         stager.ensure_dir(d)
     t_copy = time.monotonic()
     if todo:
         log("copying %d of %d files, %s of %s, %d streams%s" % (
-            len(todo), len(files), human(need), human(bytes_total), args.streams,
+            len(todo), len(files), human(need), human(p.bytes_total), args.streams,
             ", hashing" if args.verify else ""))
-        prog = Progress(stager, need, "copied")
-        prog.start()
-        try:
-            stager.copy_files(todo)
-        except StageError as exc:
-            prog.stop()
-            # Parts are garbage and a full RAM disk starves the node: drop them now.
-            # Files already renamed into place stay entered, so a re-run resumes.
-            for f in todo:
-                remove(stager.part_path(f))
-            try:
-                stager.write_manifest(complete=False)
-            except OSError:
-                pass
-            if exc.code == EXIT_NOSPACE:
-                vfs = os.statvfs(dst)
-                why = ("it has no free inodes left (%d files to create)" % len(todo) if vfs.f_favail == 0
-                       else "something else is filling it, or it cannot hold the model")
-                exc.args = ("%s: %d bytes (%s) were to be copied and %d bytes (%s) were free at the start; "
-                            "%s; free the RAM disk or stage on a larger node"
-                            % (exc.args[0], need_alloc, human(need_alloc), free_at_start, human(free_at_start), why),)
-            raise
-        finally:
-            prog.stop()
+        copy_todo(stager, todo, room)
     copy_s = time.monotonic() - t_copy
-
-    for d in set(os.path.dirname(f.rel) for f in todo):
-        fsync_dir(os.path.join(dst, d))
-    # An adopted copy keeps its manifest untouched (a no-op stays a no-op); a fresh --verify
-    # pass is recorded
-    unchanged = not (todo or p["doomed"] or p["stale_dirs"]) and p["prev_complete"]
-    if not unchanged or (args.verify and not p["prev_verified"]):
-        stager.verified = args.verify
-        stager.write_manifest(complete=True)
+    finish_copy(stager, p, todo, args.verify)
     seconds = time.monotonic() - t0
     return {
         "src": shown_src,
@@ -711,20 +791,20 @@ def stage(args) -> dict:
         "files": len(files),
         "copied_files": len(todo),
         "skipped_files": len(files) - len(todo),
-        "removed_files": sum(1 for rel in p["doomed"] if rel not in files),  # stale files and leftovers
-        "bytes_total": bytes_total,
+        "removed_files": sum(1 for rel in p.doomed if rel not in files),  # stale files and leftovers
+        "bytes_total": p.bytes_total,
         "bytes_copied": need,
         "seconds": round(seconds, 3),
         "mb_per_s": round(need / 1e6 / copy_s, 1) if need and copy_s > 0 else 0.0,
         "streams": args.streams,
         "symlinks": sum(1 for f in files.values() if f.via_symlink),
-        "ignored": p["ignored"],
+        "ignored": p.ignored,
         "complete": True,
         "verified": bool(args.verify),
     }
 
 
-def parse_args(argv):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fleet-stage", description="Stage a model directory into a RAM disk.")
     ap.add_argument("--src", required=True, help="model directory to copy (symlinks are followed)")
     ap.add_argument("--dst", required=True, help="directory in the RAM disk to copy it to")
@@ -740,24 +820,24 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = stage(args)
     except StageError as exc:
-        log("error: %s" % exc)
+        log(ERROR_MARK + str(exc))
         return exc.code
     except OSError as exc:
         # outside the copy proper: the manifest, the lock, removing stale files
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            log("error: no space left on %s (%s); the staged copy stays marked incomplete; free the RAM "
+            log(ERROR_MARK + "no space left on %s (%s); the staged copy stays marked incomplete; free the RAM "
                 "disk or stage on a larger node" % (args.dst, exc))
             return EXIT_NOSPACE
-        log("error: %s" % exc)
+        log(ERROR_MARK + str(exc))
         return EXIT_IO
     except KeyboardInterrupt:
         log("interrupted; the staged copy stays marked incomplete")
-        return 130
+        return EXIT_INTERRUPTED
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0
