@@ -21,8 +21,9 @@ import pytest
 
 from fleet.config import GenerationConfig
 from fleet.generation.client import chat, classify_status, new_session
-from fleet.generation.dispatch import Dispatcher, Endpoint, WorkQueue
+from fleet.generation.dispatch import Dispatcher, Endpoint
 from fleet.generation.inputs import Reject, Request
+from fleet.generation.rowqueue import WorkQueue
 
 SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 
@@ -461,15 +462,15 @@ def test_stall_s_derived_from_recent_row_times_within_floor_and_ceiling() -> Non
     d = Dispatcher([Endpoint("a", "http://127.0.0.1:1", "m"), Endpoint("b", "http://127.0.0.1:2", "m")], MemStore(),
                    gen(stall_min_s=5, stall_max_s=100))
     a, b = d.servers
-    assert d.stall_s(a) == 100, "nothing seen yet: the ceiling"
-    d._lats.extend([1.0] * 99 + [4.0])
-    assert d.stall_s(a) == 12.0, "too few rows of its own: the job's p99 (4 s) x 3"
+    assert d.health.stall_s(a) == 100, "nothing seen yet: the ceiling"
+    d.health.lats.extend([1.0] * 99 + [4.0])
+    assert d.health.stall_s(a) == 12.0, "too few rows of its own: the job's p99 (4 s) x 3"
     a.lats.extend([0.5] * 50)
-    assert d.stall_s(a) == 5, "3 x 0.5 s is under the floor"
+    assert d.health.stall_s(a) == 5, "3 x 0.5 s is under the floor"
     b.lats.extend([60.0] * 50)
-    assert d.stall_s(b) == 100, "3 x 60 s is over the ceiling"
-    d.gen = gen(stall_s=7)
-    assert d.stall_s(a) == d.stall_s(b) == 7
+    assert d.health.stall_s(b) == 100, "3 x 60 s is over the ceiling"
+    d.health.gen = gen(stall_s=7)
+    assert d.health.stall_s(a) == d.health.stall_s(b) == 7
 
 
 def test_wedged_server_is_taken_out_relaunched_and_readmitted(sims) -> None:
@@ -598,9 +599,9 @@ def test_two_equal_servers_input_exhausted_at_once_both_work_to_the_end(sims) ->
 def test_timeline_keeps_the_whole_job_in_bounded_memory() -> None:
     """A two-day job must not grow progress.json without bound: past `cap` points every other
     one is dropped and the interval doubles, so the record still spans the whole job."""
-    from fleet.generation.dispatch import _Timeline
+    from fleet.generation.health import Timeline
 
-    tl = _Timeline(every_s=2.0, cap=50)
+    tl = Timeline(every_s=2.0, cap=50)
     for t in range(0, 100_000, 1):
         tl.sample(float(t), 1, t, t * 10)
     rows = tl.rows()

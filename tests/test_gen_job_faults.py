@@ -285,12 +285,12 @@ def test_a_dispatcher_task_that_raises_fails_the_job_loudly(tmp_path: Path, sims
     """Fault: an exception in one of the dispatcher's background tasks (stats, liveness, watchdog) was
     dropped with the task, and the job ran on without that part. Now the job stops as failed with the
     exception as its cause, exit 1 (the fault is injected by making the stats poller raise)."""
-    from fleet.generation import dispatch
+    from fleet.generation import health
 
     async def broken(self: Any) -> None:
         raise RuntimeError("stats poller exploded")
 
-    monkeypatch.setattr(dispatch.Dispatcher, "_poll_stats", broken)
+    monkeypatch.setattr(health.ServerHealth, "poll_stats", broken)
     a = sims("--tokens-per-s", "200", "--max-running-requests", "4")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     rows = write_input(inp, 2000)

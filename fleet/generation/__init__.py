@@ -13,7 +13,10 @@ Hot path (the data plane's runner):
 
     work.py     one row's requests in order (all-turns regeneration, gate retries) -> its result row
     client.py   one chat completion over aiohttp
-    dispatch.py one queue, every healthy server pulls from it
+    dispatch.py one queue, every healthy server pulls from it: the feeder, the workers, each answer's fate
+    rowqueue.py the queue (retries first) and the books: each row written exactly once, charged for its own failures
+    health.py   each server's state: admission, down / relaunch / readmit, the stall watchdog, the tail rule
+    probes.py   the HTTP checks health makes (/health, /v1/models, /health_generate, server info, metrics)
     runner.py   the detached process that ties input, dispatcher and store together
 
 Nothing is imported here: `import fleet.generation.inputs` must not pay for pyarrow or aiohttp.

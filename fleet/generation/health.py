@@ -1,0 +1,490 @@
+"""Per-server health: admission, the down/relaunch/readmit cycle, the stall watchdog, the tail rule.
+
+    starting ──admit──► up ──mark_down──► down ──recover──► recovering ──admit──► up
+                                            ▲                   │ (not yet: a growing delay)
+                                            └───────────────────┘
+
+A server is marked DOWN after `down_after` consecutive connection failures (or a failed
+stall probe, or one 401/403/404, or its process gone per `is_alive`, or `down_after_5xx`
+5xx in a row): its workers are cancelled — and each checks its server's state before and
+after every request (`ServerState.alive_in`), because a cancellation that races aiohttp's
+own timeout is lost — every row it held goes back to the queue uncharged, and
+`on_server_down(endpoint)` is awaited (the runner relaunches, waits and smokes it); True
+re-admits the server, False tries again after a growing delay. Without a callback the
+server is re-admitted once /health_generate answers (it runs a generation, so a server
+whose /health answers while generation hangs stays out). With every server down the job
+is *paused* — the queue simply has no consumer, so no retries are burned — until one
+comes back.
+
+Connection errors, and timeouts while the server finished nothing else, are *suspects*: if
+the server turns out to be dead or stalled (a probe, the next requests, or the process
+check fail too), the row goes back to the queue and no attempt is charged; if the server is
+fine, the attempt is charged and the row retried (`resolve_suspects`).
+
+The stall watchdog (`watchdog`): a server with rows in flight and none finished for
+`stall_s` (derived from its recent p99 row time, see `stall_s()`) gets a generation probe
+(/health_generate, else a one-token chat) on its own connection; a failed probe marks it down.
+
+The tail: once the input is exhausted, a server markedly slower than the others leaves the
+last rows to them whenever they would finish those sooner (`others_sooner`), so the
+slowest GPU does not become the job's last finisher (bench/bench_balance.py).
+Per server, `Timeline` keeps [elapsed, in flight, completed, tokens] over the whole job in
+bounded memory (progress.json and the manifest carry it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from fleet.backoff import backoff_delay
+from fleet.config import GenerationConfig
+from fleet.generation import probes
+from fleet.generation.client import new_session
+from fleet.generation.rowqueue import Job, Ledger
+
+log = logging.getLogger("fleet.generation")
+
+__all__ = ["Endpoint", "IsAlive", "OnServerDown", "ServerHealth", "ServerState", "Timeline"]
+
+
+@dataclass
+class Endpoint:
+    """One server as the dispatcher sees it."""
+
+    name: str                              # "node/index", shown in tables and stored per row
+    url: str                               # base URL, e.g. http://127.0.0.1:30000
+    model: str                             # the "model" field requests carry
+    api_key: str | None = None
+    max_running_requests: int | None = None  # fallback when /server_info does not say
+    gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
+    extra: dict[str, Any] = field(default_factory=dict)  # the caller's own data (launch spec, ...)
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def median(values: Iterable[float]) -> float:
+    return quantile(values, 0.5)
+
+
+OnServerDown = Callable[[Endpoint], Awaitable[bool]]
+IsAlive = Callable[[Endpoint], bool | None]
+
+class Rate:
+    """Tokens per second over a sliding window, sampled when asked."""
+
+    __slots__ = ("window_s", "samples")
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self.samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def update(self, now: float, total: int) -> float:
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, v0 = self.samples[0]
+        return (total - v0) / (now - t0) if now - t0 > 0.5 else 0.0
+
+
+class Timeline:
+    """Per server, over the whole job, in bounded memory: (elapsed s, rows in flight, rows
+    completed, completion tokens) every `every_s`; when `cap` samples are kept, every other one
+    is dropped and the interval doubles, so a two-day job keeps ~cap evenly spaced points."""
+
+    __slots__ = ("every_s", "cap", "points", "_next")
+
+    def __init__(self, every_s: float = 2.0, cap: int = 240) -> None:
+        self.every_s, self.cap = every_s, cap
+        self.points: list[tuple[float, int, int, int]] = []
+        self._next = 0.0
+
+    def sample(self, t: float, in_flight: int, completed: int, tokens: int, force: bool = False) -> None:
+        if t < self._next and not force:
+            return
+        self.points.append((round(t, 1), in_flight, completed, tokens))
+        if len(self.points) >= self.cap:
+            self.points = self.points[::2]
+            self.every_s *= 2
+        self._next = t + self.every_s
+
+    def rows(self) -> list[list[float | int]]:
+        return [list(p) for p in self.points]
+
+
+class ServerState:
+    """Runtime state of one server."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.name = ep.name
+        self.state = "starting"          # starting | up | down | recovering
+        self.down_reason: str | None = None
+        self.down_since: float | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.workers: list[asyncio.Task[None]] = []
+        self.concurrency = 0
+        self.in_flight = 0
+        self.conn_streak = 0             # consecutive connection failures / timeouts
+        self.err_streak = 0              # consecutive 5xx answers
+        self.suspects: list[Job] = []   # rows that failed to connect; charged only if the server is fine
+        self.probe: asyncio.Task[None] | None = None
+        self.recovery: asyncio.Task[None] | None = None
+        self.restarts = 0
+        self.downs = 0
+        self.info: dict[str, Any] = {}
+        self.accept_len: float | None = None
+        # counters
+        self.requests = 0                # completed rows
+        self.failures = 0                # failed attempts of any kind
+        self.permanent = 0               # rows sent to errors from this server
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.latency_sum = 0.0
+        self.lat: float | None = None    # recent typical row time: median of `lats`
+        self.lats: collections.deque[float] = collections.deque(maxlen=64)  # recent completed row times
+        self.lat_at = 0.0                # monotonic time `lat` was last refreshed
+        self.rate = Rate()
+        self.tok_s = 0.0
+        # the watchdog: a server with rows in flight and no row done for stall_s is probed
+        self.epoch = 0                   # bumped at every admission: a worker of an older epoch stops
+        self.last_done = 0.0             # monotonic: last row completed (or the moment it became busy)
+        self.probing = False             # a stall probe is running
+        self.stalls = 0                  # stall probes sent
+        self.sent = 0                    # requests sent (tests compare it with what reached the server)
+        self.held_s = 0.0                # worker-seconds held back by the tail rule
+        self.refreshes = 0               # rows given to a held server to refresh a stale estimate
+        self.timeline = Timeline()
+
+    def alive_in(self, epoch: int) -> bool:
+        """May a worker of `epoch` still send rows here? (Checked before and after every request:
+        a cancellation can be lost when it races aiohttp's own timeout, this cannot.)"""
+        return self.state == "up" and self.epoch == epoch
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        self.tok_s = self.rate.update(now, self.completion_tokens)
+        return {
+            "name": self.name, "url": self.ep.url, "state": self.state, "down_reason": self.down_reason,
+            "concurrency": self.concurrency, "in_flight": self.in_flight, "requests": self.requests,
+            "failures": self.failures, "errors": self.permanent,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "tok_s": round(self.tok_s, 1),
+            "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
+            "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
+            "stalls": self.stalls, "sent": self.sent, "held_s": round(self.held_s, 1),
+            "refreshes": self.refreshes, "lat_s": round(self.lat, 3) if self.lat is not None else None,
+            "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
+            "timeline": self.timeline.rows(),
+        }
+
+
+Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
+Worker = Callable[[ServerState, int], Coroutine[Any, Any, None]]
+
+
+class ServerHealth:
+    """Every server's state and the tasks that keep it honest; the dispatcher's workers send the rows.
+
+    `spawn` runs a background task of the dispatcher (one that raises fails the job);
+    `worker(srv, epoch)` is one worker of an admitted server; `on_change` is called when a
+    server's state changed (the dispatcher's own state follows: running / paused).
+    """
+
+    def __init__(
+        self,
+        endpoints: list[Endpoint],
+        gen: GenerationConfig,
+        rows: Ledger,
+        *,
+        spawn: Spawn,
+        worker: Worker,
+        on_change: Callable[[], None],
+        on_server_down: OnServerDown | None,
+        is_alive: IsAlive | None,
+        down_after: int,
+        down_after_5xx: int,
+        recovery_backoff_s: float,
+        recovery_backoff_max_s: float,
+        probe_interval_s: float,
+        health_timeout_s: float,
+        stats_poll_s: float,
+        liveness_poll_s: float,
+        stall_poll_s: float,
+        stall_probe_timeout_s: float,
+        rng: random.Random,
+    ) -> None:
+        self.gen = gen
+        self.rows = rows
+        self.servers = [ServerState(e) for e in endpoints]
+        self.spawn, self.worker, self.on_change = spawn, worker, on_change
+        self.on_server_down = on_server_down
+        self.is_alive = is_alive
+        self.down_after = down_after
+        self.down_after_5xx = down_after_5xx
+        self.recovery_backoff_s, self.recovery_backoff_max_s = recovery_backoff_s, recovery_backoff_max_s
+        self.probe_interval_s = probe_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.stats_poll_s = stats_poll_s
+        self.liveness_poll_s = liveness_poll_s
+        self.stall_poll_s = stall_poll_s
+        self.stall_probe_timeout_s = stall_probe_timeout_s   # SGLang's own health check allows 20 s
+        self.rng = rng
+        self.t0 = time.monotonic()   # the job's start (the timelines' zero)
+        self.lats: collections.deque[float] = collections.deque(maxlen=256)  # recent row times, every server
+
+    # ------------------------------------------------------------------ admission, down, recovery
+    def concurrency(self, srv: ServerState) -> int:
+        reported = probes.max_running(srv.info) or srv.ep.max_running_requests
+        cap = self.gen.max_concurrency_per_server
+        return max(1, min(reported, cap)) if reported else cap
+
+    async def admit(self, srv: ServerState) -> bool:
+        """Look the server up and start its workers; False (and why, in down_reason) when it is not usable."""
+        session = new_session(self.gen.max_concurrency_per_server, api_key=srv.ep.api_key)
+        try:
+            reason = await probes.usable(srv.ep, session)
+            if reason is None:
+                srv.info = await probes.server_info(srv.ep, session)
+        finally:
+            await session.close()
+        if reason is not None:
+            srv.down_reason = reason
+            return False
+        srv.concurrency = self.concurrency(srv)
+        # the pool is exactly as wide as the concurrency
+        srv.session = new_session(srv.concurrency, api_key=srv.ep.api_key)
+        srv.state = "up"
+        srv.down_reason = None
+        srv.conn_streak = srv.err_streak = 0
+        srv.epoch += 1
+        srv.last_done = time.monotonic()
+        srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
+        log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
+        self.on_change()
+        return True
+
+    async def admit_or_recover(self, srv: ServerState) -> None:
+        if not await self.admit(srv):
+            self.mark_down(srv, srv.down_reason or "not usable")
+
+    def mark_down(self, srv: ServerState, reason: str) -> None:
+        if srv.state in ("down", "recovering"):
+            return
+        if srv.state == "starting":
+            srv.downs -= 1   # never up: not a failure of a running server
+        log.warning("server %s down: %s", srv.name, reason)
+        srv.state = "down"
+        srv.down_reason = reason
+        srv.down_since = time.monotonic()
+        srv.downs += 1
+        suspects, srv.suspects = srv.suspects, []
+        for job in suspects:
+            self.rows.requeue(job, poison=True)
+        me = asyncio.current_task()
+        if srv.probe is not None and srv.probe is not me:
+            srv.probe.cancel()
+        for w in srv.workers:
+            if w is not me:
+                w.cancel()       # its row goes back to the queue in the worker's handler
+        if me in srv.workers:
+            me.cancel()          # the worker that noticed: cancelled at its next await
+        self.on_change()
+        if not self.rows.stopping:
+            srv.recovery = self.spawn(self.recover(srv), f"recover-{srv.name}")
+
+    async def recover(self, srv: ServerState) -> None:
+        """Until the server is back: the callback (relaunch + smoke) or a health poll."""
+        workers, srv.workers = srv.workers, []
+        # Cancelled in mark_down; a worker whose cancellation was lost (it raced aiohttp's own
+        # timeout) stops at its next state check. Never let one hold the relaunch back.
+        if workers:
+            await asyncio.wait(workers, timeout=5.0)
+        if srv.session is not None:
+            session, srv.session = srv.session, None
+            await session.close()
+        rounds = 0
+        while not self.rows.stopping:
+            srv.state = "recovering"
+            try:
+                if self.on_server_down is not None:
+                    ok = bool(await self.on_server_down(srv.ep))
+                    if ok:
+                        srv.restarts += 1
+                else:
+                    # /health may answer while generation hangs; /health_generate runs one (SGLang)
+                    ok = await probes.ping(srv.ep, None, "/health_generate", timeout=self.health_timeout_s,
+                                           missing_ok=True)
+                if ok and await self.admit(srv):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the callback's failure is the server's, never the job's
+                log.warning("recovering server %s failed: %s", srv.name, exc)
+                srv.down_reason = f"recovery failed: {exc}"[:500]
+            srv.state = "down"
+            self.on_change()
+            rounds += 1
+            await asyncio.sleep(backoff_delay(rounds, self.recovery_backoff_s, max_s=self.recovery_backoff_max_s,
+                                              jitter=0.25, rng=self.rng))
+
+    async def poll_liveness(self) -> None:
+        """The runner knows each server's process: a dead one is taken out at once, not after timeouts."""
+        assert self.is_alive is not None
+        while True:
+            await asyncio.sleep(self.liveness_poll_s)
+            for srv in self.servers:
+                if srv.state != "up":
+                    continue
+                try:
+                    alive = self.is_alive(srv.ep)
+                except Exception:  # a check that cannot tell says nothing
+                    alive = None
+                if alive is False:
+                    self.mark_down(srv, "server process exited")
+
+    # ------------------------------------------------------------------ the stall watchdog
+    def stall_s(self, srv: ServerState) -> float:
+        """How long `srv` may hold rows without finishing one before it is probed."""
+        g = self.gen
+        if g.stall_s is not None:
+            return g.stall_s
+        lats = srv.lats if len(srv.lats) >= 8 else self.lats
+        if not lats:
+            return g.stall_max_s
+        return min(g.stall_max_s, max(g.stall_min_s, 3.0 * quantile(lats, 0.99)))
+
+    async def watchdog(self) -> None:
+        """A server with rows in flight and none finished for stall_s gets a generation probe.
+
+        "No row finished" is a strong signal: workers only take a new row when one ends, so
+        every row it holds has then run for longer than 3 x the recent p99 row time. The probe
+        keeps a slow-but-working server in (SGLang answers /health_generate from its recent
+        scheduler activity when busy); a stopped or wedged one fails it and is taken out.
+        """
+        while True:
+            await asyncio.sleep(self.stall_poll_s)
+            now = time.monotonic()
+            for srv in self.servers:
+                srv.timeline.sample(now - self.t0, srv.in_flight, srv.requests, srv.completion_tokens)
+                if srv.state != "up" or not srv.in_flight or srv.probing:
+                    continue
+                idle = now - srv.last_done
+                if idle >= self.stall_s(srv):
+                    self.spawn(self.stall_probe(srv, f"no row finished for {idle:.0f} s with {srv.in_flight} "
+                                                     f"in flight"), f"stall-{srv.name}")
+
+    async def stall_probe(self, srv: ServerState, why: str) -> None:
+        srv.probing = True
+        srv.stalls += 1
+        epoch = srv.epoch
+        try:
+            ok, detail = await probes.generation_probe(srv.ep, self.stall_probe_timeout_s)
+        finally:
+            srv.probing = False
+        if not srv.alive_in(epoch):
+            return
+        if ok:
+            log.info("server %s: %s, but its generation probe answers: kept", srv.name, why)
+            srv.last_done = time.monotonic()   # judged again after another stall_s
+            if srv.suspects:
+                self.resolve_suspects(srv)   # the server works: the timeouts were the rows' own
+            return
+        self.mark_down(srv, f"stalled: {why}; {detail}")
+
+    async def probe(self, srv: ServerState) -> None:
+        """After a connection failure: is the server there at all? Decides the suspects' fate."""
+        while srv.state == "up" and srv.suspects:
+            if await probes.ping(srv.ep, srv.session, "/v1/models", timeout=5.0):
+                if srv.state == "up":
+                    srv.conn_streak = 0
+                    self.resolve_suspects(srv)
+                return
+            srv.conn_streak += 1
+            if srv.conn_streak >= self.down_after:
+                self.mark_down(srv, f"{srv.conn_streak} connection failures in a row (probe of /v1/models)")
+                return
+            await asyncio.sleep(self.probe_interval_s)
+
+    def resolve_suspects(self, srv: ServerState) -> None:
+        """The server is alive: the connection failures were the rows' own, charge them."""
+        suspects, srv.suspects = srv.suspects, []
+        for job in suspects:
+            self.rows.charge_and_retry(job)
+
+    async def poll_stats(self) -> None:
+        """Speculative accept length (and liveness of the numbers) every stats_poll_s."""
+        while True:
+            for srv in self.servers:
+                if srv.state == "up" and srv.session is not None:
+                    try:
+                        srv.accept_len = await probes.accept_len(srv.ep, srv.session, srv.accept_len)
+                    except Exception:  # stats are best effort
+                        pass
+            await asyncio.sleep(self.stats_poll_s)
+
+    def note_done(self, srv: ServerState, latency_s: float) -> None:
+        """A request finished on `srv`: the watchdog's clock and the row-time estimate."""
+        now = time.monotonic()
+        srv.last_done = now
+        srv.lats.append(latency_s)
+        self.lats.append(latency_s)
+        if srv.lat is None or len(srv.lats) <= 8 or now - srv.lat_at >= 0.5:
+            # the median of recent rows: one warm-up row (first request: seconds) must not
+            # decide how fast the server is for the next hundred
+            srv.lat, srv.lat_at = median(srv.lats), now
+
+    # ------------------------------------------------------------------ the tail
+    def others_sooner(self, srv: ServerState) -> bool:
+        """At the tail: would the other servers finish the next row before this one could?
+
+        While input keeps coming the queue is long and every server pulls. Once the input is
+        exhausted, a markedly slower server that takes one of the last rows becomes the
+        job's last finisher: it then leaves them to the others if they would drain the
+        queue *and* finish that row before it would (its recent latency per row).
+
+        Never on a stale estimate: a server's row time is the median of its recent rows (a
+        warm-up row does not count for a hundred) and needs three of them; the others count
+        only while they finish rows; and a held server idle for two of its row times takes a
+        row to refresh its estimate (`hold_at_tail`).
+        """
+        lat = srv.lat
+        now = time.monotonic()
+        # only servers that are finishing rows: one that has finished nothing for three of its
+        # row times (stopped, wedged: not yet caught by the watchdog) will not drain the queue
+        others = [(s, s_lat) for s in self.servers if s is not srv and s.state == "up" and (s_lat := s.lat)
+                  and (s.in_flight == 0 or now - s.last_done < 3 * s_lat)]
+        if lat is None or len(srv.lats) < 3 or not others:
+            return False   # no estimate yet (one warm-up row says nothing): never hold on it
+        best = min(s_lat for _, s_lat in others)
+        if lat <= 1.5 * best:
+            return False
+        rate = sum(s.concurrency / s_lat for s, s_lat in others)
+        return lat > (len(self.rows.queue) + 1) / rate + best
+
+    async def hold_at_tail(self, srv: ServerState) -> None:
+        # a slow server may have hundreds of workers here: poll at a tenth of its row time
+        pause = max(0.02, min(0.25, (srv.lat or 0.0) / 10))
+        t0 = time.monotonic()
+        try:
+            while len(self.rows.queue) and not self.rows.stopping and self.others_sooner(srv):
+                lat = srv.lat or 0.0
+                if srv.in_flight == 0 and time.monotonic() - srv.last_done > 2 * lat:
+                    # Held, idle, and its estimate is older than two of its rows: it may be
+                    # stale (a held server learns nothing). One row refreshes it; the others
+                    # stay held (in_flight is 1 before they look again).
+                    srv.refreshes += 1
+                    return
+                await asyncio.sleep(pause)
+        finally:
+            srv.held_s += time.monotonic() - t0

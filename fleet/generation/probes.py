@@ -1,0 +1,136 @@
+"""What a server answers: the HTTP checks the dispatcher makes besides its rows.
+
+Each takes the server's `Endpoint` and, where the caller has one, a session; each answers
+rather than raises (a server that cannot be reached is an answer too):
+
+| check | asks | used for |
+| --- | --- | --- |
+| `ping` | a path answers 200 (`/v1/models`: anything) | a connection failure: is the server there at all? recovery without a callback |
+| `usable` | /health, then /v1/models with our key | admission: healthy and takes our key |
+| `server_info` | /server_info (or /get_server_info) | the server's max running requests, speculative stats |
+| `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
+| `accept_len` | speculative accept length (server info, else /metrics) | the progress file |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from fleet.generation.client import dumps, loads
+
+if TYPE_CHECKING:
+    from fleet.generation.health import Endpoint
+
+__all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
+
+_ACCEPT_METRIC = re.compile(r"^sglang:spec_accept_length(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def max_running(info: dict[str, Any]) -> int | None:
+    """max_running_requests from SGLang's /server_info (top level, or its scheduler's internal state)."""
+    v = info.get("max_running_requests")
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    for st in info.get("internal_states") or []:
+        v = st.get("max_running_requests") if isinstance(st, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+async def server_info(ep: Endpoint, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """SGLang's server info ({} when there is none: vLLM, transformers, or no answer)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status == 200:
+                    doc = loads(await r.read())
+                    return doc if isinstance(doc, dict) else {}
+                if r.status != 404:
+                    return {}
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return {}
+    return {}
+
+
+async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
+    """None when the server is healthy and takes our key; else why not."""
+    if not await ping(ep, session, "/health"):
+        return f"not answering {ep.url}/health"
+    try:
+        # /health needs no key on SGLang; /v1/models does: a wrong key shows here, not on every row
+        async with session.get(ep.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            await r.read()
+            if r.status in (401, 403):
+                return f"HTTP {r.status} from /v1/models: the server refuses our API key"
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return f"not answering {ep.url}/v1/models"
+    return None
+
+
+async def ping(ep: Endpoint, session: aiohttp.ClientSession | None = None, path: str = "/health",
+               timeout: float = 10.0, missing_ok: bool = False) -> bool:
+    """True when the server answers `path` with 200 (`/v1/models`: any answer at all; with
+    `missing_ok`, a 404 falls back to /health: vLLM and transformers have no /health_generate)."""
+    own = session is None
+    session = session or aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}
+                                               if ep.api_key else None)
+    try:
+        async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            await r.read()
+            if r.status == 404 and missing_ok:
+                return await ping(ep, session, "/health", timeout)
+            return r.status == 200 or path == "/v1/models"
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError):  # RuntimeError: session closed
+        return False
+    finally:
+        if own:
+            await session.close()
+
+
+async def generation_probe(ep: Endpoint, t: float) -> tuple[bool, str]:
+    """(answers, why not): /health_generate (SGLang runs a generation for it), or a one-token
+    chat where there is none (vLLM, transformers), within `t` seconds. Its own connection: the
+    worker pool is full."""
+    path = "/health_generate"
+    session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}
+                                    if ep.api_key else None)
+    try:
+        async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=t)) as r:
+            await r.read()
+            if r.status != 404:
+                return r.status == 200, f"{path} answered HTTP {r.status}"
+        path = "a one-token chat"
+        body = {"model": ep.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        async with session.post(ep.url + "/v1/chat/completions", data=dumps(body),
+                                headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=t)) as r:
+            await r.read()
+            return r.status == 200, f"{path} answered HTTP {r.status}"
+    except asyncio.TimeoutError:
+        return False, f"{path} did not answer within {t:g} s"
+    except (aiohttp.ClientError, OSError) as exc:
+        return False, f"{path} failed: {type(exc).__name__}: {exc}"[:300]
+    finally:
+        await session.close()
+
+
+async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float | None) -> float | None:
+    """The speculative accept length, or `last` (the one known before) when the server does not say."""
+    info = await server_info(ep, session)
+    for st in info.get("internal_states") or []:
+        if isinstance(st, dict) and isinstance(st.get("avg_spec_accept_length"), int | float):
+            return round(float(st["avg_spec_accept_length"]), 3)
+    try:
+        async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status == 200:
+                m = _ACCEPT_METRIC.search((await r.read()).decode("utf-8", "replace"))
+                if m:
+                    return round(float(m.group(1)), 3)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        pass
+    return last
