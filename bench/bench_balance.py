@@ -39,8 +39,6 @@ from fleet.generation.client import chat, new_session  # noqa: E402
 from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
 from fleet.generation.inputs import Request  # noqa: E402
 
-SIM = ROOT / "fleet" / "sim" / "server.py"
-
 
 class TokenStore(NullStore):
     def __init__(self) -> None:

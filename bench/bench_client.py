@@ -41,8 +41,6 @@ from fleet.config import GenerationConfig  # noqa: E402
 from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
 from fleet.generation.inputs import Request  # noqa: E402
 
-SIM = ROOT / "fleet" / "sim" / "server.py"
-
 
 def free_port() -> int:
     with socket.socket() as s:

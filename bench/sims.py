@@ -6,8 +6,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SIM = ("-m", "fleet.sim")  # the simulated SGLang server
+ROOT = Path(__file__).resolve().parents[1]  # -m finds fleet here when it is not installed
 
 
 def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
@@ -22,7 +24,7 @@ def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
                 "--max-running-requests", str(slots), "--log-interval-s", "3600"]
         if seed is not None:
             argv += ["--seed", str(seed)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
         port = int(url.rsplit(":", 1)[1])

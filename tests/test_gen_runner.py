@@ -177,7 +177,7 @@ def sim_fleet(tmp_path: Path, base_port: int, n: int, **servers: Any) -> FleetCo
 @pytest.mark.parametrize("how", ["in-process", "pyz"])
 def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path: Path, how: str) -> None:
     """`pyz`: the runner as SSH nodes run it (fleet shipped as one zip, fleet.generation.remote),
-    where fleet/sim/server.py is not a file on disk.
+    where fleet/sim's modules are not files on disk.
 
     Protects: a server that dies mid-job is relaunched with its own launch spec, smoked, and
     re-admitted, and no row is lost or written twice. The numbers make this independent of

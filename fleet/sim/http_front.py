@@ -264,8 +264,6 @@ class _BadRequest(Exception):
         self.message = message
 
 
-
-
 class Routes(Protocol):
     """What a connection needs from the application behind it (``fleet.sim.app.App``)."""
 
