@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -160,11 +161,12 @@ def phase(name: str, work: Path) -> dict:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         return ru.ru_utime + ru.ru_stime
 
+    items: Any
     res: dict = {"phase": name, "import_s": time.perf_counter() - t_imp}
     res["rss_after_import_mb"] = rss_mb()[0]
     st = InputStats()
     t0, c0 = time.perf_counter(), cpu()
-    if name == "resume":
+    if name in ("resume", "resume-one-pass"):
         inp = work / "input.jsonl"
         t = time.perf_counter()
         fp = input_fingerprint(inp)
@@ -177,8 +179,20 @@ def phase(name: str, work: Path) -> dict:
         res["done_ids_s"] = time.perf_counter() - t
         res["done_ids"] = len(done)
         res["rss_after_done_ids_mb"] = rss_mb()[0]
+        if name == "resume":   # planned: the ids only (plan_resume), then the planned lines validated
+            from fleet.generation.inputs import iter_planned, plan_resume
+
+            t = time.perf_counter()
+            plan = plan_resume(inp, None, done)
+            res["plan_s"] = time.perf_counter() - t
+            res["planned_lines"] = plan.remaining
+            res["planning_total_s"] = time.perf_counter() - t0
+            res["planning_cpu_s"] = cpu() - c0
+            items = iter_planned(inp, None, plan, st)
+        else:   # the one-pass reader (before): ids checked and rows validated as they are read
+            items = iter_input(inp, None, skip_ids=done.__contains__, stats=st, plan=False)
         t = time.perf_counter()
-        remaining = sum(1 for x in iter_input(inp, None, skip_ids=done.__contains__, stats=st) if hasattr(x, "messages"))
+        remaining = sum(1 for x in items if hasattr(x, "messages"))
         res["stream_s"] = time.perf_counter() - t
         res["remaining"] = remaining
         store.close()
@@ -217,6 +231,25 @@ def machine() -> dict:
             "platform": platform.platform(), "load": os.getloadavg()}
 
 
+def side_by_side(results: dict, m: dict, repeat: int) -> str:
+    """The planned resume against the one-pass reader, from the same runs (medians; CPU: the least)."""
+    p, o = results["resume"], results["resume-one-pass"]
+    before = o["fingerprint_s"] + o["open_s"] + o["done_ids_s"] + o["stream_s"]
+    rows = [
+        "| resume at 50 % | until the remaining rows are known | CPU s | all remaining rows validated | CPU s "
+        "(least) | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| one pass (before: every row read and checked in turn) | {before:.2f} (the whole pass) | "
+        f"{o['min_cpu_s']:.2f} | {o['total_s']:.2f} | {o['min_cpu_s']:.2f} | {o['peak_rss_mb']:.0f} |",
+        f"| planned (fingerprint {p['fingerprint_s']:.2f} + open {p['open_s']:.2f} + done ids {p['done_ids_s']:.2f} "
+        f"+ plan_resume {p['plan_s']:.2f}) | **{p['planning_total_s']:.2f}** | "
+        f"{min(x for x in [p['planning_cpu_s']]):.2f} | {p['total_s']:.2f} | {p['min_cpu_s']:.2f} | "
+        f"{p['peak_rss_mb']:.0f} |",
+    ]
+    return "\n".join([f"{repeat} runs each, load average {[round(x, 2) for x in m['load']]}; planned lines "
+                      f"{p['planned_lines']:,}, requests {p['remaining']:,} (one pass: {o['remaining']:,})", *rows])
+
+
 def main() -> None:
     global N
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -226,6 +259,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each phase (median time, worst peak RSS)")
     ap.add_argument("--rows", type=int, default=N, help="prompts to generate (smaller for a smoke "
                     "run; only the default is written to RESULTS.md)")
+    ap.add_argument("--phases", default="resume,resume-one-pass,full,content-ids,count",
+                    help="which phases to run (comma-separated; the table needs all of them)")
+    ap.add_argument("--reuse", action="store_true", help="--workdir already holds the input and the half-done "
+                    "store of an earlier run: measure only")
     args = ap.parse_args()
     if args.rows != N:
         N, args.no_write = args.rows, True
@@ -236,15 +273,21 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fleet-bench-resume-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        print(f"generating {N:,} prompts in {work} ...", flush=True)
-        gen = generate(work)
-        print(f"  {gen['bytes'] / 1e6:.0f} MB, {gen['bytes'] / N:.0f} bytes/row, {gen['seconds']:.1f} s", flush=True)
-        print("marking 50 % done through ResultStore ...", flush=True)
-        marked = mark_half_done(work)
+        if args.reuse:
+            gen = json.loads((work / "generated.json").read_text())
+            marked = json.loads((work / "marked.json").read_text())
+        else:
+            print(f"generating {N:,} prompts in {work} ...", flush=True)
+            gen = generate(work)
+            (work / "generated.json").write_text(json.dumps(gen))
+            print(f"  {gen['bytes'] / 1e6:.0f} MB, {gen['bytes'] / N:.0f} bytes/row, {gen['seconds']:.1f} s", flush=True)
+            print("marking 50 % done through ResultStore ...", flush=True)
+            marked = mark_half_done(work)
+            (work / "marked.json").write_text(json.dumps(marked))
         print(f"  {marked['done']:,} done ({marked['errors']:,} errors) in {marked['seconds']:.1f} s, "
               f"{marked['shards']} shards", flush=True)
         results = {}
-        for name in ("resume", "full", "content-ids", "count"):
+        for name in args.phases.split(","):
             runs = []
             for _ in range(args.repeat):
                 runs.append(run_phase(name, work))
@@ -259,6 +302,10 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     m = machine()
+    if "resume" in results and "resume-one-pass" in results:
+        print(side_by_side(results, m, args.repeat))
+    if set(results) != {"resume", "resume-one-pass", "full", "content-ids", "count"}:
+        return
     r, f, c, k = results["resume"], results["full"], results["content-ids"], results["count"]
     cmd = ".venv/bin/python bench/bench_resume.py" + (" " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "")
     table = [

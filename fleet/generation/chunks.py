@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gzip
+import io
 import hashlib
 import json
 import math
@@ -143,7 +144,7 @@ def _is_parquet(path: Path) -> bool:
         return f.read(4) == b"PAR1"
 
 
-def _open_lines(path: Path):
+def _open_lines(path: Path) -> gzip.GzipFile | io.BufferedReader:
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
     return gzip.open(path, "rb") if gz else open(path, "rb")

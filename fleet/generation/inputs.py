@@ -64,13 +64,17 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from fleet.errors import InputError
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from fleet.config import GenerationConfig
 
+_loads: Callable[[bytes | str], Any]
 try:  # several times faster than the stdlib on the read path; Prefect depends on it
     import orjson
 
@@ -80,7 +84,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "Request", "Reject", "InputStats", "iter_input", "input_fingerprint", "count_rows", "content_id",
-    "digest", "DUPLICATE_REASON", "KNOWN_PARAMS", "ROLES",
+    "digest", "DUPLICATE_REASON", "KNOWN_PARAMS", "ROLES", "DigestSet", "ResumePlan", "plan_resume", "iter_planned",
 ]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -600,7 +604,7 @@ def _is_parquet(path: Path) -> bool:
     return path.suffix.lower() in (".parquet", ".pq") or _magic(path) == b"PAR1"
 
 
-def _open_text(path: Path):
+def _open_text(path: Path) -> gzip.GzipFile | BinaryIO:
     if _magic(path)[:2] == b"\x1f\x8b":
         return gzip.open(path, "rb")
     return open(path, "rb", buffering=1 << 20)
@@ -710,14 +714,23 @@ def iter_input(
     *,
     skip_ids: Callable[[str], bool] | None = None,
     stats: InputStats | None = None,
+    plan: bool = True,
 ) -> Iterator[Request | Reject]:
     """Stream `path` (JSONL, JSONL.gz or Parquet) as Requests and Rejects, in input order.
 
     Never holds more than one Parquet batch or one line of text; see the module docstring for
     every rule. `stats`, when given, is filled in as the rows go by.
+
+    A resume of a JSONL input whose `skip_ids` is a non-empty `DigestSet`'s `__contains__` (the
+    store's `done_ids()`) is planned first (`plan_resume`: the ids only, then the planned lines
+    are read again and validated); `plan=False` keeps the one-pass reader. Both yield the same.
     """
     path = Path(path)
     st = stats if stats is not None else InputStats()
+    done = _digest_set(skip_ids)
+    if plan and done is not None and len(done) and not _is_parquet(path):
+        yield from iter_planned(path, defaults, plan_resume(path, defaults, done), st)
+        return
     dflt = _defaults(defaults)
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
     limit = defaults.limit if defaults is not None else None
@@ -764,6 +777,204 @@ def iter_input(
         yield Request(id=rid, line=line, messages=msgs, params=_apply_defaults(dflt, own), extra=extra)
 
 
+
+# ---------------------------------------------------------------------------- resume planning
+
+
+class DigestSet(Protocol):
+    """A set of done ids that answers for many digests at once (`store.IdSet`)."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, id: object) -> bool: ...
+
+    def has_digests(self, digests: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]: ...
+
+
+def _digest_set(skip_ids: Callable[[str], bool] | None) -> DigestSet | None:
+    """The done set behind `skip_ids` when it is exactly a DigestSet's `__contains__`, else None."""
+    owner = getattr(skip_ids, "__self__", None)
+    if owner is None or not hasattr(owner, "has_digests"):
+        return None
+    if getattr(skip_ids, "__func__", None) is not getattr(type(owner), "__contains__", None):
+        return None
+    return cast(DigestSet, owner)
+
+
+@dataclass(slots=True)
+class ResumePlan:
+    """What a resume still has to read, decided from the ids alone (`plan_resume`)."""
+
+    rows: int                       # non-blank rows planned (after generation.limit)
+    blank: int
+    skipped: int                    # rows whose id is done: never read again
+    duplicates: int                 # later rows with an id seen before
+    visit: npt.NDArray[np.uint32]   # lines to read again, ascending: rows to run and rows to reject
+    rejects: dict[int, str]         # line -> reason, decided without validation (bad JSON, bad id, ...)
+    first_at: dict[int, int]        # line of a duplicate -> the line its id was first seen at
+    error: InputError | None = None  # the input breaks after the planned lines: raised after them
+
+    @property
+    def remaining(self) -> int:
+        """Lines still to read: requests to run plus rejects to record."""
+        return len(self.visit)
+
+
+def _bad_json_reason(exc: ValueError) -> str:
+    return "not UTF-8" if isinstance(exc, UnicodeDecodeError) or "utf-8" in str(exc).lower() else f"bad JSON: {exc}"
+
+
+def plan_resume(path: str | Path, defaults: GenerationConfig | None, done: DigestSet) -> ResumePlan:
+    """Plan a resume of a JSONL input: which lines are still to run, from each row's id only.
+
+    One pass that parses each line but reads only its id (`custom_id`/`id`; a row without one
+    gets its content id, which needs the row validated): the ids' 64-bit digests and lines go
+    into two flat arrays (12 bytes per row), then duplicates (first line wins) and the done ids
+    are found in one vectorized step each. Every rule of `iter_input` holds: a duplicate of a
+    done id is still a reject, a done row is never validated, a bad line is a reject on every
+    pass. A corrupt or truncated input plans the rows before the break and keeps the error.
+    """
+    import numpy as np
+
+    path = Path(path)
+    all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    limit = defaults.limit if defaults is not None else None
+    digests, where = array("Q"), array("I")
+    rejects: dict[int, str] = {}
+    loads, add_digest, add_line = _loads, digests.append, where.append
+    n = blank = 0
+    error: InputError | None = None
+    try:
+        for n, line in enumerate(_lines(path), 1):
+            try:
+                obj = loads(line)
+            except ValueError:
+                obj = None
+            if type(obj) is dict:   # the hot path: a row with a string id
+                rid = obj.get("custom_id")
+                if rid is None:
+                    rid = obj.get("id")
+                if type(rid) is str and rid:
+                    if limit is not None and n - blank > limit:
+                        n -= 1
+                        break
+                    add_digest(hash(rid) & _U64)   # = digest(rid), inlined
+                    add_line(n)
+                    continue
+            if n == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            try:
+                obj = loads(line)
+            except ValueError as exc:
+                if not line.strip():
+                    blank += 1
+                    continue
+                obj = _Bad(_bad_json_reason(exc))
+            if limit is not None and n - blank > limit:
+                n -= 1
+                break
+            try:
+                if isinstance(obj, _Bad):
+                    raise obj
+                if not isinstance(obj, dict):
+                    raise _Bad(f"row is not a JSON object (got {_type(obj)})")
+                rid = _row_id(obj, ("custom_id", "id"))
+                if rid is None:
+                    rid = content_id(*_shape(obj, all_turns)[:2])
+            except _Bad as bad:
+                rejects[n] = str(bad.args[0])
+                continue
+            except RecursionError:
+                rejects[n] = "row nested too deeply"
+                continue
+            add_digest(digest(rid))
+            add_line(n)
+    except InputError as exc:
+        error = exc
+    rows = n - blank
+    d = np.frombuffer(digests, dtype=np.uint64) if digests else np.empty(0, np.uint64)
+    w = np.frombuffer(where, dtype=np.uint32) if where else np.empty(0, np.uint32)
+    first_at: dict[int, int] = {}
+    order = np.argsort(d, kind="stable")   # stable: within one id, lines stay ascending
+    sd = d[order]
+    dup = np.zeros(len(d), dtype=bool)
+    if len(sd) > 1:
+        new = np.empty(len(sd), dtype=bool)
+        new[0] = True
+        np.not_equal(sd[1:], sd[:-1], out=new[1:])
+        if not new.all():
+            first = np.maximum.accumulate(np.where(new, np.arange(len(sd)), 0))   # each id's first position
+            lines_sorted = w[order]
+            dup[order] = ~new
+            for later, at in zip(lines_sorted[~new].tolist(), lines_sorted[first[~new]].tolist()):
+                first_at[later] = at
+    skip = np.zeros(len(d), dtype=bool)
+    if len(done) and len(sd):
+        skip[order] = done.has_digests(sd)   # sorted queries: a cache-friendly search
+        skip &= ~dup
+    todo = w[~skip]
+    if rejects:   # few: lines ascending again with a linear-time sort
+        todo = np.sort(np.concatenate([todo, np.fromiter(rejects, dtype=np.uint32, count=len(rejects))]),
+                       kind="stable")
+    return ResumePlan(rows=rows, blank=blank, skipped=int(skip.sum()), duplicates=len(first_at), visit=todo,
+                      rejects=rejects, first_at=first_at, error=error)
+
+
+def iter_planned(path: Path, defaults: GenerationConfig | None, plan: ResumePlan,
+                  st: InputStats) -> Iterator[Request | Reject]:
+    """The second pass of a planned resume: read only the planned lines, in order."""
+    dflt = _defaults(defaults)
+    all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    st.rows += plan.rows
+    st.blank += plan.blank
+    st.skipped += plan.skipped
+    st.duplicates += plan.duplicates
+    todo = iter(plan.visit.tolist())
+    want = next(todo, 0)
+    if want:
+        for n, line in enumerate(_lines(path), 1):
+            if n != want:
+                continue
+            want = next(todo, 0)
+            if n == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            reason = plan.rejects.get(n)
+            if reason is not None:
+                st.rejects += 1
+                yield Reject(line=n, id=None, reason=reason, raw=_raw(line))
+            else:
+                item = _planned_row(n, line, plan.first_at.get(n), dflt, all_turns)
+                if isinstance(item, Reject):
+                    st.rejects += 1
+                else:
+                    st.requests += 1
+                yield item
+            if not want:
+                break
+    if plan.error is not None:
+        raise plan.error
+
+
+def _planned_row(n: int, line: bytes, first: int | None, dflt: dict[str, Any], all_turns: bool) -> Request | Reject:
+    """One planned line: a request, a reject from validation, or a duplicate (`first`: its first line)."""
+    rid: str | None = None
+    try:
+        obj = _loads(line)
+        rid = _row_id(obj, ("custom_id", "id"))
+        if rid is not None and first is not None:
+            raise _Bad(f"{DUPLICATE_REASON} (first at line {first})")
+        msgs, own, extra = _shape(obj, all_turns)
+        if rid is None:
+            rid = content_id(msgs, own)
+            if first is not None:
+                raise _Bad(f"{DUPLICATE_REASON} (first at line {first})")
+    except _Bad as bad:
+        return Reject(line=n, id=rid, reason=str(bad.args[0]), raw=_raw(line))
+    except RecursionError:
+        return Reject(line=n, id=rid, reason="row nested too deeply", raw=_raw(line))
+    return Request(id=rid, line=n, messages=msgs, params=_apply_defaults(dflt, own), extra=extra)
+
+
 def input_fingerprint(path: str | Path) -> str:
     """SHA-256 (hex) of the file's bytes, streamed: the identity of an input in job.json and the manifest."""
     h = hashlib.sha256()
@@ -780,7 +991,7 @@ def count_rows(path: str | Path) -> int:
     A corrupt or truncated file raises InputError naming the line and byte where it breaks."""
     path = Path(path)
     if _is_parquet(path):
-        return _parquet_file(path).metadata.num_rows
+        return int(_parquet_file(path).metadata.num_rows)
     n = 0
     for line in _lines(path):
         if not line.isspace():

@@ -535,7 +535,7 @@ def _draining(prog: dict[str, Any]) -> bool:
     total = prog.get("rows_total")
     if not total or prog.get("state") != "running":
         return False
-    left = total - int(prog.get("rows_done") or 0)
+    left = int(total) - int(prog.get("rows_done") or 0)
     lead = int(prog.get("in_flight") or 0) + float(prog.get("rows_per_s") or 0.0) * PRESTART_LEAD_S
     return left <= lead
 
@@ -543,7 +543,7 @@ def _draining(prog: dict[str, Any]) -> bool:
 def _unreachable(exc: BaseException) -> bool:
     from fleet.errors import TransientError
 
-    return isinstance(exc, TransientError) or isinstance(exc, OSError)
+    return isinstance(exc, (TransientError, OSError))
 
 
 def _retry(fn: Callable[[], Any], attempts: int = 3) -> Any:
