@@ -47,11 +47,17 @@ Rules (each one documented here because it decides what ends up generated):
 - **Blank lines** are skipped and counted (`InputStats.blank`), not rejected.
 - **skip_ids** (resume): a request whose id it accepts is not yielded. Rejects are yielded on
   every pass (they are few and deterministic); `ResultStore.add_reject` ignores a line it
-  already holds. Rows with an explicit id are checked before they are validated, so a resume
-  over mostly-done input costs little more than parsing.
+  already holds. Rows with an explicit id are checked before they are validated, so a done
+  row is never validated again.
+- **Planned resume.** When `skip_ids` is the store's done set (a `DigestSet`), a JSONL input is
+  first *planned* (`plan_resume`): one pass reads only each row's id into flat arrays, then
+  duplicates and done ids are found in bulk (numpy); a second pass reads and validates only
+  the planned lines. Same output, decided by the same rules; at 902,087 rows half done the
+  plan is known in about a second of CPU instead of after the whole one-pass read.
 
 Memory: ids seen so far are kept as 8-byte digests in an open-addressing table with the
-first line of each (`_SeenIds`, about 24 MB per million ids), never as strings.
+first line of each (`_SeenIds`, about 24 MB per million ids), never as strings; a planned
+resume holds 12 bytes per row (digest and line) plus numpy's sort scratch while it plans.
 """
 
 from __future__ import annotations
