@@ -315,14 +315,14 @@ def test_a_write_cut_short_never_replaces_the_file(tmp_path: Path) -> None:
     `fleet down` no longer knew that server. The write now checks the byte count before the
     rename: a cut-short write fails and leaves the old file (and no temp file)."""
     from fleet.node import LocalNode
-    from fleet.node.base import _WRITE
+    from fleet.node.scripts import WRITE
 
     path = tmp_path / "servers" / "f-1.json"
     node = LocalNode("local")
     node.write_text(str(path), '{"pid": 4242, "name": "é"}\n')  # non-ASCII: bytes, not characters
     assert path.read_text() == '{"pid": 4242, "name": "é"}\n'
     full = '{"pid": 5151}\n'
-    cut = subprocess.run(["sh", "-c", _WRITE, "fleet-write", str(path), str(len(full.encode()))],
+    cut = subprocess.run(["sh", "-c", WRITE, "fleet-write", str(path), str(len(full.encode()))],
                          input=full[:5], text=True, capture_output=True, timeout=30)  # the writer died here
     assert cut.returncode != 0
     assert path.read_text() == '{"pid": 4242, "name": "é"}\n'

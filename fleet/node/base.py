@@ -2,9 +2,9 @@
 
 Implementations provide the transport primitives (`_exec`, `stream`, `put`, `get`,
 `forward_port`, `close`); detached processes, stopping them and reading files are built
-here once, on top of `run`, so both transports behave the same. Commands are argv lists;
-they are quoted exactly once, where they leave the process (`shlex.join` in the SSH
-implementation, `subprocess` argv in the local one).
+here once, on top of `run` and the sh programs in `scripts.py`, so both transports behave
+the same. Commands are argv lists; they are quoted exactly once, where they leave the
+process (`shlex.join` in the SSH implementation, `subprocess` argv in the local one).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.errors import CommandFailed, CommandNotFound
+from fleet.node.scripts import ALIVE, LAUNCH, READ_PID, STOP, WATCH, WRITE
 
 # What an environment variable name may be (sh `export` and `env K=V` accept these).
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -80,100 +81,6 @@ class PortForward:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
-# The environment comes from ENVFILE (0600, written through stdin, removed once read), never
-# from argv: `setsid sh -c … K=V` put every value (API keys, HF tokens) in /proc/*/cmdline,
-# which every local user can read. The shell writes its own pid and start time (== the
-# session and process group, thanks to setsid) to the pid file, then execs the command with
-# stdio on the log, so the pid file names the real process and proves it is the same one.
-_LAUNCH = r"""
-pidfile=$1; log=$2; cwd=$3; envfile=$4; shift 4
-[ "$1" = "--" ] && shift
-um=$(umask)
-umask 077
-if [ -n "$envfile" ]; then
-  set -a; . "$envfile" || exit 96; set +a
-  rm -f -- "$envfile"
-fi
-mkdir -p -- "$(dirname -- "$pidfile")" "$(dirname -- "$log")"
-cd -- "$cwd" || exit 97
-start=$(sed 's/^.*) //' "/proc/$$/stat" | cut -d' ' -f20)
-tmp=$(mktemp "$pidfile.XXXXXX") || exit 98
-echo "$$ $start" > "$tmp" && mv -f -- "$tmp" "$pidfile"
-: >>"$log"
-umask "$um"   # the command's own files (a job's output) follow the user's umask; ours are 0600
-exec "$@" >>"$log" 2>&1 </dev/null
-"""
-
-# sh -c STOP fleet-stop PID GRACE_S: TERM the whole group, wait, then KILL.
-# Prints "absent", "stopped" or "killed".
-# No `kill --`: dash (Ubuntu's /bin/sh) rejects it, which silently spared the group.
-# `running` scans /proc rather than `kill -0`: zombies do not count, because where pid 1
-# does not reap orphans (many containers) a dead leader stays a zombie forever.
-_STOP = r"""
-pg=$1; grace=$2
-running() {
-  for f in /proc/[0-9]*/stat; do
-    { read -r s < "$f"; } 2>/dev/null || continue
-    p=${s%% *}; set -- ${s##*) }
-    [ "$1" != Z ] && { [ "$3" = "$pg" ] || [ "$p" = "$pg" ]; } && return 0
-  done
-  return 1
-}
-if ! running; then echo absent; exit 0; fi
-kill -TERM "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
-deadline=$(( $(date +%s) + ${grace%.*} ))
-while running; do
-  if [ "$(date +%s)" -ge "$deadline" ]; then
-    kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; echo killed; exit 0
-  fi
-  sleep 0.1
-done
-echo stopped
-"""
-
-# sh -c WRITE fleet-write PATH < TEXT
-# sh -c WRITE fleet-write PATH NBYTES < text. The byte count matters: when the writer dies
-# mid-send (Ctrl-C ends fleet with os._exit, kill -9, a dropped SSH connection) `cat` sees
-# EOF early, and a cut-short launch record used to replace the good one (`fleet down` then
-# missed that server).
-_WRITE = r"""
-umask 077
-mkdir -p -- "$(dirname -- "$1")" || exit 1
-tmp=$(mktemp "$1.XXXXXX") || exit 1
-if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$2" ] && mv -f -- "$tmp" "$1"; then exit 0; fi
-rm -f -- "$tmp"; exit 1
-"""
-
-# sh -c READ_PID fleet-pid PIDFILE EXPECT: the pid, when the process it names is the one that
-# wrote the file (same start time) and its command line holds EXPECT; nothing otherwise.
-_READ_PID = r"""
-[ -f "$1" ] || exit 1
-read -r pid start rest < "$1" || [ -n "$pid" ] || exit 1
-case $pid in ''|*[!0-9]*) exit 1;; esac
-if [ -n "$start" ] && [ -r "/proc/$pid/stat" ]; then
-  now=$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f20)
-  [ "$now" = "$start" ] || exit 3
-fi
-if [ -n "$2" ] && [ -r "/proc/$pid/cmdline" ]; then
-  cmd=" $(tr '\0' ' ' < "/proc/$pid/cmdline")"
-  case $cmd in *" $2 "*|*" $2") ;; *) exit 4;; esac
-fi
-echo "$pid"
-"""
-
-# sh -c ALIVE fleet-alive PID: 0 when the process exists and is not a zombie.
-_ALIVE = r"""
-[ -r "/proc/$1/stat" ] || exit 1
-state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
-[ "$state" != "Z" ] && [ "$state" != "X" ]
-"""
-
-
-# sh -c WATCH fleet-watch PID FROM_BYTE LOG: "alive"/"dead" on line 1, then the log from FROM_BYTE.
-_WATCH = "if sh -c \"$0\" fleet-alive \"$1\"; then echo alive; else echo dead; fi; tail -c +\"$2\" \"$3\" 2>/dev/null"
 
 
 class Node(abc.ABC):
@@ -249,7 +156,7 @@ class Node(abc.ABC):
                                     remedy="use letters, digits and _ only")
             env_file = f"{pid_path}.env"
             self.write_text(env_file, "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()))
-        launch = ["setsid", "--fork", "sh", "-c", _LAUNCH, "fleet-launch", pid_path, log_path, cwd, env_file,
+        launch = ["setsid", "--fork", "sh", "-c", LAUNCH, "fleet-launch", pid_path, log_path, cwd, env_file,
                   "--", *[str(a) for a in argv]]
         self.run(["rm", "-f", "--", pid_path], timeout=30)
         self.run(launch, timeout=30)
@@ -271,17 +178,17 @@ class Node(abc.ABC):
         (the process died and the pid was reused) reads as None, so nothing from a record is
         ever signalled or adopted unless it is the very process fleet started. With `expect`,
         the process's command line must also contain that text (e.g. "--port 30001")."""
-        res = self.run(["sh", "-c", _READ_PID, "fleet-pid", pid_path, expect or ""], check=False, timeout=30)
+        res = self.run(["sh", "-c", READ_PID, "fleet-pid", pid_path, expect or ""], check=False, timeout=30)
         text = res.stdout.strip()
         return int(text) if res.ok and text.isdigit() else None
 
     def is_alive(self, pid: int) -> bool:
-        return self.run(["sh", "-c", _ALIVE, "fleet-alive", str(pid)], check=False, timeout=30).ok
+        return self.run(["sh", "-c", ALIVE, "fleet-alive", str(pid)], check=False, timeout=30).ok
 
     def stop(self, pid: int, grace_s: float = 10.0) -> StopResult:
         """TERM the process group, wait up to grace_s, then KILL it."""
         t0 = time.monotonic()
-        res = self.run(["sh", "-c", _STOP, "fleet-stop", str(pid), str(max(1, int(round(grace_s))))],
+        res = self.run(["sh", "-c", STOP, "fleet-stop", str(pid), str(max(1, int(round(grace_s))))],
                        timeout=grace_s + 30)
         word = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "absent"
         return StopResult(pid=pid, was_running=word != "absent", killed=word == "killed",
@@ -289,7 +196,7 @@ class Node(abc.ABC):
 
     def watch(self, pid: int, log_path: str, offset: int) -> tuple[bool, str]:
         """One round trip: is the process alive, and what did its log gain since byte `offset`."""
-        res = self.run(["sh", "-c", _WATCH, _ALIVE, str(pid), str(offset + 1), log_path],
+        res = self.run(["sh", "-c", WATCH, ALIVE, str(pid), str(offset + 1), log_path],
                        check=False, timeout=60)
         head, _, rest = res.stdout.partition("\n")
         return head.strip() == "alive", rest
@@ -317,7 +224,7 @@ class Node(abc.ABC):
         file (mktemp: O_EXCL, so never through a symlink someone planted), then a rename (which
         replaces a link at `path` rather than following it). The text travels on stdin."""
         nbytes = len(text.encode(self.input_encoding))
-        self.run(["sh", "-c", _WRITE, "fleet-write", path, str(nbytes)], input=text, timeout=60)
+        self.run(["sh", "-c", WRITE, "fleet-write", path, str(nbytes)], input=text, timeout=60)
 
     def exists(self, path: str) -> bool:
         return self.run(["sh", "-c", '[ -e "$1" ]', "fleet-exists", path], check=False, timeout=30).ok

@@ -1,0 +1,103 @@
+"""The POSIX sh programs `Node` runs on a machine (fleet/node/base.py), kept apart from the Python.
+
+Each is passed whole to `sh -c PROGRAM NAME ARGS...`, so it works through any transport
+(a local subprocess, one SSH exec) with its arguments quoted exactly once, and needs nothing
+on the node beyond a POSIX shell, coreutils and /proc.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ALIVE", "LAUNCH", "READ_PID", "STOP", "WATCH", "WRITE"]
+
+# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
+# The environment comes from ENVFILE (0600, written through stdin, removed once read), never
+# from argv: `setsid sh -c … K=V` put every value (API keys, HF tokens) in /proc/*/cmdline,
+# which every local user can read. The shell writes its own pid and start time (== the
+# session and process group, thanks to setsid) to the pid file, then execs the command with
+# stdio on the log, so the pid file names the real process and proves it is the same one.
+LAUNCH = r"""
+pidfile=$1; log=$2; cwd=$3; envfile=$4; shift 4
+[ "$1" = "--" ] && shift
+um=$(umask)
+umask 077
+if [ -n "$envfile" ]; then
+  set -a; . "$envfile" || exit 96; set +a
+  rm -f -- "$envfile"
+fi
+mkdir -p -- "$(dirname -- "$pidfile")" "$(dirname -- "$log")"
+cd -- "$cwd" || exit 97
+start=$(sed 's/^.*) //' "/proc/$$/stat" | cut -d' ' -f20)
+tmp=$(mktemp "$pidfile.XXXXXX") || exit 98
+echo "$$ $start" > "$tmp" && mv -f -- "$tmp" "$pidfile"
+: >>"$log"
+umask "$um"   # the command's own files (a job's output) follow the user's umask; ours are 0600
+exec "$@" >>"$log" 2>&1 </dev/null
+"""
+
+# sh -c STOP fleet-stop PID GRACE_S: TERM the whole group, wait, then KILL.
+# Prints "absent", "stopped" or "killed".
+# No `kill --`: dash (Ubuntu's /bin/sh) rejects it, which silently spared the group.
+# `running` scans /proc rather than `kill -0`: zombies do not count, because where pid 1
+# does not reap orphans (many containers) a dead leader stays a zombie forever.
+STOP = r"""
+pg=$1; grace=$2
+running() {
+  for f in /proc/[0-9]*/stat; do
+    { read -r s < "$f"; } 2>/dev/null || continue
+    p=${s%% *}; set -- ${s##*) }
+    [ "$1" != Z ] && { [ "$3" = "$pg" ] || [ "$p" = "$pg" ]; } && return 0
+  done
+  return 1
+}
+if ! running; then echo absent; exit 0; fi
+kill -TERM "-$pg" 2>/dev/null || kill -TERM "$pg" 2>/dev/null
+deadline=$(( $(date +%s) + ${grace%.*} ))
+while running; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then
+    kill -KILL "-$pg" 2>/dev/null || kill -KILL "$pg" 2>/dev/null; echo killed; exit 0
+  fi
+  sleep 0.1
+done
+echo stopped
+"""
+
+# sh -c WRITE fleet-write PATH < TEXT
+# sh -c WRITE fleet-write PATH NBYTES < text. The byte count matters: when the writer dies
+# mid-send (Ctrl-C ends fleet with os._exit, kill -9, a dropped SSH connection) `cat` sees
+# EOF early, and a cut-short launch record used to replace the good one (`fleet down` then
+# missed that server).
+WRITE = r"""
+umask 077
+mkdir -p -- "$(dirname -- "$1")" || exit 1
+tmp=$(mktemp "$1.XXXXXX") || exit 1
+if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$2" ] && mv -f -- "$tmp" "$1"; then exit 0; fi
+rm -f -- "$tmp"; exit 1
+"""
+
+# sh -c READ_PID fleet-pid PIDFILE EXPECT: the pid, when the process it names is the one that
+# wrote the file (same start time) and its command line holds EXPECT; nothing otherwise.
+READ_PID = r"""
+[ -f "$1" ] || exit 1
+read -r pid start rest < "$1" || [ -n "$pid" ] || exit 1
+case $pid in ''|*[!0-9]*) exit 1;; esac
+if [ -n "$start" ] && [ -r "/proc/$pid/stat" ]; then
+  now=$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f20)
+  [ "$now" = "$start" ] || exit 3
+fi
+if [ -n "$2" ] && [ -r "/proc/$pid/cmdline" ]; then
+  cmd=" $(tr '\0' ' ' < "/proc/$pid/cmdline")"
+  case $cmd in *" $2 "*|*" $2") ;; *) exit 4;; esac
+fi
+echo "$pid"
+"""
+
+# sh -c ALIVE fleet-alive PID: 0 when the process exists and is not a zombie.
+ALIVE = r"""
+[ -r "/proc/$1/stat" ] || exit 1
+state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
+[ "$state" != "Z" ] && [ "$state" != "X" ]
+"""
+
+
+# sh -c WATCH fleet-watch PID FROM_BYTE LOG: "alive"/"dead" on line 1, then the log from FROM_BYTE.
+WATCH = "if sh -c \"$0\" fleet-alive \"$1\"; then echo alive; else echo dead; fi; tail -c +\"$2\" \"$3\" 2>/dev/null"
