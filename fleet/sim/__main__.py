@@ -7,4 +7,4 @@ import sys
 from fleet.sim.server import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m fleet.sim"))  # argparse would say "__main__.py"
