@@ -599,7 +599,7 @@ def test_two_equal_servers_input_exhausted_at_once_both_work_to_the_end(sims) ->
 def test_timeline_keeps_the_whole_job_in_bounded_memory() -> None:
     """A two-day job must not grow progress.json without bound: past `cap` points every other
     one is dropped and the interval doubles, so the record still spans the whole job."""
-    from fleet.generation.health import Timeline
+    from fleet.generation.serverstate import Timeline
 
     tl = Timeline(every_s=2.0, cap=50)
     for t in range(0, 100_000, 1):

@@ -15,7 +15,8 @@ Hot path (the data plane's runner):
     client.py   one chat completion over aiohttp
     dispatch.py one queue, every healthy server pulls from it: the feeder, the workers, each answer's fate
     rowqueue.py the queue (retries first) and the books: each row written exactly once, charged for its own failures
-    health.py   each server's state: admission, down / relaunch / readmit, the stall watchdog, the tail rule
+    health.py   each server's health: admission, down / relaunch / readmit, the stall watchdog, the tail rule
+    serverstate.py  what is known of one server: endpoint, state, counters, row times, timeline
     probes.py   the HTTP checks health makes (/health, /v1/models, /health_generate, server info, metrics)
     runner.py   the detached process that ties input, dispatcher and store together
 

@@ -15,8 +15,9 @@ The rest lives beside it:
 - `fleet.generation.client`: one request, and how its answer is classified;
 - `fleet.generation.rowqueue`: the queue, and the books that write each row exactly once
   and charge a row only for its own failures;
-- `fleet.generation.health`: each server's state — admission, down, relaunch, re-admission,
+- `fleet.generation.health`: each server's health — admission, down, relaunch, re-admission,
   the stall watchdog, the tail rule;
+- `fleet.generation.serverstate`: what is known of one server (state, counters, row times);
 - `fleet.generation.probes`: the HTTP checks health makes.
 
 How an answer is handled:
@@ -44,8 +45,9 @@ import aiohttp
 
 from fleet.config import GenerationConfig
 from fleet.generation.client import Outcome, chat
-from fleet.generation.health import Endpoint, IsAlive, OnServerDown, Rate, ServerHealth, ServerState
+from fleet.generation.health import IsAlive, OnServerDown, ServerHealth
 from fleet.generation.rowqueue import Job, Ledger, Store, WorkQueue
+from fleet.generation.serverstate import Endpoint, Rate, ServerState
 from fleet.generation.work import RowPlan
 
 log = logging.getLogger("fleet.generation")

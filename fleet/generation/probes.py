@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from fleet.generation.client import dumps, loads
-
-if TYPE_CHECKING:
-    from fleet.generation.health import Endpoint
+from fleet.generation.serverstate import Endpoint
 
 __all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
 
