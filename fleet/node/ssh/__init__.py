@@ -6,7 +6,8 @@
     connection.py  socket, handshake, authentication, fast retries; the exit-signal patch
     commands.py    one command on a channel: remote argv, stdin, output against a deadline
     forward.py     local port forwarding over the node's connection (why hand-written: there)
-    node.py        `SSHNode`: the `Node` seam over all of the above (sessions, SFTP, ports)
+    transfer.py    files over SFTP: beside the target, then renamed
+    node.py        `SSHNode`: the `Node` seam over all of the above (sessions, commands, files, ports)
 
 Errors leave this package only as fleet errors (see `fleet.errors`):
 

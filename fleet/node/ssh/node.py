@@ -4,8 +4,8 @@ The connection is opened lazily on first use and reopened on the next call after
 (`connection.py`). Every command is one `exec` session channel carrying `shlex.join(argv)`
 (quoted exactly once, here). Timeouts are enforced twice: remotely by wrapping the argv in
 `timeout --kill-after=5`, so the command dies with its deadline, and locally by a deadline
-15 s later, in case the node stops answering (`commands.py`). Files go over SFTP, beside
-the target then renamed; ports are forwarded over the same connection (`forward.py`).
+15 s later, in case the node stops answering (`commands.py`). Files go over SFTP
+(`transfer.py`); ports are forwarded over the same connection (`forward.py`).
 
 Errors here, besides those of connecting (see `connection.py`):
 
@@ -17,8 +17,6 @@ Errors here, besides those of connecting (see `connection.py`):
 from __future__ import annotations
 
 import logging
-import os
-import posixpath
 import shlex
 import socket
 import threading
@@ -31,13 +29,15 @@ from typing import TYPE_CHECKING
 
 import paramiko
 
-from fleet.errors import CommandFailed, CommandTimeout, ConnectionLost, FleetError
+from fleet.errors import CommandFailed, CommandTimeout, ConnectionLost
 from fleet.node.base import Node, PortForward, RunResult
 from fleet.node.credentials import CredentialSource
 from fleet.node.ssh.commands import CLIENT_GRACE_S, collect, quietly, read_lines, remote_argv, send_input
 from fleet.node.ssh.connection import dead, open_transport
 from fleet.node.ssh.forward import Forwarder
 from fleet.node.ssh.target import SSHTarget, resolve
+from fleet.node.ssh.transfer import get as sftp_get
+from fleet.node.ssh.transfer import put as sftp_put
 
 if TYPE_CHECKING:
     from fleet.config import NodeConfig
@@ -196,64 +196,12 @@ class SSHNode(Node):
             raise self._timeout(argv, timeout, stderr="\n".join(tail))
         self.raise_for(RunResult(self.host, tuple(argv), code, "", "\n".join(tail), time.monotonic() - t0))
 
-    # -- files ---------------------------------------------------------------------------------
-    @contextmanager
-    def _sftp(self, what: Sequence[str]) -> Iterator[paramiko.SFTPClient]:
-        with self._session(what, None) as chan:
-            try:
-                chan.invoke_subsystem("sftp")
-                sftp = paramiko.SFTPClient(chan)
-            except (paramiko.SSHException, EOFError, OSError) as exc:
-                raise self._lost(what, exc) from exc
-            try:
-                yield sftp
-            except FleetError:
-                raise
-            except (paramiko.SSHException, EOFError, OSError) as exc:
-                if not self.connected:
-                    raise self._lost(what, exc) from exc
-                raise CommandFailed(f"{what[0]} failed: {exc}", host=self.host, command=what,
-                                    remedy="check the paths exist and are writable on both sides") from exc
-            finally:
-                quietly(sftp.close)
-
+    # -- files (over SFTP: transfer.py) --------------------------------------------------------
     def put(self, local: str | Path, remote: str) -> None:
-        what = ["sftp-put", str(local), remote]
-        local = Path(local)
-        if not local.is_file():
-            raise CommandFailed(f"cannot copy {local} to {remote}: no such local file", host=self.host, command=what,
-                                remedy="check the local path")
-        parent = posixpath.dirname(remote)
-        if parent:
-            self.run(["sh", "-c", 'umask 077 && mkdir -p -- "$1"', "fleet-mkdir", parent], timeout=60)
-        tmp = f"{remote}.{_part_suffix()}"
-        with self._sftp(what) as sftp:
-            # Upload beside the target, then rename: a reader (or a concurrent upload of the
-            # same file) never sees half a file.
-            try:
-                sftp.put(str(local), tmp)
-                # fleet's files are 0600 (0700 when executable): never readable by others
-                sftp.chmod(tmp, 0o700 if local.stat().st_mode & 0o111 else 0o600)
-                try:
-                    sftp.posix_rename(tmp, remote)
-                except OSError:  # a server without the posix-rename extension
-                    _removequietly(sftp, remote)
-                    sftp.rename(tmp, remote)
-            except BaseException:
-                _removequietly(sftp, tmp)
-                raise
+        sftp_put(self, local, remote)
 
     def get(self, remote: str, local: str | Path) -> None:
-        what = ["sftp-get", remote, str(local)]
-        local = Path(local)
-        tmp = local.with_name(f"{local.name}.{_part_suffix()}")
-        try:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            with self._sftp(what) as sftp:
-                sftp.get(remote, str(tmp))
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+        sftp_get(self, remote, local)
 
     # -- ports ------------------------------------------------------------------------------------
     def forward_port(self, remote_port: int, remote_host: str = "127.0.0.1", local_port: int = 0) -> PortForward:
@@ -301,15 +249,3 @@ class SSHNode(Node):
             transport.close()
         if sock is not None:
             sock.close()  # Transport.close() skips the socket once the transport died
-
-
-
-def _part_suffix() -> str:
-    return f"fleet-part-{os.getpid()}-{threading.get_ident()}"
-
-
-def _removequietly(sftp: paramiko.SFTPClient, path: str) -> None:
-    try:
-        sftp.remove(path)
-    except (OSError, EOFError, paramiko.SSHException):
-        pass
