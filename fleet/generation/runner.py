@@ -49,13 +49,18 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleet.config import FleetConfig
 from fleet.generation.dispatch import Dispatcher, Endpoint, Summary
 from fleet.generation.jobdir import EXIT_FILE
+
+if TYPE_CHECKING:
+    from fleet.generation.manifest import RunFacts
+    from fleet.generation.store import ResultStore
 
 log = logging.getLogger("fleet.generation")
 
@@ -131,11 +136,14 @@ def _fleet_config(data: dict[str, Any]) -> FleetConfig:
 # ---------------------------------------------------------------------------- the node side
 
 
-async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+_T = TypeVar("_T")
+
+
+async def _in_daemon_thread(fn: Callable[..., _T], *args: Any) -> _T:
     """Run blocking `fn` in a daemon thread: unlike asyncio.to_thread, a stop never waits for it
     (a relaunch can sit in wait_ready for minutes; the server it starts is detached anyway)."""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
+    fut: asyncio.Future[_T] = loop.create_future()
 
     def settle(ok: bool, value: Any) -> None:
         if not fut.done():
@@ -369,29 +377,6 @@ class _Progress:
             f" | servers up {p['servers_up']}/{len(p['servers'])}")
 
 
-# ---------------------------------------------------------------------------- the job
-
-
-def _server_facts(info: dict[str, Any]) -> dict[str, Any]:
-    keep = ("version", "model_path", "served_model_name", "context_length", "max_total_num_tokens",
-            "max_running_requests", "max_req_input_len", "speculative_algorithm", "speculative_num_steps",
-            "tp_size", "mem_fraction_static")
-    return {k: info[k] for k in keep if k in info}
-
-
-def _cost(cfg: FleetConfig, wall_s: float, gpus: int, completion_tokens: int, prompt_tokens: int) -> dict[str, Any]:
-    gpu_hours = wall_s / 3600 * gpus
-    out: dict[str, Any] = {"gpus": gpus, "gpu_hours": round(gpu_hours, 4),
-                           "price_per_gpu_hour": cfg.generation.price_per_gpu_hour}
-    price = cfg.generation.price_per_gpu_hour
-    if price is not None and completion_tokens:
-        usd = gpu_hours * price
-        out["usd"] = round(usd, 4)
-        out["usd_per_m_completion_tokens"] = round(usd / (completion_tokens / 1e6), 4)
-        out["usd_per_m_total_tokens"] = round(usd / ((completion_tokens + prompt_tokens) / 1e6), 4)
-    return out
-
-
 # ---------------------------------------------------------------------------- failures
 
 RESERVE_FILE = ".reserve.tmp"    # a little space set aside so a full disk still gets its manifest
@@ -549,6 +534,334 @@ class _GuardedStore:
         return getattr(self._store, name)
 
 
+# ---------------------------------------------------------------------------- the job
+
+_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+def _endpoints(entries: list[ServerEntry]) -> list[Endpoint]:
+    """The dispatcher's endpoints, each with the API key its entry names (from the environment)."""
+    endpoints = []
+    for e in entries:
+        key = os.environ.get(e.api_key_env) if e.api_key_env else None
+        endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
+                                  max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
+                                  extra={"entry": e}))
+    return endpoints
+
+
+class _Run:
+    """One run of a job, step by step (see `run_job`): its store, dispatcher and progress, and
+    its first failure. Any part (the progress ticker, the input feeder's thread, the store, the
+    dispatcher) records a failure with `fail`; the first one wins and stops the dispatcher."""
+
+    def __init__(self, job: JobSpec, cfg: FleetConfig, out: Path, out_ino: int, fingerprint: str,
+                 store: ResultStore, started_at: float, t0: float) -> None:
+        self.job = job
+        self.cfg = cfg
+        self.gen = cfg.generation
+        self.out = out
+        self.out_ino = out_ino
+        self.fingerprint = fingerprint
+        self.store = store
+        self.started_at = started_at
+        self.t0 = t0
+        self.loop = asyncio.get_running_loop()
+        self.failure: Failure | None = None
+        self.reserve: Path | None = None
+        self._disp: Dispatcher | None = None
+        self._signals = 0
+
+    @classmethod
+    async def open(cls, job: JobSpec) -> _Run:
+        """The config, the output directory (created) and its store (locked, checked against the input)."""
+        from fleet.generation.inputs import input_fingerprint
+        from fleet.generation.store import ResultStore
+        from fleet.generation.validate import job_params
+
+        cfg = _fleet_config(job.config)
+        out = Path(job.output)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            from fleet.errors import InputError
+
+            raise InputError(f"cannot create output directory {out}: {exc.strerror}",
+                             remedy="pass an --output directory you can write to") from exc
+        out_ino = out.stat().st_ino
+        started_at = time.time()
+        t0 = time.monotonic()
+        fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
+        store = ResultStore(out, shard_rows=cfg.generation.shard_rows, input_fingerprint=fingerprint,
+                            job_params=job_params(cfg))
+        return cls(job, cfg, out, out_ino, fingerprint, store, started_at, t0)
+
+    @property
+    def disp(self) -> Dispatcher:
+        assert self._disp is not None, "prepare() builds the dispatcher"
+        return self._disp
+
+    def fail(self, exc: BaseException, *, stop: bool = True) -> None:
+        """Record the job's first failure and stop the dispatcher at once (from any thread)."""
+        if self.failure is None:
+            self.failure = classify(exc, self.out, committed=self.store.counts().get("committed"))
+            if self.failure.kind == "internal":
+                log.error("job failing: %s", self.failure.cause, exc_info=exc)
+            else:
+                log.error("job failing: %s", self.failure.cause)
+        disp = self._disp
+        if stop and disp is not None:
+            try:
+                in_loop = asyncio.get_running_loop() is self.loop
+            except RuntimeError:
+                in_loop = False
+            if in_loop:
+                disp.request_stop(0.0, reason=self.failure.cause)
+            else:   # a store flush in a worker thread: the dispatcher is the loop's
+                self.loop.call_soon_threadsafe(disp.request_stop, 0.0, self.failure.cause)
+
+    # -- before the first row
+
+    def prepare(self) -> None:
+        """Set the disk reserve aside, load the ids done, build the dispatcher and the progress."""
+        from fleet.generation.inputs import InputStats
+
+        try:
+            self.reserve = _reserve(self.out)
+        except OSError as exc:
+            self.fail(exc)
+        if self.job.retry_errors and self.failure is None:
+            # errors.jsonl is set aside (kept for the audit) and its ids are no longer done
+            retried = self.store.retry_errors()
+            log.info("retrying %d rows from the errors file", len(retried))
+        self.done = self.store.done_ids()   # live: grows as rows end, read by the input thread
+        if len(self.done):
+            log.info("resuming: %d ids already done are skipped", len(self.done))
+        self.endpoints = _endpoints(self.job.servers)
+        servers = _Servers(self.cfg, self.job.servers, self.job.relaunch)
+        self.guarded = _GuardedStore(self.store, self.fail)
+        self._disp = Dispatcher(self.endpoints, self.guarded, self.gen, on_server_down=servers.on_down,
+                                is_alive=servers.is_alive, **self.job.dispatch)
+        if self.failure is not None:
+            self._disp.request_stop(0.0, reason=self.failure.cause)
+        self.progress = _Progress(self.job, self.store, self.started_at)
+        self.stats = InputStats()
+
+    # -- the rows
+
+    async def dispatch(self, *, install_signals: bool, console: bool) -> Summary:
+        """Stream the input through the dispatcher until it ends, a stop or a failure."""
+        disp = self.disp
+        counter = asyncio.ensure_future(self._count_rows())
+        if install_signals:
+            for signame in _SIGNALS:
+                self.loop.add_signal_handler(getattr(signal, signame), self._on_signal, signame)
+        try:
+            self.progress.write(disp, "starting")   # at once: never leave a previous run's state for the watcher
+        except Exception as exc:
+            self.fail(exc)
+        ticker = asyncio.ensure_future(self._tick(console))
+        try:
+            if self.failure is not None:   # failed before the first row (a full disk at start): nothing to run
+                summary: Summary = disp.summary()
+            else:
+                summary = await disp.run(self._items())
+        except Exception as exc:   # the dispatcher itself: still a manifest, a cause, a remedy
+            self.fail(exc)
+            summary = disp.summary()
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+            if install_signals:
+                for signame in _SIGNALS:
+                    self.loop.remove_signal_handler(getattr(signal, signame))
+        await counter
+        if disp.task_error is not None:
+            self.fail(disp.task_error, stop=False)
+        return summary
+
+    async def _count_rows(self) -> None:
+        from fleet.generation.inputs import count_rows
+
+        try:
+            n = await asyncio.to_thread(count_rows, self.job.input)
+            self.progress.rows_total = n if self.gen.limit is None else min(n, self.gen.limit)
+        except Exception as exc:   # the feeder meets the same corruption, after the rows before it
+            log.warning("counting the input's rows failed: %s", exc)
+
+    def _on_signal(self, signame: str) -> None:
+        self._signals += 1
+        grace = self.job.stop_grace_s if self._signals == 1 else 0.0
+        log.warning("%s: stopping (grace %.0f s; in flight %d)", signame, grace, self.disp.in_flight)
+        self.disp.request_stop(grace, reason=f"stopped by {signame}")   # a second one: no more grace
+
+    def _check_output(self) -> None:
+        try:
+            same = self.out.stat().st_ino == self.out_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise OutputRemoved(errno.ENOENT, "output directory removed", str(self.out))
+
+    async def _tick(self, console: bool) -> None:
+        """Every progress_interval_s: the output still there, a timed flush, progress.json, the console line."""
+        job = self.job
+        last_flush = last_console = time.monotonic()
+        while True:
+            await asyncio.sleep(job.progress_interval_s)
+            try:
+                now = time.monotonic()
+                self._check_output()
+                if now - last_flush >= job.flush_interval_s:
+                    await asyncio.to_thread(self.guarded.flush)   # thread-safe store; the loop keeps serving
+                    last_flush = now
+                p = self.progress.write(self.disp)
+                if console and now - last_console >= job.console_interval_s:
+                    print(_Progress.line(p), flush=True)
+                    last_console = now
+            except Exception as exc:   # a ticker that dies must not leave the job running blind
+                self.fail(exc)
+                return
+
+    def _items(self) -> Iterator[Any]:
+        """The input, stopping cleanly at a corrupt/unreadable point: the rows before it still run."""
+        from fleet.generation.inputs import iter_input
+
+        try:
+            yield from iter_input(self.job.input, self.gen, skip_ids=self.done.__contains__, stats=self.stats)
+        except Exception as exc:
+            self.fail(exc, stop=False)   # this runs in the feeder's thread: no dispatcher call from here
+
+    # -- after the last row
+
+    async def finish(self, summary: Summary, *, console: bool) -> tuple[str, str | None, dict[str, int]]:
+        """Commit, then write the manifest and the final progress.json; the job's state, reason and counts."""
+        from fleet.generation.manifest import MANIFEST_FILE, build_manifest
+
+        state, reason = self._settle(summary)
+        counts = dict(self.store.counts())
+        wall = time.monotonic() - self.t0
+        final = self.progress.build(self.disp, state)
+        final["state"] = state
+        final["reason"] = reason
+        if state == "failed":
+            final["detail"] = f"failed: {reason}"
+        if self.failure is not None:
+            final["error"] = self.failure.as_dict()
+        manifest = build_manifest(self._facts(summary, state, reason, counts, wall))
+        await self._add_checks(manifest, summary)
+        final["manifest"] = str(self.out / MANIFEST_FILE)
+        final["tok_s_avg"] = manifest["throughput"]["completion_tok_s"] or 0.0   # one number, two places
+        state = self._write_final(manifest, final, state)
+        if console:
+            print(_Progress.line(final), flush=True)
+        return state, reason, counts
+
+    def _settle(self, summary: Summary) -> tuple[str, str | None]:
+        """Note a broken input, commit the buffer, refuse an input without one valid row; the state and reason."""
+        if self.failure is not None and self.failure.kind == "input":
+            try:   # a repaired copy of the input may continue this job (the store accepts it)
+                self.store.note_input_broken(self.failure.cause)
+            except OSError as exc:
+                log.warning("cannot note the broken input in %s: %s", self.out, exc)
+        if self.failure is None or self.failure.kind not in ("disk_full", "output_removed"):
+            try:
+                self.store.flush()
+            except Exception as exc:
+                self.fail(exc, stop=False)
+        stats = self.stats
+        if self.failure is None and summary.state == "done" and stats.requests + stats.skipped == 0:
+            from fleet.errors import InputError
+
+            self.fail(InputError(f"input {self.job.input} holds no valid row ({stats.rows:,} rows read, "
+                                 f"{stats.rejects:,} rejects; see rejects.jsonl)",
+                                 remedy="fix the rows, then run the same command again"), stop=False)
+        state = "failed" if self.failure is not None or summary.state == "failed" else summary.state
+        reason = self.failure.cause if self.failure is not None else summary.reason
+        return state, reason
+
+    def _facts(self, summary: Summary, state: str, reason: str | None, counts: dict[str, int],
+               wall: float) -> RunFacts:
+        """What the manifest says of this run, and the runs before it (from the manifest there)."""
+        from fleet.generation.manifest import RunFacts, ServerFacts
+        from fleet.generation.store import read_manifest
+
+        try:
+            runs = list((read_manifest(self.out) or {}).get("runs") or [])
+        except (OSError, ValueError):
+            runs = []
+        return RunFacts(
+            state=state, reason=reason, failure=self.failure.as_dict() if self.failure is not None else None,
+            summary=summary, input_path=str(self.job.input), input_fingerprint=self.fingerprint,
+            rows_total=self.progress.rows_total, output=str(self.out), counts=counts,
+            config=self.cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
+            config_fingerprint=self.cfg.fingerprint(), price_per_gpu_hour=self.gen.price_per_gpu_hour,
+            servers=[ServerFacts(ep.name, ep.url, ep.model, ep.gpus, srv.info)
+                     for ep, srv in zip(self.endpoints, self.disp.servers)],
+            started_at=self.started_at, finished_at=time.time(), wall_s=wall, previous_runs=runs,
+            runner={"pid": os.getpid(), "retry_errors": self.job.retry_errors, "python": sys.version.split()[0]},
+        )
+
+    async def _add_checks(self, manifest: dict[str, Any], summary: Summary) -> None:
+        from fleet.generation.checks import data_checks, quality_summary
+
+        if self.failure is not None and self.failure.kind in ("disk_full", "output_removed"):
+            return
+        try:
+            manifest["checks"] = await asyncio.to_thread(data_checks, self.out)
+        except Exception as exc:  # checks must never cost the job its manifest
+            manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            manifest["quality"] = await asyncio.to_thread(quality_summary, self.out, summary.gates)
+        except Exception as exc:
+            manifest["quality"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _write_final(self, manifest: dict[str, Any], final: dict[str, Any], state: str) -> str:
+        """manifest.json, then progress.json (on a full disk the reserve makes room); the state."""
+        from fleet.generation.store import write_manifest
+
+        if self.failure is not None and self.failure.kind == "output_removed":
+            return state
+        for attempt in range(2):
+            try:
+                write_manifest(self.out, manifest)
+                # last: a watcher that sees the final state finds the manifest already there
+                write_json_atomic(self.progress.path, final)
+                break
+            except OSError as exc:
+                if attempt == 0 and self.reserve is not None:
+                    self.reserve.unlink(missing_ok=True)
+                    self.reserve = None
+                    continue
+                log.error("cannot write the final manifest/progress in %s: %s", self.out, exc)
+                if self.failure is None:
+                    self.fail(exc, stop=False)
+                    state = "failed"
+        return state
+
+    def close(self) -> None:
+        if self.reserve is not None:
+            self.reserve.unlink(missing_ok=True)
+        try:
+            self.store.close()
+        except Exception as exc:   # a full disk again: the rows not committed are generated on resume
+            log.error("closing the store: %s", exc)
+
+    def exit_code(self, state: str, reason: str | None, counts: dict[str, int], exit_file: Path | None,
+                  *, console: bool) -> int:
+        """The process exit code, logged and written to exit.json."""
+        rc = 1 if state == "failed" else 0
+        failure = self.failure
+        if failure is not None:
+            log.error("job failed: %s — %s", failure.cause, failure.remedy)
+            if console:
+                print(f"fleet runner: FAILED: {failure.cause} — {failure.remedy}", file=sys.stderr, flush=True)
+        elif state == "failed":
+            log.error("job failed: %s", reason)
+        write_exit(exit_file, os.getpid(), rc, state, failure, {"counts": counts})
+        return rc
+
+
 async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool = True,
                   exit_file: Path | None = None) -> int:
     """Run one job to its end (or a stop); return the process exit code.
@@ -556,282 +869,14 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
     Any exception of any part (the progress ticker, the input feeder, the store, the
     dispatcher) stops the job as `failed` with a `Failure` — cause and remedy — written to
     progress.json, the manifest and `exit_file`; see `classify`."""
-    from fleet.generation.checks import data_checks, quality_summary
-    from fleet.generation.inputs import InputStats, count_rows, input_fingerprint, iter_input
-    from fleet.generation.store import ResultStore, write_manifest
-    from fleet.generation.validate import job_params
-
-    cfg = _fleet_config(job.config)
-    gen = cfg.generation
-    out = Path(job.output)
+    run = await _Run.open(job)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        from fleet.errors import InputError
-
-        raise InputError(f"cannot create output directory {out}: {exc.strerror}",
-                         remedy="pass an --output directory you can write to") from exc
-    out_ino = out.stat().st_ino
-    started_at = time.time()
-    t0 = time.monotonic()
-    fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
-    store = ResultStore(out, shard_rows=gen.shard_rows, input_fingerprint=fingerprint, job_params=job_params(cfg))
-    failure: Failure | None = None
-    disp: Dispatcher | None = None
-    reserve: Path | None = None
-    loop = asyncio.get_running_loop()
-
-    def fail(exc: BaseException, *, stop: bool = True) -> None:
-        """Record the job's first failure and stop the dispatcher at once (from any thread)."""
-        nonlocal failure
-        if failure is None:
-            failure = classify(exc, out, committed=store.counts().get("committed"))
-            if failure.kind == "internal":
-                log.error("job failing: %s", failure.cause, exc_info=exc)
-            else:
-                log.error("job failing: %s", failure.cause)
-        if stop and disp is not None:
-            try:
-                in_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                in_loop = False
-            if in_loop:
-                disp.request_stop(0.0, reason=failure.cause)
-            else:   # a store flush in a worker thread: the dispatcher is the loop's
-                loop.call_soon_threadsafe(disp.request_stop, 0.0, failure.cause)
-
-    try:
-        try:
-            reserve = _reserve(out)
-        except OSError as exc:
-            fail(exc)
-        if job.retry_errors and failure is None:
-            # errors.jsonl is set aside (kept for the audit) and its ids are no longer done
-            retried = store.retry_errors()
-            log.info("retrying %d rows from the errors file", len(retried))
-        done = store.done_ids()   # live: grows as rows end, read by the input thread
-        if len(done):
-            log.info("resuming: %d ids already done are skipped", len(done))
-
-        endpoints = []
-        for e in job.servers:
-            key = os.environ.get(e.api_key_env) if e.api_key_env else None
-            endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
-                                      max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
-                                      extra={"entry": e}))
-        servers = _Servers(cfg, job.servers, job.relaunch)
-        guarded = _GuardedStore(store, fail)
-        disp = Dispatcher(endpoints, guarded, gen, on_server_down=servers.on_down, is_alive=servers.is_alive,
-                          **job.dispatch)
-        if failure is not None:
-            disp.request_stop(0.0, reason=failure.cause)
-        progress = _Progress(job, store, started_at)
-        stats = InputStats()
-
-        async def count() -> None:
-            try:
-                n = await asyncio.to_thread(count_rows, job.input)
-                progress.rows_total = n if gen.limit is None else min(n, gen.limit)
-            except Exception as exc:   # the feeder meets the same corruption, after the rows before it
-                log.warning("counting the input's rows failed: %s", exc)
-
-        counter = asyncio.ensure_future(count())
-        signals = 0
-
-        def on_signal(signame: str) -> None:
-            nonlocal signals
-            signals += 1
-            grace = job.stop_grace_s if signals == 1 else 0.0
-            log.warning("%s: stopping (grace %.0f s; in flight %d)", signame, grace, disp.in_flight)
-            disp.request_stop(grace, reason=f"stopped by {signame}")   # a second one: no more grace
-
-        if install_signals:
-            for signame in ("SIGTERM", "SIGINT"):
-                loop.add_signal_handler(getattr(signal, signame), on_signal, signame)
-
-        def check_output() -> None:
-            try:
-                same = out.stat().st_ino == out_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                raise OutputRemoved(errno.ENOENT, "output directory removed", str(out))
-
-        async def tick() -> None:
-            last_flush = last_console = time.monotonic()
-            while True:
-                await asyncio.sleep(job.progress_interval_s)
-                try:
-                    now = time.monotonic()
-                    check_output()
-                    if now - last_flush >= job.flush_interval_s:
-                        await asyncio.to_thread(guarded.flush)   # thread-safe store; the loop keeps serving
-                        last_flush = now
-                    p = progress.write(disp)
-                    if console and now - last_console >= job.console_interval_s:
-                        print(_Progress.line(p), flush=True)
-                        last_console = now
-                except Exception as exc:   # a ticker that dies must not leave the job running blind
-                    fail(exc)
-                    return
-
-        def items() -> Any:
-            """The input, stopping cleanly at a corrupt/unreadable point: the rows before it still run."""
-            try:
-                yield from iter_input(job.input, gen, skip_ids=done.__contains__, stats=stats)
-            except Exception as exc:
-                fail(exc, stop=False)   # this runs in the feeder's thread: no dispatcher call from here
-
-        try:
-            progress.write(disp, "starting")   # at once: never leave a previous run's state for the watcher
-        except Exception as exc:
-            fail(exc)
-        ticker = asyncio.ensure_future(tick())
-        try:
-            if failure is not None:   # failed before the first row (a full disk at start): nothing to run
-                summary: Summary = disp.summary()
-            else:
-                summary = await disp.run(items())
-        except Exception as exc:   # the dispatcher itself: still a manifest, a cause, a remedy
-            fail(exc)
-            summary = disp.summary()
-        finally:
-            ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
-            if install_signals:
-                for signame in ("SIGTERM", "SIGINT"):
-                    loop.remove_signal_handler(getattr(signal, signame))
-        await counter
-        if disp.task_error is not None:
-            fail(disp.task_error, stop=False)
-        if failure is not None and failure.kind == "input":
-            try:   # a repaired copy of the input may continue this job (the store accepts it)
-                store.note_input_broken(failure.cause)
-            except OSError as exc:
-                log.warning("cannot note the broken input in %s: %s", out, exc)
-        if failure is None or failure.kind not in ("disk_full", "output_removed"):
-            try:
-                store.flush()
-            except Exception as exc:
-                fail(exc, stop=False)
-        if failure is None and summary.state == "done" and stats.requests + stats.skipped == 0:
-            from fleet.errors import InputError
-
-            fail(InputError(f"input {job.input} holds no valid row ({stats.rows:,} rows read, "
-                            f"{stats.rejects:,} rejects; see rejects.jsonl)",
-                            remedy="fix the rows, then run the same command again"), stop=False)
-        state = "failed" if failure is not None or summary.state == "failed" else summary.state
-        reason = failure.cause if failure is not None else summary.reason
-        counts = dict(store.counts())
-        wall = time.monotonic() - t0
-        final = progress.build(disp, state)
-        final["state"] = state
-        final["reason"] = reason
-        if state == "failed":
-            final["detail"] = f"failed: {reason}"
-        if failure is not None:
-            final["error"] = failure.as_dict()
-
-        gpus = sum(ep.gpus for ep in endpoints)
-        this_run = {
-            "started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
-            "dispatch_s": round(summary.wall_s, 3), "state": state, "gpus": gpus,
-            "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
-            **{k: getattr(summary, k) for k in ("fed", "completed", "errors", "rejects", "unfinished", "retries",
-                                                 "requeues", "quality_rejects")},
-            "gates": summary.gates,
-        }
-        if failure is not None:
-            this_run["error"] = failure.as_dict()
-        # A long job is often several runs (kills, resumes): keep each, and sum them.
-        from fleet.generation.store import read_manifest
-
-        try:
-            runs = list((read_manifest(out) or {}).get("runs") or [])
-        except (OSError, ValueError):
-            runs = []
-        runs.append(this_run)
-        all_s = sum(r.get("dispatch_s", 0) for r in runs)
-        all_ct = sum(r.get("completion_tokens", 0) for r in runs)
-        all_pt = sum(r.get("prompt_tokens", 0) for r in runs)
-        gpu_s = sum(r.get("dispatch_s", 0) * r.get("gpus", gpus) for r in runs)
-        manifest = {
-            "state": state, "reason": reason, "complete": summary.complete and failure is None,
-            "error": failure.as_dict() if failure is not None else None,
-            "input": {"path": str(job.input), "fingerprint": fingerprint, "rows": progress.rows_total},
-            "output": str(out),
-            "counts": counts,
-            "accounted": sum(counts.get(k, 0) for k in ("completed", "errors", "rejects", "quality_rejects")),
-            "this_run": this_run,
-            "config_fingerprint": cfg.fingerprint(),
-            "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
-            "servers": [{"name": ep.name, "url": ep.url, "model": ep.model, "gpus": ep.gpus,
-                         "info": _server_facts(srv.info), **stats_}
-                        for ep, srv, stats_ in zip(endpoints, disp.servers, summary.servers)],
-            "timings": {"started_at": started_at, "finished_at": time.time(), "wall_s": round(wall, 3),
-                        "dispatch_s": round(summary.wall_s, 3)},
-            "throughput": {
-                "completion_tokens": summary.completion_tokens, "prompt_tokens": summary.prompt_tokens,
-                "completion_tok_s": round(summary.completion_tokens / summary.wall_s, 2) if summary.wall_s else None,
-                "total_tok_s": round((summary.completion_tokens + summary.prompt_tokens) / summary.wall_s, 2)
-                if summary.wall_s else None,
-                "rows_per_s": round(summary.completed / summary.wall_s, 3) if summary.wall_s else None,
-            },
-            "cost": _cost(cfg, summary.wall_s, gpus, summary.completion_tokens, summary.prompt_tokens),
-            "overall": {   # every run into this directory
-                "runs": len(runs), "dispatch_s": round(all_s, 3), "completion_tokens": all_ct,
-                "prompt_tokens": all_pt, "completion_tok_s": round(all_ct / all_s, 2) if all_s else None,
-                "cost": {k: v for k, v in _cost(cfg, gpu_s, 1, all_ct, all_pt).items() if k != "gpus"},
-            },
-            "runs": runs,
-            "runner": {"pid": os.getpid(), "retry_errors": job.retry_errors, "python": sys.version.split()[0]},
-        }
-        if failure is None or failure.kind not in ("disk_full", "output_removed"):
-            try:
-                manifest["checks"] = await asyncio.to_thread(data_checks, out)
-            except Exception as exc:  # checks must never cost the job its manifest
-                manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
-            try:
-                manifest["quality"] = await asyncio.to_thread(quality_summary, out, summary.gates)
-            except Exception as exc:
-                manifest["quality"] = {"error": f"{type(exc).__name__}: {exc}"}
-        final["manifest"] = str(out / "manifest.json")
-        final["tok_s_avg"] = manifest["throughput"]["completion_tok_s"] or 0.0   # one number, two places
-        if not (failure is not None and failure.kind == "output_removed"):
-            # On a full disk the reserve makes room for these two small files.
-            for attempt in range(2):
-                try:
-                    write_manifest(out, manifest)
-                    # last: a watcher that sees the final state finds the manifest already there
-                    write_json_atomic(progress.path, final)
-                    break
-                except OSError as exc:
-                    if attempt == 0 and reserve is not None:
-                        reserve.unlink(missing_ok=True)
-                        reserve = None
-                        continue
-                    log.error("cannot write the final manifest/progress in %s: %s", out, exc)
-                    if failure is None:
-                        fail(exc, stop=False)
-                        state = "failed"
-        if console:
-            print(_Progress.line(final), flush=True)
+        run.prepare()
+        summary = await run.dispatch(install_signals=install_signals, console=console)
+        state, reason, counts = await run.finish(summary, console=console)
     finally:
-        if reserve is not None:
-            reserve.unlink(missing_ok=True)
-        try:
-            store.close()
-        except Exception as exc:   # a full disk again: the rows not committed are generated on resume
-            log.error("closing the store: %s", exc)
-    rc = 1 if state == "failed" else 0
-    if failure is not None:
-        log.error("job failed: %s — %s", failure.cause, failure.remedy)
-        if console:
-            print(f"fleet runner: FAILED: {failure.cause} — {failure.remedy}", file=sys.stderr, flush=True)
-    elif state == "failed":
-        log.error("job failed: %s", reason)
-    write_exit(exit_file, os.getpid(), rc, state, failure, {"counts": counts})
-    return rc
+        run.close()
+    return run.exit_code(state, reason, counts, exit_file, console=console)
 
 
 def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],
