@@ -294,17 +294,8 @@ class Dispatcher:
                     j, job = job, None
                     q.put_again(j)
                     return
-                if srv.in_flight == 0:
-                    srv.last_done = time.monotonic()   # idle until now: the stall clock starts here
-                srv.in_flight += 1
-                srv.sent += 1
                 sent = True
-                try:
-                    out = await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout)  # type: ignore[arg-type]
-                except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
-                    out = Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
-                finally:
-                    srv.in_flight -= 1
+                out = await self._send(srv, job, timeout)
                 j, job = job, None
                 if not srv.alive_in(epoch) and not out.ok:
                     # Taken out while this row was on it (a cancellation lost to aiohttp's timeout
@@ -319,6 +310,21 @@ class Dispatcher:
         except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
             log.exception("worker of %s failed", srv.name)
             self._fail(f"{type(exc).__name__}: {exc}")
+
+    async def _send(self, srv: ServerState, job: Job, timeout: float) -> Outcome:
+        """One request of `job` to `srv`; a session closed under us is a connection failure."""
+        if srv.in_flight == 0:
+            srv.last_done = time.monotonic()   # idle until now: the stall clock starts here
+        srv.in_flight += 1
+        srv.sent += 1
+        try:
+            # ignore: the session is None only once the server is out (recover, shutdown), and
+            # the worker checked alive_in just before
+            return await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout)  # type: ignore[arg-type]
+        except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
+            return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            srv.in_flight -= 1
 
     def _handle(self, srv: ServerState, job: Job, out: Outcome) -> None:
         """Where an answer goes: see the module docstring."""
