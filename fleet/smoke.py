@@ -154,13 +154,14 @@ def _post(client: httpx.Client, url: str, payload: dict[str, Any], timeout: floa
     """
     if watch is None:
         return client.post(url, json=payload, timeout=timeout)
-    box: dict[str, Any] = {}
+    responses: list[httpx.Response] = []
+    errors: list[BaseException] = []
 
     def send() -> None:
         try:
-            box["response"] = client.post(url, json=payload, timeout=timeout)
+            responses.append(client.post(url, json=payload, timeout=timeout))
         except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=send, name="fleet-smoke-request", daemon=True)
     thread.start()
@@ -169,9 +170,9 @@ def _post(client: httpx.Client, url: str, payload: dict[str, Any], timeout: floa
         if not thread.is_alive():
             break
         watch()
-    if "error" in box:
-        raise box["error"]
-    return box["response"]
+    if errors:
+        raise errors[0]
+    return responses[0]
 
 
 @dataclass
@@ -263,11 +264,13 @@ def max_running_requests(info: dict[str, Any], facts: dict[str, Any]) -> int | N
     """The server's concurrency limit, from its info or its log."""
     si = info.get("server_info") or {}
     for key in ("max_running_requests",):
-        if isinstance(si.get(key), int):
-            return si[key]
+        top = si.get(key)
+        if isinstance(top, int):
+            return top
     for st in si.get("internal_states") or []:
-        if isinstance(st, dict) and isinstance(st.get("max_running_requests"), int):
-            return st["max_running_requests"]
+        per_state = st.get("max_running_requests") if isinstance(st, dict) else None
+        if isinstance(per_state, int):
+            return per_state
     val = facts.get("max_running_requests")
     return int(val) if isinstance(val, int | float) else None
 

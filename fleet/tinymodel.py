@@ -37,10 +37,14 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.errors import ConfigError
+
+if TYPE_CHECKING:  # imported lazily at run time (torch and transformers are heavy)
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +358,7 @@ def _write_model(path: Path, p: dict[str, Any], *, device: str) -> None:
     del model
 
 
-def _build_tokenizer(vocab_size: int, max_position: int):
+def _build_tokenizer(vocab_size: int, max_position: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the built-in corpus, padded with filler words to exactly
     `vocab_size`, wrapped as a transformers fast tokenizer with the ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -401,7 +405,7 @@ def _build_tokenizer(vocab_size: int, max_position: int):
     )
 
 
-def _portable_tokenizer_config(path: Path, tokenizer) -> None:
+def _portable_tokenizer_config(path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
     """Rewrite tokenizer_config.json in the shape both transformers 4.x and 5.x load:
     `PreTrainedTokenizerFast` (5.x writes `TokenizersBackend`, unknown to 4.x), the chat
     template inline (4.x before 4.5x does not read chat_template.jinja; 5.x reads either) and
@@ -429,7 +433,7 @@ def _portable_tokenizer_config(path: Path, tokenizer) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-def _filler_words():
+def _filler_words() -> Iterator[str]:
     """" ba", " be", ... then two and three syllables: byte-level form ("Ġ" is the space)."""
     consonants, vowels = "bdfgklmnprstvz", "aeiou"
     syllables = [c + v for c in consonants for v in vowels]

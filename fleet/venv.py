@@ -11,12 +11,18 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, TypedDict
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.errors import CommandFailed, PreflightFailed
 from fleet.node import Node
 
 STAMP = ".fleet-venv.json"
+
+# What the venv is keyed by; "import" is a keyword, hence the functional form.
+VenvRequest = TypedDict("VenvRequest", {
+    "python": str | None, "packages": list[str], "index_url": str | None, "find_links": list[str], "import": str,
+})
 
 # Prints the seconds one import takes, in a fresh interpreter (what a server start pays).
 _TIME_IMPORT = "import sys, time; t = time.perf_counter(); __import__(sys.argv[1]); print(time.perf_counter() - t)"
@@ -44,11 +50,11 @@ class VenvResult:
     uv: str | None
     seconds: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def request_of(cfg: FleetConfig, import_module: str) -> dict:
+def request_of(cfg: FleetConfig, import_module: str) -> VenvRequest:
     return {
         "python": cfg.venv.python,
         "packages": list(cfg.engine.packages),
@@ -58,7 +64,7 @@ def request_of(cfg: FleetConfig, import_module: str) -> dict:
     }
 
 
-def request_hash(request: dict) -> str:
+def request_hash(request: VenvRequest) -> str:
     return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:16]
 
 

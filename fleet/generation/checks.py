@@ -151,7 +151,8 @@ def account(input_path: str | Path, out_dir: str | Path,
     reject_lines = {r["line"] for r in read_rejects(out_dir) if isinstance(r.get("line"), int)}
 
     def first(arr: Any) -> list[str]:
-        return arr.slice(0, sample).to_pylist()
+        ids: list[str] = arr.slice(0, sample).to_pylist()  # Arrow strings (pyarrow is untyped)
+        return ids
 
     vc = pc.value_counts(completed) if len(completed) else None
     duplicated = (pc.filter(vc.field("values"), pc.greater(vc.field("counts"), 1))

@@ -142,7 +142,8 @@ def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
     turns: list[dict[str, Any]] = []
     for m in _messages(row):
         role = m.get("role")
-        turn: dict[str, Any] = {"from": _SHAREGPT_FROM.get(role, role), "value": _text(m.get("content"))}
+        turn: dict[str, Any] = {"from": _SHAREGPT_FROM.get(role, role) if isinstance(role, str) else role,
+                                "value": _text(m.get("content"))}
         if m.get("reasoning_content") is not None:   # earlier turns regenerated in all-turns mode
             turn["reasoning_content"] = m["reasoning_content"]
         if m.get("tool_calls"):
@@ -231,8 +232,9 @@ def _model_name(out_dir: str | Path) -> str | None:
         m = read_manifest(out_dir) or {}
     except (OSError, ValueError):
         return None
-    if isinstance(m.get("model"), str):
-        return m["model"]
+    model = m.get("model")
+    if isinstance(model, str):
+        return model
     names = {s.get("model") for s in m.get("servers") or [] if isinstance(s, dict) and s.get("model")}
     return names.pop() if len(names) == 1 else None
 

@@ -99,7 +99,8 @@ def runner_secret_env(cfg: FleetConfig) -> dict[str, str]:
     """The secrets the runner needs, as environment: job.json holds them masked, and the runner
     relaunches servers with the real engine.env. Delivered through start_detached's 0600 env
     file, never argv."""
-    env = {"FLEET_API_KEY": cfg.api_key()} if cfg.api_key() else {}
+    key = cfg.api_key()
+    env = {"FLEET_API_KEY": key} if key else {}
     if cfg.engine.env:
         env["FLEET_ENGINE_ENV"] = json.dumps(cfg.engine.env_values())
     return env
