@@ -34,12 +34,12 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         sub = next((t for t in (getattr(f.annotation, "__args__", ()) or (f.annotation,))
                     if isinstance(t, type) and issubclass(t, BaseModel)), None)
         key = prefix + name
-        if sub is not None and name != "nodes":
-            out += rows(sub, key + ".")
-            continue
-        if name == "nodes":
+        if sub is not None and name == "nodes":
             out.append(f"| `nodes` | list of tables `[[nodes]]` | one local node | {f.description} |")
-            out += rows(sub, "nodes[].")  # type: ignore[arg-type]
+            out += rows(sub, "nodes[].")
+            continue
+        if sub is not None:
+            out += rows(sub, key + ".")
             continue
         out.append(f"| `{key}` | {_type(f.annotation)} | {_default(f)} | {f.description} |")
     return out

@@ -41,4 +41,4 @@ def get_profile(kind: str) -> EngineProfile:
 
 def inspect_log(text: str | bytes, engine: str) -> LogVerdict:
     """Classify a server log of `engine` (never raises on odd input: junk gives an empty verdict)."""
-    return get_profile(engine).classify(text)  # type: ignore[arg-type]
+    return get_profile(engine).classify(text)

@@ -134,7 +134,7 @@ class EngineProfile(Protocol):
 
     def shown_env(self, cfg: FleetConfig, env: dict[str, str]) -> dict[str, str]: ...
 
-    def classify(self, log_text: str) -> LogVerdict: ...
+    def classify(self, log_text: str | bytes) -> LogVerdict: ...
 
     def request_model(self, spec: ServerSpec) -> str: ...
 
@@ -168,7 +168,7 @@ class BaseProfile:
         hidden = {self.key_env} | {k for k in cfg.engine.env if k not in cfg.engine.env_public}
         return {k: MASK if k in hidden else v for k, v in env.items()}
 
-    def classify(self, log_text: str) -> LogVerdict:
+    def classify(self, log_text: str | bytes) -> LogVerdict:
         return self.rules.classify(log_text)
 
     def request_model(self, spec: ServerSpec) -> str:
