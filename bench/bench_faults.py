@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from fleet.config import FleetConfig  # noqa: E402
 from fleet.generation.checks import account  # noqa: E402
 from fleet.generation.runner import ServerEntry  # noqa: E402
-from fleet.generation.store import read_errors, read_rejects  # noqa: E402
+from fleet.generation.results import read_errors, read_rejects  # noqa: E402
 
 KINDS = ("server-kill", "server-stop", "runner-kill", "burst-5xx", "relaunch-kill")
 

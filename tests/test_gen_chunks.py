@@ -15,7 +15,8 @@ import pytest
 from fleet.generation.chunks import (
     Assignments, ControllerLock, Source, load_plan, merge, plan_sizes, split_input,
 )
-from fleet.generation.store import ResultStore, read_errors, read_rejects, shard_paths
+from fleet.generation.results import read_errors, read_rejects, shard_paths
+from fleet.generation.store import ResultStore
 
 
 def lines_file(path: Path, n: int, *, blank_every: int = 0) -> Path:

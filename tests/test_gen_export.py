@@ -14,7 +14,9 @@ import pytest
 from fleet.generation.checks import account, data_checks
 from fleet.generation.export import export
 from fleet.generation.plan import format_plan, plan
-from fleet.generation.store import RESULT_SCHEMA, ResultStore, write_manifest
+from fleet.generation.manifest import write_manifest
+from fleet.generation.schema import RESULT_SCHEMA
+from fleet.generation.store import ResultStore
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]

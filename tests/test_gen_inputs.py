@@ -382,7 +382,7 @@ def _nasty_rows() -> list:
 
 
 def _both_paths(p: Path, done_ids: set[str], cfg: GenerationConfig | None = CFG):
-    from fleet.generation.store import IdSet
+    from fleet.generation.idset import IdSet
 
     done = IdSet()
     for i in done_ids:
@@ -418,7 +418,7 @@ def test_planned_resume_of_a_truncated_gzip_yields_the_rows_before_the_break_the
     p = tmp_path / "in.jsonl.gz"
     p.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows))[:-4000])
     done = {f"r{i}" for i in range(0, 3000, 2)}
-    from fleet.generation.store import IdSet
+    from fleet.generation.idset import IdSet
 
     ids = IdSet()
     for i in done:
@@ -437,7 +437,7 @@ def test_planned_resume_of_a_truncated_gzip_yields_the_rows_before_the_break_the
 
 def test_plan_resume_counts_without_validating_done_rows(tmp_path):
     from fleet.generation.inputs import plan_resume
-    from fleet.generation.store import IdSet
+    from fleet.generation.idset import IdSet
 
     q = [{"role": "user", "content": "q"}]
     p = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "messages": 1}, {"id": "b", "messages": q},

@@ -20,7 +20,8 @@ from fleet.config import FleetConfig, GenerationConfig
 from fleet.generation.checks import account
 from fleet.generation.inputs import Reject, Request, iter_input
 from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.store import params_from_arrow, read_results
+from fleet.generation.results import read_results
+from fleet.generation.schema import params_from_arrow
 from fleet.generation.work import RowPlan
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 

@@ -16,7 +16,7 @@ from fleet.generation.checks import account
 from fleet.generation.client import Outcome
 from fleet.generation.gates import fired, repeated_tail, verdict
 from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.store import read_quality_rejects, read_results
+from fleet.generation.results import read_quality_rejects, read_results
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 
 

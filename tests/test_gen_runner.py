@@ -25,7 +25,7 @@ import pytest
 from fleet.config import FleetConfig
 from fleet.generation.checks import account
 from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.store import read_errors, read_rejects, shard_paths
+from fleet.generation.results import read_errors, read_rejects, shard_paths
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 from conftest import wait_until
 

@@ -24,18 +24,11 @@ from conftest import wait_until
 from fleet.errors import FatalError
 from fleet.generation.checks import account
 from fleet.generation.inputs import Reject, iter_input
-from fleet.generation.store import (
-    RESULT_COLUMNS,
-    RESULT_SCHEMA,
-    IdSet,
-    ResultStore,
-    message_from_arrow,
-    read_errors,
-    read_rejects,
-    read_results,
-    shard_paths,
-    write_manifest,
-)
+from fleet.generation.idset import IdSet
+from fleet.generation.manifest import write_manifest
+from fleet.generation.results import read_errors, read_rejects, read_results, shard_paths
+from fleet.generation.schema import RESULT_COLUMNS, RESULT_SCHEMA, message_from_arrow
+from fleet.generation.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -390,7 +383,7 @@ def test_nested_columns_read_as_lists_and_structs_by_pandas_and_datasets(tmp_pat
         s.add_result(result(0, messages=TOOL_MSGS, params=params, flags=["truncated"], turns=2,
                             extra={"source": "x"},
                             tool_calls=[{"id": "c2", "type": "function", "function": {"name": "get", "arguments": "{}"}}]))
-    from fleet.generation.store import message_from_arrow, params_from_arrow
+    from fleet.generation.schema import message_from_arrow, params_from_arrow
 
     row = read_results(out).to_pylist()[0]
     back = [message_from_arrow(m) for m in row["messages"]]

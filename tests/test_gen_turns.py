@@ -19,7 +19,8 @@ from fleet.generation.checks import account
 from fleet.generation.client import Outcome
 from fleet.generation.inputs import Reject, Request, iter_input
 from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.store import message_from_arrow, read_quality_rejects, read_results
+from fleet.generation.results import read_quality_rejects, read_results
+from fleet.generation.schema import message_from_arrow
 from fleet.generation.work import RowPlan
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 from test_gen_runner import job_file, progress, result_ids, start_runner, wait_for

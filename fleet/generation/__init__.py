@@ -4,6 +4,13 @@ Data layer (no network, no orchestrator):
 
     inputs.py   stream JSONL / JSONL.gz / Parquet rows -> Request | Reject (ids, defaults, duplicates)
     store.py    ResultStore: exactly-once results keyed by id, atomic Parquet shards, resume
+      schema.py     the result row's Arrow schema; a row's values to it and back
+      idset.py      IdSet: the ids done, 8-10 bytes each
+      results.py    reading an output directory: shards, errors, rejects, quality rejects
+      jobrecord.py  DIR/job.json: one directory, one input, one set of parameters
+      dirlock.py    DIR/.lock: one runner per directory
+      jsonl.py, durable.py  JSON lines (orjson), fsync and atomic replace
+    manifest.py manifest.json: a pure builder from one run's facts; read and write
     export.py   openai-batch / jsonl / sharegpt / specforge / speculators files from a job's output
     checks.py   data checks for drafter training sets; quality counts; the exactly-once accounting
     gates.py    per-answer quality gates (empty, missing reasoning, <think> left, cut, loops)
@@ -18,7 +25,7 @@ Hot path (the data plane's runner):
     health.py   each server's health: admission, down / relaunch / readmit, the stall watchdog, the tail rule
     serverstate.py  what is known of one server: endpoint, state, counters, row times, timeline
     probes.py   the HTTP checks health makes (/health, /v1/models, /health_generate, server info, metrics)
-    runner.py   the detached process that ties input, dispatcher and store together
+    runner.py   the detached process that ties input, dispatcher and store together (run_job's steps)
 
 Nothing is imported here: `import fleet.generation.inputs` must not pay for pyarrow or aiohttp.
 """

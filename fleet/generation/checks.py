@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fleet.generation.inputs import InputStats, Reject, iter_input
-from fleet.generation.store import iter_results, read_errors, read_quality_rejects, read_rejects
+from fleet.generation.results import iter_results, read_errors, read_quality_rejects, read_rejects
 
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig

@@ -463,7 +463,7 @@ class Source:
 
 
 def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    from fleet.generation.store import _read_jsonl
+    from fleet.generation.jsonl import read_jsonl as _read_jsonl
 
     return _read_jsonl(path)
 
@@ -480,7 +480,8 @@ def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, 
     import pyarrow.parquet as pq
 
     from fleet.generation.inputs import digest
-    from fleet.generation.store import QUALITY_REJECTS, shard_paths, write_manifest
+    from fleet.generation.manifest import write_manifest
+    from fleet.generation.results import QUALITY_REJECTS, shard_paths
 
     dest = Path(dest)
     shards_dir = dest / "shards"

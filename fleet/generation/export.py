@@ -42,17 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from fleet.generation.store import (
-    _dumps,
-    _fsync_dir,
-    _fsync_file,
-    _loads,
-    iter_results,
-    message_from_arrow,
-    params_from_arrow,
-    read_errors,
-    read_manifest,
-)
+from fleet.generation.durable import fsync
+from fleet.generation.jsonl import dumps, loads
+from fleet.generation.manifest import read_manifest
+from fleet.generation.results import iter_results, read_errors
+from fleet.generation.schema import message_from_arrow, params_from_arrow
 
 __all__ = ["export", "FORMATS"]
 
@@ -63,7 +57,7 @@ _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool
 
 
 def _json(v: Any) -> Any:
-    return _loads(v) if isinstance(v, str | bytes) else v
+    return loads(v) if isinstance(v, str | bytes) else v
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -264,16 +258,16 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path) -> int:
                 if fmt == "specforge":
                     rec, ok = rec
                     if not ok:
-                        side.append(_dumps(rec) + b"\n")
+                        side.append(dumps(rec) + b"\n")
                         continue
-                lines.append(_dumps(rec) + b"\n")
+                lines.append(dumps(rec) + b"\n")
             f.write(b"".join(lines))
             n += len(lines)
             if side:
                 skipped.write(b"".join(side))
         if fmt == "openai-batch":
             for rec in read_errors(out_dir):
-                f.write(_dumps(_openai_error_line(rec)) + b"\n")
+                f.write(dumps(_openai_error_line(rec)) + b"\n")
                 n += 1
     return n
 
@@ -320,9 +314,9 @@ class _Atomic:
                 self.f.close()
             self.raw.close()
             if exc_type is None and (self.used or self.keep_empty):
-                _fsync_file(self.tmp)
+                fsync(self.tmp)
                 os.replace(self.tmp, self.dest)
-                _fsync_dir(self.dest.parent)
+                fsync(self.dest.parent)
             elif exc_type is None:
                 self.dest.unlink(missing_ok=True)
         finally:

@@ -12,14 +12,19 @@ run's record (`run_record`), and `overall` sums them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fleet.generation.durable import atomic_write
 
 if TYPE_CHECKING:
     from fleet.generation.dispatch import Summary
 
-__all__ = ["MANIFEST_FILE", "RunFacts", "ServerFacts", "build_manifest", "cost", "run_record", "server_facts"]
+__all__ = ["MANIFEST_FILE", "RunFacts", "ServerFacts", "build_manifest", "cost", "read_manifest", "run_record",
+           "server_facts", "write_manifest"]
 
 MANIFEST_FILE = "manifest.json"
 
@@ -154,3 +159,17 @@ def build_manifest(f: RunFacts) -> dict[str, Any]:
         "runs": runs,
         "runner": f.runner,
     }
+
+
+def write_manifest(out_dir: str | Path, data: dict[str, Any]) -> None:
+    """Write DIR/manifest.json atomically (temp file, fsync, rename, directory fsync)."""
+    text = json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"
+    atomic_write(Path(out_dir) / MANIFEST_FILE, text.encode())
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads((Path(out_dir) / MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return data

@@ -199,7 +199,7 @@ class Controller:
     def _seed(self, node: Node, index: int, out: str) -> int:
         """Shards gathered from earlier attempts of this chunk, put into a fresh output dir on `node`:
         the runner's resume skips their ids (rows committed and fetched are not generated again)."""
-        from fleet.generation.store import shard_paths
+        from fleet.generation.results import shard_paths
 
         assert self.assign is not None
         res = node.run(["sh", "-c", 'ls "$1"/shards 2>/dev/null | grep -c "^part-" || true', "x", out], check=False)
@@ -236,7 +236,7 @@ class Controller:
     def run_chunk(self, name: str, index: int) -> dict[str, Any]:
         """Run (or re-attach to) chunk `index` on node `name` until it is done; NodeLost / ChunkFailed else."""
         from fleet.generation.remote import read_progress, start_job
-        from fleet.generation.store import read_manifest
+        from fleet.generation.manifest import read_manifest
 
         assert self.assign is not None
         chunk = self.chunk(index)
@@ -438,7 +438,7 @@ class Controller:
 
 def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments, dest: str | Path) -> dict[str, Any]:
     """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost."""
-    from fleet.generation.store import read_manifest
+    from fleet.generation.manifest import read_manifest
 
     sources: list[Source] = []
     per_node: dict[str, dict[str, Any]] = {}
@@ -509,7 +509,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     manifest = merge(sources, dest, extra_manifest=extra)
     if missing:
         manifest.update(state="incomplete", complete=False, missing_chunks=missing)
-        from fleet.generation.store import write_manifest
+        from fleet.generation.manifest import write_manifest
 
         write_manifest(dest, manifest)
     manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
@@ -519,7 +519,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         manifest["checks"] = data_checks(dest)
     except Exception as exc:
         manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
-    from fleet.generation.store import write_manifest
+    from fleet.generation.manifest import write_manifest
 
     write_manifest(dest, manifest)
     return manifest
@@ -594,7 +594,7 @@ def fetch_job(cfg: FleetConfig, plan_dir: Path, dest: str | Path) -> dict[str, A
     output is not here yet, the committed shards of running ones), then merge into `dest`."""
     from fleet.generation.chunks import load_plan
     from fleet.generation.remote import fetch
-    from fleet.generation.store import read_manifest
+    from fleet.generation.manifest import read_manifest
 
     plan = load_plan(plan_dir)
     assert plan is not None

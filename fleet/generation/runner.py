@@ -784,7 +784,7 @@ class _Run:
                wall: float) -> RunFacts:
         """What the manifest says of this run, and the runs before it (from the manifest there)."""
         from fleet.generation.manifest import RunFacts, ServerFacts
-        from fleet.generation.store import read_manifest
+        from fleet.generation.manifest import read_manifest
 
         try:
             runs = list((read_manifest(self.out) or {}).get("runs") or [])
@@ -818,7 +818,7 @@ class _Run:
 
     def _write_final(self, manifest: dict[str, Any], final: dict[str, Any], state: str) -> str:
         """manifest.json, then progress.json (on a full disk the reserve makes room); the state."""
-        from fleet.generation.store import write_manifest
+        from fleet.generation.manifest import write_manifest
 
         if self.failure is not None and self.failure.kind == "output_removed":
             return state
