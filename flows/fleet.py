@@ -15,7 +15,7 @@ never launch onto the same GPUs at once: a second one waits for the first, then 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
@@ -28,6 +28,8 @@ from fleet.engines import ServerSpec
 from fleet.errors import FleetError
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
+from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
+from fleet.venv import VenvResult
 from flows.alerts import announce_failure
 from flows.outcome import failed, outcome, quiet_expected_failures
 from flows.params import resolve_config, run_name
@@ -40,50 +42,78 @@ from tasks.nodes import close_all
 quiet_expected_failures()
 
 Action = Literal["bringup", "revalidate", "teardown", "generate"]
-LOCKED_ACTIONS = frozenset({"bringup", "revalidate", "teardown"})
 
-SUMMARY_COLUMNS = ["node", "server", "gpus", "port", "pid", "state", "ready_s", "smoke_latency_s",
-                   "kv_cache_tokens", "max_running_requests", "flag", "error"]
+@dataclass
+class ServerRow:
+    """One row of the summary table: a server, or (server "-") a node that failed before its servers."""
+
+    node: str
+    server: int | str
+    gpus: list[int] | None = None
+    port: int | None = None
+    pid: int | None = None
+    state: str | None = None
+    ready_s: float | None = None
+    smoke_latency_s: float | None = None
+    kv_cache_tokens: int | None = None
+    max_running_requests: int | None = None
+    flag: str | None = None
+    error: str | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.state in ("up", "adopted")
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}/{self.server}"
+
+    def sort_key(self) -> tuple[str, int]:
+        return self.node, self.server if isinstance(self.server, int) else -1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def _row(node: str, index: Any, **kw: Any) -> dict[str, Any]:
-    row = {c: None for c in SUMMARY_COLUMNS}
-    row.update(node=node, server=index, **kw)
-    return row
+SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
 
 
-def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[ServerSpec]]:
+def _failed_server(spec: ServerSpec, state: str, error: str) -> ServerRow:
+    return ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, state=state, error=error)
+
+
+def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSpec]]:
     """Run the DAG for every node; return (summary rows, failure lines, specs of the servers up)."""
     logger = get_run_logger()
-    rows: list[dict[str, Any]] = []
+    rows: list[ServerRow] = []
     failures: list[str] = []
 
     # 1. provision every node in parallel; a node that fails stops here.
     provs = {n.name: provision.submit(cfg, n.name) for n in cfg.nodes}
-    provisioned: dict[str, dict[str, Any]] = {}
+    provisioned: dict[str, Provisioned] = {}
     for name, fut in provs.items():
-        res, err = outcome(fut)
-        if err:
-            rows.append(_row(name, "-", state="provision failed", error=err))
+        prov, err = outcome(fut)
+        if prov is None:
+            rows.append(ServerRow(name, "-", state="provision failed", error=err))
             failures.append(f"{name}: provision: {err}")
         else:
-            provisioned[name] = res
+            provisioned[name] = prov
 
     for name in provs:
         if name not in provisioned:
             _not_reached(cfg, name, ("venv", "stage"), "the node's provision failed")
 
     # 2 + 3. venv and RAM-disk staging, in parallel, per node.
-    prepared: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    prepared: dict[str, tuple[VenvResult, ModelPlace]] = {}
     futs = {name: (venv.submit(cfg, name, p), stage.submit(cfg, name, p)) for name, p in provisioned.items()}
     for name, (vf, sf) in futs.items():
         v, verr = outcome(vf)
         s, serr = outcome(sf)
         for what, err in (("venv", verr), ("stage", serr)):
             if err:
-                rows.append(_row(name, "-", state=f"{what} failed", error=err))
+                rows.append(ServerRow(name, "-", state=f"{what} failed", error=err))
                 failures.append(f"{name}: {what}: {err}")
-        if not verr and not serr:
+        if v is not None and s is not None:
             prepared[name] = (v, s)
         else:
             _not_reached(cfg, name, (), f"the node's {'venv' if verr else 'staging'} failed")
@@ -91,49 +121,46 @@ def bringup(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str], list[Ser
     # 4. launch every server of every ready node at once; 5. smoke each as soon as it is ready.
     specs: list[ServerSpec] = []
     for name, (v, s) in prepared.items():
-        node_cfg = cfg.node(name)
-        specs += plan_servers(cfg, node_cfg, provisioned[name]["gpu_ids"], model_path=s["model_path"],
-                              python=v["python"])
+        specs += plan_servers(cfg, cfg.node(name), provisioned[name].gpu_ids, model_path=s.model_path,
+                              python=v.python)
     logger.info("launching %d server(s) on %d node(s)", len(specs), len(prepared))
     launches = {launch_server.submit(cfg, spec): spec for spec in specs}
-    launched: dict[tuple[str, int], dict[str, Any]] = {}
-    smokes: dict[PrefectFuture, ServerSpec] = {}
-    for fut in as_completed(list(launches)):
-        spec = launches[fut]
-        res, err = outcome(fut)
-        if err:
-            rows.append(_row(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, state="launch failed",
-                             error=err))
+    launched: dict[tuple[str, int], Launched] = {}
+    smokes: dict[PrefectFuture[Smoked], ServerSpec] = {}
+    for lfut in as_completed(list(launches)):
+        spec = launches[lfut]
+        started, err = outcome(lfut)
+        if started is None:
+            rows.append(_failed_server(spec, "launch failed", err or "launch failed"))
             failures.append(f"{spec.node} server {spec.index} (port {spec.port}): {err}")
             write_not_run(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}",
                           "its launch failed")
             continue
-        launched[(spec.node, spec.index)] = res
-        smokes[smoke_server.submit(cfg, spec, res)] = spec
-    for fut, spec in smokes.items():
-        res, err = outcome(fut)
+        launched[(spec.node, spec.index)] = started
+        smokes[smoke_server.submit(cfg, spec, started)] = spec
+    for sfut, spec in smokes.items():
+        smoked, err = outcome(sfut)
         lr = launched[(spec.node, spec.index)]
-        facts = lr.get("facts") or {}
-        row = _row(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, pid=lr["pid"],
-                   ready_s=lr.get("ready_s"), kv_cache_tokens=facts.get("kv_cache_tokens"),
-                   max_running_requests=facts.get("max_running_requests"))
-        if err:
-            row.update(state="smoke failed", error=err)
+        row = ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, pid=lr.pid, ready_s=lr.ready_s,
+                        kv_cache_tokens=lr.fact_int("kv_cache_tokens"),
+                        max_running_requests=lr.fact_int("max_running_requests"))
+        if smoked is None:
+            row.state, row.error = "smoke failed", err
             failures.append(f"{spec.node} server {spec.index} (port {spec.port}): {err}")
         else:
-            row.update(state="adopted" if lr.get("adopted") else "up", smoke_latency_s=round(res["latency_s"], 3),
-                       max_running_requests=res.get("max_running_requests") or row["max_running_requests"])
+            row.state = "adopted" if lr.adopted else "up"
+            row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
+            row.max_running_requests = smoked.max_running_requests or row.max_running_requests
         rows.append(row)
 
-    flags = compare_kv({f"{r['node']}/{r['server']}": r["kv_cache_tokens"] for r in rows
-                        if r["state"] in ("up", "adopted")}, cfg.smoke.kv_cache_min_ratio)
+    flags = compare_kv({r.label: r.kv_cache_tokens for r in rows if r.up}, cfg.smoke.kv_cache_min_ratio)
     for r in rows:
-        flag = flags.get(f"{r['node']}/{r['server']}")
+        flag = flags.get(r.label)
         if flag:
-            r["flag"] = flag
-            logger.warning("%s server %s: %s", r["node"], r["server"], flag)
-    rows.sort(key=lambda r: (r["node"], -1 if r["server"] == "-" else r["server"]))
-    up = {(r["node"], r["server"]) for r in rows if r["state"] in ("up", "adopted")}
+            r.flag = flag
+            logger.warning("%s server %s: %s", r.node, r.server, flag)
+    rows.sort(key=ServerRow.sort_key)
+    up = {(r.node, r.server) for r in rows if r.up}
     return rows, failures, [s for s in specs if (s.node, s.index) in up]
 
 
@@ -151,32 +178,28 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
     from tasks.ramdisk import free_ramdisk as free_task
     from tasks.teardown import teardown
 
-    rows = [{"node": r["node"], "what": f"server {r['index']}", "port": r.get("port"), "pid": r.get("pid"),
-             "action": r["action"], "seconds": r.get("seconds"), "bytes": None} for r in teardown(cfg)]
+    rows = teardown(cfg)
     if free_ramdisk:
-        for f in [free_task.submit(cfg, n.name) for n in cfg.nodes]:
-            res, err = outcome(f)
-            res = res or {}
-            rows.append({"node": res.get("node"), "what": f"ramdisk {res.get('path') or ''}".strip(), "port": None,
-                         "pid": None, "action": f"error: {err}" if err else res.get("action"),
-                         "seconds": res.get("seconds"), "bytes": res.get("bytes")})
-    failures = [f"{r['node']} {r['what']}: {r['action']}" for r in rows if str(r["action"]).startswith("error")]
-    stopped = sum(1 for r in rows if r["what"].startswith("server") and r["action"] in ("stopped", "killed"))
-    freed = sum(r["bytes"] or 0 for r in rows if r["action"] == "freed")
+        for name, f in [(n.name, free_task.submit(cfg, n.name)) for n in cfg.nodes]:
+            freed, err = outcome(f)
+            rows.append(freed if freed is not None else TeardownRow(name, "ramdisk", f"error: {err}"))
+    failures = [f"{r.node} {r.what}: {r.action}" for r in rows if r.error]
+    stopped = sum(1 for r in rows if r.is_server and r.stopped)
+    freed_bytes = sum(r.bytes or 0 for r in rows if r.action == "freed")
     summary = (f"teardown of {cfg.name}: stopped {stopped} server(s)"
-               + (f", freed {freed / 1e9:.2f} GB of RAM disk" if freed else "")
+               + (f", freed {freed_bytes / 1e9:.2f} GB of RAM disk" if freed_bytes else "")
                + (f"; {len(failures)} error(s)" if failures else ""))
-    write_table(cfg, ("teardown",), rows, summary)
+    table = [r.as_dict() for r in rows]
+    write_table(cfg, ("teardown",), table, summary)
     # The summary is "the fleet's state after the latest run": after a teardown, nothing is up.
-    write_table(cfg, ("summary",), [_row(r["node"], r["what"].removeprefix("server "), port=r["port"], pid=r["pid"],
-                                         state="stopped by teardown" if not str(r["action"]).startswith("error")
-                                         else "teardown failed", error=r["action"] if str(r["action"]).startswith(
-                                             "error") else None)
-                                    for r in rows if r["what"].startswith("server")],
+    write_table(cfg, ("summary",), [ServerRow(r.node, r.index if r.index is not None else "-", port=r.port, pid=r.pid,
+                                              state="teardown failed" if r.error else "stopped by teardown",
+                                              error=r.action if r.error else None).as_dict()
+                                    for r in rows if r.is_server],
                 f"{cfg.name}: torn down, {stopped} server(s) stopped")
     if failures:
-        return failed(summary + ": " + " | ".join(failures), rows)
-    return Completed(message=summary, data=rows)
+        return failed(summary + ": " + " | ".join(failures), table)
+    return Completed(message=summary, data=table)
 
 
 def revalidate_action(cfg: FleetConfig) -> Any:
@@ -194,14 +217,14 @@ def revalidate_action(cfg: FleetConfig) -> Any:
     return Completed(message=f"{healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=rows)
 
 
-def _write_summary(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list[str], t0: float) -> int:
-    up = sum(1 for r in rows if r["state"] in ("up", "adopted"))
-    write_table(cfg, ("summary",), rows,
+def _write_summary(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], t0: float) -> int:
+    up = sum(1 for r in rows if r.up)
+    write_table(cfg, ("summary",), [r.as_dict() for r in rows],
                 f"{cfg.name}: {up} server(s) up, {len(failures)} failure(s), {time.monotonic() - t0:.1f} s")
     return up
 
 
-def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list[str], specs: list[ServerSpec],
+def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], specs: list[ServerSpec],
                     input: str, output: str, retry_errors: bool) -> Any:
     """Push the job through the servers that came up: one runner, on the node that has them."""
     from tasks.generate import generate
@@ -211,13 +234,14 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
     for spec in specs:
         by_node.setdefault(spec.node, []).append(spec)
     if not by_node:
-        return failed("no server came up; nothing to generate with: " + " | ".join(failures), rows)
+        return failed("no server came up; nothing to generate with: " + " | ".join(failures),
+                      [r.as_dict() for r in rows])
     if len(cfg.nodes) > 1:   # one job over every node: flows/multinode.py
         from flows.multinode import generate_multi
 
         if failures:
             logger.warning("generating with the servers that are up; not up: %s", " | ".join(failures))
-        return generate_multi(cfg, rows, specs, input, output, retry_errors, failures)
+        return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures)
     node_name = max(by_node, key=lambda n: len(by_node[n]))
     if len(by_node) > 1:
         # The runner runs next to its servers; one job spans one node (see the README).
@@ -225,8 +249,8 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
                        len(by_node[node_name]), node_name)
     if failures:
         logger.warning("generating with %d server(s); not up: %s", len(by_node[node_name]), " | ".join(failures))
-    facts = {r["server"]: {"max_running_requests": r.get("max_running_requests")}
-             for r in rows if r["node"] == node_name and r["state"] in ("up", "adopted")}
+    facts = {r.server: {"max_running_requests": r.max_running_requests}
+             for r in rows if r.node == node_name and r.up and isinstance(r.server, int)}
     fut = generate.submit(cfg, node_name, by_node[node_name], facts, input, output, retry_errors)
     fut.wait()
     if not fut.state.is_completed():
@@ -239,18 +263,7 @@ def generate_action(cfg: FleetConfig, rows: list[dict[str, Any]], failures: list
             err = str(exc).splitlines()[0][:500]
         return failed(f"generation: {err}")
     res = fut.result()
-    return Completed(message=generate_message(res), data=res)
-
-
-def generate_message(res: dict[str, Any]) -> str:
-    """What a finished generate run says: rows generated by this run, never the directory's total as if it were."""
-    run = res.get("this_run") or {}
-    done = sum(res.get(k) or 0 for k in ("completed", "errors", "rejects"))
-    if not run.get("fed") and not res.get("attached"):
-        return f"nothing to do: {done:,} rows already done in {res['output']}"
-    return (f"generated {run.get('completed', 0):,} row(s) in this run ({run.get('errors', 0):,} error(s)); "
-            f"{res.get('completed') or 0:,} completed, {res.get('errors') or 0:,} error(s), "
-            f"{res.get('rejects') or 0:,} reject(s) in {res['output']}")
+    return Completed(message=res.message(), data=res.as_dict())
 
 
 @flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
@@ -278,39 +291,46 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
     quiet_expected_failures()
     cfg = resolve_config(config)
     t0 = time.monotonic()
-    if action == "generate" and not (input and output):
-        return failed("action 'generate' needs the parameters input and output")
+    if action == "generate":
+        if not (input and output):
+            return failed("action 'generate' needs the parameters input and output")
+        return _generate(cfg, input, output, retry_errors, node_wait_s, t0)
     try:
         # Every action that launches, probes or stops servers holds its nodes; a long-running
         # action (generation) must not: it would block bring-ups and revalidations for days.
-        with hold_nodes(cfg, wait_s=node_wait_s, purpose=action) if action in LOCKED_ACTIONS else nullcontext():
+        with hold_nodes(cfg, wait_s=node_wait_s, purpose=action):
             if action == "teardown":
                 return teardown_action(cfg, free_ramdisk)
             if action == "revalidate":
                 return revalidate_action(cfg)
-            if action != "generate":
-                rows, failures, _ = bringup(cfg)
-        if action == "generate":
-            # Before any server starts: the input, the output location and the job already there.
-            from fleet.generation.validate import plan_job
-            from tasks.nodes import node_for
-
-            try:
-                plan = plan_job(cfg, input=input, output=output, retry_errors=retry_errors,  # type: ignore[arg-type]
-                                connect=lambda n: node_for(cfg, n.name))
-            except FleetError as exc:
-                return failed(f"generate: {exc.one_line()}")
-            if plan.verdict == "done":
-                return Completed(message=plan.message, data={"output": plan.output, "state": "done", **(plan.done or {})})
-            input, output = plan.input, plan.output
-            # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not.
-            with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
-                rows, failures, specs = bringup(cfg)
-            _write_summary(cfg, rows, failures, t0)
-            return generate_action(cfg, rows, failures, specs, input, output, retry_errors)  # type: ignore[arg-type]
+            rows, failures, _ = bringup(cfg)
     finally:
         close_all()
     up = _write_summary(cfg, rows, failures, t0)
+    table = [r.as_dict() for r in rows]
     if failures:
-        return failed(f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), rows)
-    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=rows)
+        return failed(f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), table)
+    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=table)
+
+
+def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:
+    """Check the job before any server starts, bring up (holding the nodes), then run the job (not holding them)."""
+    from fleet.generation.validate import plan_job
+    from tasks.nodes import node_for
+
+    try:
+        try:
+            plan = plan_job(cfg, input=input, output=output, retry_errors=retry_errors,
+                            connect=lambda n: node_for(cfg, n.name))
+        except FleetError as exc:
+            return failed(f"generate: {exc.one_line()}")
+        if plan.verdict == "done":
+            return Completed(message=plan.message, data={"output": plan.output, "state": "done", **(plan.done or {})})
+        # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not: it
+        # would block bring-ups and revalidations for days.
+        with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
+            rows, failures, specs = bringup(cfg)
+        _write_summary(cfg, rows, failures, t0)
+        return generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors)
+    finally:
+        close_all()

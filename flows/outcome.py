@@ -18,10 +18,11 @@ in the same process (`fleet up`, tests) the rows of a run whichever way it ended
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect.futures import PrefectFuture
-from prefect.states import Failed, State
+from prefect.client.schemas.objects import State
+from prefect.states import Failed
 
 from fleet.errors import FatalError, FleetError
 
@@ -47,17 +48,22 @@ def failed(message: str, data: Any = None) -> State:
     return Failed(message=message, data=RunFailed(message, data))
 
 
-def outcome(fut: PrefectFuture) -> tuple[Any, str | None]:
-    """(result, None) when the task completed; else (its row or None, one line saying why). Never
-    raises. A task that ended through `failed(message, row)` gives back its row and message; a fleet
-    error's one line keeps its remedy (which setting to change), not just the reason."""
+R = TypeVar("R")
+
+
+def outcome(fut: PrefectFuture[R]) -> tuple[R, None] | tuple[R | None, str]:
+    """(result, None) when the task completed; else (its result or None, one line saying why). Never
+    raises. A task that ended through `failed(message, result)` gives back its result (the task's
+    return type) and message; a fleet error's one line keeps its remedy (which setting to change),
+    not just the reason."""
     fut.wait()
     state = fut.state
     if state.is_completed():
         return fut.result(), None
     data = fut.result(raise_on_failure=False)
-    if isinstance(data, RunFailed) and isinstance(data.data, dict):
-        return data.data, state.message or data.reason
+    if isinstance(data, RunFailed) and data.data is not None:
+        result: R = data.data
+        return result, state.message or data.reason
     if isinstance(data, FleetError):
         return None, data.one_line()[:800]
     if isinstance(data, BaseException):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from prefect import get_run_logger, task
 
@@ -19,16 +19,19 @@ from fleet.preflight import gather
 from fleet.servers import excerpt, launch, record_smoke, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet import torndown
+from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, StageOutcome
 from fleet.staging import stage_model
-from fleet.venv import ensure_venv
+from fleet.venv import VenvResult, ensure_venv
 from tasks.audit import write_stage
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
 
+R = TypeVar("R", bound=StageOutcome)
+
 
 def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,
-             body: Callable[[], tuple[dict[str, Any], str | None]]) -> dict[str, Any]:
-    """Run a stage; write its artifact whether it succeeds or fails."""
+             body: Callable[[], tuple[R, str | None]]) -> R:
+    """Run a stage; write its artifact (from its result, timed) whether it succeeds or fails."""
     logger = get_run_logger()
     t0 = time.monotonic()
     try:
@@ -39,16 +42,16 @@ def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,
         logger.error("%s failed after %.1f s: %s", title, seconds, exc)
         raise
     seconds = time.monotonic() - t0
-    result["seconds"] = round(seconds, 3)
-    write_stage(cfg, key_parts, title, ok=True, seconds=seconds, result=result, log=log)
-    logger.info("%s: done in %.2f s%s", title, seconds, " (adopted what was in place)" if result.get("adopted") else "")
+    write_stage(cfg, key_parts, title, ok=True, seconds=seconds,
+                result=result.as_dict() | {"seconds": round(seconds, 3)}, log=log)
+    logger.info("%s: done in %.2f s%s", title, seconds, " (adopted what was in place)" if result.adopted else "")
     return result
 
 
 @task(name="provision", task_run_name="provision-{node_name}", **TASK_OPTS)
-def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
+def provision(cfg: FleetConfig, node_name: str) -> Provisioned:
     """Preflight the node; hard failures stop this node here, with the reason."""
-    def body() -> tuple[dict[str, Any], str | None]:
+    def body() -> tuple[Provisioned, str | None]:
         node_cfg = cfg.node(node_name)
         report = gather(node_for(cfg, node_name), cfg, node_cfg)
         if not report.reachable:
@@ -60,80 +63,67 @@ def provision(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
                                   remedy=" / ".join(c.remedy for c in failures if c.remedy))
         # A bring-up means the fleet should be up again: revalidation checks this node from now on.
         torndown.clear(node_for(cfg, node_name), node_cfg, cfg.name)
-        d = report.as_dict()
-        d["gpu_ids"] = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
-        venv = report.path("venv")
-        d["venv_network_fs"] = bool(venv and venv.network)
-        return d, None
+        return Provisioned.of(report, node_cfg), None
     return _audited(cfg, (node_name, "provision"), f"provision {node_name}", body)
 
 
 @task(name="venv", task_run_name="venv-{node_name}", **TASK_OPTS)
-def venv(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
+def venv(cfg: FleetConfig, node_name: str, provisioned: Provisioned) -> VenvResult:
     """Create or adopt the engine venv on local disk; time the engine import."""
-    def body() -> tuple[dict[str, Any], str | None]:
+    def body() -> tuple[VenvResult, str | None]:
         node_cfg = cfg.node(node_name)
         module = cfg.engine.import_check or get_profile(cfg.engine.kind).default_import
         res = ensure_venv(node_for(cfg, node_name), cfg, node_cfg, module,
-                          network_fs=provisioned.get("venv_network_fs", False))
+                          network_fs=provisioned.venv_network_fs)
         if res.slow_import:
             get_run_logger().warning("import of %s took %.1f s (> %.0f s): is the venv on a slow disk?",
                                      module, res.import_seconds, cfg.venv.slow_import_s)
-        return res.as_dict(), None
+        return res, None
     return _audited(cfg, (node_name, "venv"), f"venv {node_name}", body)
 
 
 @task(name="stage", task_run_name="stage-{node_name}", **TASK_OPTS)
-def stage(cfg: FleetConfig, node_name: str, provisioned: dict[str, Any]) -> dict[str, Any]:
+def stage(cfg: FleetConfig, node_name: str, provisioned: Provisioned) -> ModelPlace:
     """Copy the model once to the node's RAM disk (or serve it from its source when staging is off)."""
-    def body() -> tuple[dict[str, Any], str | None]:
+    def body() -> tuple[ModelPlace, str | None]:
         node_cfg = cfg.node(node_name)
         if not cfg.model.stage or not cfg.model.source:
-            return {"model_path": cfg.model.source, "staged": False, "adopted": True}, None
+            return ModelPlace(cfg.model.source), None
         res = stage_model(node_for(cfg, node_name), source=cfg.model.source, ramdisk=node_cfg.ramdisk,
                           workdir=node_cfg.workdir, streams=cfg.model.copy_streams, verify=cfg.model.verify,
                           margin_bytes=int(cfg.model.stage_margin_gb * 1e9))
-        d = dict(res.__dict__)
-        d["model_path"] = res.dst
-        d["staged"] = True
-        return d, None
+        return ModelPlace(res.dst, res), None
     return _audited(cfg, (node_name, "stage"), f"stage {node_name}", body)
 
 
 @task(name="launch", task_run_name="launch-{spec.node}-{spec.index}", **TASK_OPTS)
-def launch_server(cfg: FleetConfig, spec: ServerSpec) -> dict[str, Any]:
+def launch_server(cfg: FleetConfig, spec: ServerSpec) -> Launched:
     """Start (or adopt) one server and wait until it is ready, failing at once on death or a fatal line."""
-    def body() -> tuple[dict[str, Any], str | None]:
+    def body() -> tuple[Launched, str | None]:
         node = node_for(cfg, spec.node)
         started = launch(node, cfg, spec)
         ready = wait_ready(node, cfg, spec, started.pid)
-        d = started.as_dict()
-        d.update(url=ready.url, ready_s=round(ready.seconds, 3), facts=ready.verdict.facts,
-                 warnings=ready.verdict.warnings)
-        return d, ready.log_excerpt
+        return Launched(started, ready), ready.log_excerpt
     return _audited(cfg, (spec.node, "server", spec.index, "launch"), f"launch {spec.node} server {spec.index}", body)
 
 
 @task(name="smoke", task_run_name="smoke-{spec.node}-{spec.index}", **TASK_OPTS)
-def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: dict[str, Any]) -> dict[str, Any]:
+def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: Launched) -> Smoked:
     """One chat completion (first-request timeout, backoff with jitter), then the server's own info."""
-    def body() -> tuple[dict[str, Any], str | None]:
+    def body() -> tuple[Smoked, str | None]:
         node = node_for(cfg, spec.node)
-        url = launched["url"]
+        url = launched.url
         model = get_profile(cfg.engine.kind).request_model(spec)
         # Watch the process and its log as readiness did: a server dying on its first request
         # fails here at once with its log, not after every attempt against a dead port.
-        watch = ServerWatch.start(node, launched["pid"], server_paths(spec.workdir, cfg.name, spec.index).log,
+        watch = ServerWatch.start(node, launched.pid, server_paths(spec.workdir, cfg.name, spec.index).log,
                                   get_profile(cfg.engine.kind).classify, index=spec.index, port=spec.port,
                                   secrets=[spec.api_key])
         res = smoke(url, model, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key,
                     temperature=cfg.generation.temperature, watch=watch)
         info = fetch_server_info(url, spec.api_key)
-        d = res.as_dict()
-        d["max_running_requests"] = max_running_requests(info, launched.get("facts", {}))
-        d["server_info"] = info
         record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s})
-        return d, log_excerpt_of(cfg, spec)
+        return Smoked(res, max_running_requests(info, launched.facts), info), log_excerpt_of(cfg, spec)
     return _audited(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}", body)
 
 

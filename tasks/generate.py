@@ -18,8 +18,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError
-from fleet.generation.remote import job_dir, outcome, start_job, watch_job
+from fleet.generation.jobdir import job_dir
+from fleet.generation.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
+from fleet.stages import Generated
 from tasks.audit import artifact_key, write_stage, write_table
 from tasks.charts import write_throughput_artifact
 from tasks.nodes import node_for
@@ -44,7 +46,7 @@ def node_input(cfg: FleetConfig, node_name: str, input_path: str) -> str:
 
 @task(name="generate", task_run_name="generate-{node_name}", **TASK_OPTS)
 def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: dict[int, dict[str, Any]],
-             input_path: str, output: str, retry_errors: bool = False) -> dict[str, Any]:
+             input_path: str, output: str, retry_errors: bool = False) -> Generated:
     logger = get_run_logger()
     node = node_for(cfg, node_name)
     node_cfg = cfg.node(node_name)
@@ -85,19 +87,16 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
         write_throughput_artifact(cfg, series, {s["name"]: s.get("completion_tokens", 0) for s in final["servers"]},
                                   key_parts=(node_name, "generate-throughput"))
     ok, cause, remedy = outcome(final, handle)
-    this_run = final.get("this_run") or {}
-    result = {"node": node_name, "output": output, "job_dir": job_dir(node_cfg, cfg, output), "pid": handle.pid,
-              "attached": handle.attached, "state": final.get("state"), "detail": final.get("detail"),
-              "rows_total": final.get("rows_total"), "completed": final.get("completed"),
-              "errors": final.get("errors"), "rejects": final.get("rejects"),
-              "quality_rejects": final.get("quality_rejects"), "this_run": this_run,
-              "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
-              "checks": manifest.get("checks"), "quality": manifest.get("quality"),
-              "seconds": round(time.monotonic() - t0, 1)}
-    if not ok:
-        result["error"] = {"cause": cause, "remedy": remedy}
+    result = Generated(
+        node=node_name, output=output, job_dir=job_dir(node_cfg, cfg, output), pid=handle.pid,
+        attached=handle.attached, state=final.get("state"), detail=final.get("detail"),
+        rows_total=final.get("rows_total"), completed=final.get("completed"), errors=final.get("errors"),
+        rejects=final.get("rejects"), quality_rejects=final.get("quality_rejects"),
+        this_run=final.get("this_run") or {}, throughput=manifest.get("throughput"), cost=manifest.get("cost"),
+        checks=manifest.get("checks"), quality=manifest.get("quality"), seconds=round(time.monotonic() - t0, 1),
+        error=None if ok else {"cause": cause, "remedy": remedy})
     write_stage(cfg, (node_name, "generate"), f"generate on {node_name}", ok=ok, seconds=time.monotonic() - t0,
-                result=result, log=None if ok else final.get("log_tail"))
+                result=result.as_dict(), log=None if ok else final.get("log_tail"))
     if not ok:
         logger.error("generation on %s failed: %s\nremedy: %s\nrunner log (tail):\n%s", node_name, cause, remedy,
                      final.get("log_tail") or "")

@@ -3,19 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 
 from fleet.config import FleetConfig
+from fleet.stages import TeardownRow
 from fleet.staging import free_ramdisk as free_ramdisk_on
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
 
 
 @task(name="free-ramdisk", task_run_name="free-ramdisk-{node_name}", **TASK_OPTS)
-def free_ramdisk(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
+def free_ramdisk(cfg: FleetConfig, node_name: str) -> TeardownRow:
     node_cfg = cfg.node(node_name)
     res = free_ramdisk_on(node_for(cfg, node_name), source=cfg.model.source, stage=cfg.model.stage,
                           ramdisk=node_cfg.ramdisk)
-    return {"node": node_name, **res}
+    return TeardownRow.of_ramdisk(node_name, res)

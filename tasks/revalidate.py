@@ -12,13 +12,14 @@ the run ends Completed with that message (tasks/teardown.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.futures import PrefectFuture
 
 from fleet.config import FleetConfig
-from fleet.revalidate import REVALIDATE_COLUMNS, check_server, missing_servers
+from fleet.revalidate import REVALIDATE_COLUMNS, ServerCheck, check_server, missing_servers
 from fleet.servers import records, server_paths
 from fleet.torndown import describe
 from fleet.torndown import read as torn_down
@@ -28,8 +29,16 @@ from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
 
 
+@dataclass(frozen=True)
+class Inventory:
+    """A node's launch records of this fleet, and its teardown marker when none of them runs."""
+
+    records: list[dict[str, Any]]
+    torn_down: dict[str, Any] | None
+
+
 @task(name="revalidate-inventory", task_run_name="inventory-{node_name}", **TASK_OPTS)
-def inventory(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
+def inventory(cfg: FleetConfig, node_name: str) -> Inventory:
     """The launch records of this fleet on the node, and its teardown marker when nothing of it runs."""
     node_cfg = cfg.node(node_name)
     node = node_for(cfg, node_name)
@@ -41,12 +50,12 @@ def inventory(cfg: FleetConfig, node_name: str) -> dict[str, Any]:
             if pid is not None and node.is_alive(pid):
                 marker = None  # something runs again (started outside a bring-up): check everything
                 break
-    return {"records": recs, "torn_down": marker}
+    return Inventory(recs, marker)
 
 
 @task(name="revalidate", task_run_name="revalidate-{node_name}-{record[index]}", **TASK_OPTS)
-def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) -> Any:
-    """Check one server and write its artifact; the task ends Failed (with its row) when it is unhealthy."""
+def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) -> ServerCheck:
+    """Check one server and write its artifact; the task ends Failed (with its check) when it is unhealthy."""
     node_cfg = cfg.node(node_name)
     check = check_server(node_for(cfg, node_name), cfg, node_cfg, record)
     title = f"revalidate {node_name} server {check.index}"
@@ -55,9 +64,9 @@ def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) 
                 seconds=check.seconds, result=check.as_dict(), error=error, log=check.log_excerpt)
     if not check.healthy:
         get_run_logger().error("%s: unhealthy: %s", check.label(), "; ".join(check.problems))
-        return failed(f"{check.label()}: " + "; ".join(check.problems), check.row())
+        return failed(f"{check.label()}: " + "; ".join(check.problems), check)  # type: ignore[return-value]  # a Failed state carrying the check: outcome() gives it back
     get_run_logger().info("%s: healthy (smoke %.2f s)", check.label(), check.smoke_latency_s or 0)
-    return check.row()
+    return check
 
 
 def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
@@ -65,18 +74,18 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     inventories = {n.name: inventory.submit(cfg, n.name) for n in cfg.nodes}
-    checks: dict[PrefectFuture, tuple[str, dict[str, Any]]] = {}
+    checks: dict[PrefectFuture[ServerCheck], tuple[str, dict[str, Any]]] = {}
     blank = {c: None for c in REVALIDATE_COLUMNS}
     for node_cfg in cfg.nodes:
         inv, err = outcome(inventories[node_cfg.name])
-        if err:
+        if inv is None:
             rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "unreachable", "problem": err})
             failures.append(f"{node_cfg.name}: {err}")
             continue
-        recs = inv["records"]
-        if inv["torn_down"]:
+        recs = inv.records
+        if inv.torn_down:
             rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "torn down",
-                                 "problem": f"nothing is up ({describe(inv['torn_down'])})"})
+                                 "problem": f"nothing is up ({describe(inv.torn_down)})"})
             continue
         for missing in missing_servers(cfg, node_cfg, recs):
             rows.append(missing.row())
@@ -88,9 +97,11 @@ def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
         for rec in recs:
             checks[revalidate_server.submit(cfg, node_cfg.name, rec)] = (node_cfg.name, rec)
     for fut, (node_name, rec) in checks.items():
-        row, err = outcome(fut)
+        check, err = outcome(fut)
         label = f"{node_name} server {rec.get('index')} (port {rec.get('port')})"
-        if row is None:  # the check itself could not run (node lost mid-way)
+        if check is not None:
+            row = check.row()
+        else:  # the check itself could not run (node lost mid-way)
             row = blank | {"node": node_name, "server": rec.get("index"), "port": rec.get("port"),
                            "state": "unknown", "problem": err}
         rows.append(row)

@@ -9,30 +9,28 @@ every 30 minutes about servers that were stopped on purpose.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 
 from fleet import torndown
 from fleet.config import FleetConfig
 from fleet.servers import stop_servers
-from tasks.bringup import TASK_OPTS
+from fleet.stages import TeardownRow
 from tasks.nodes import node_for
+from tasks.policy import TASK_OPTS
 
 
 @task(name="stop-servers", task_run_name="stop-servers-{node_name}", **TASK_OPTS)
-def stop_node(cfg: FleetConfig, node_name: str) -> list[dict[str, Any]]:
+def stop_node(cfg: FleetConfig, node_name: str) -> list[TeardownRow]:
     from prefect.runtime import flow_run
 
-    node_cfg = next(n for n in cfg.nodes if n.name == node_name)
+    node_cfg = cfg.node(node_name)
     node = node_for(cfg, node_name)
-    rows = stop_servers(node, cfg, node_cfg)
-    if not any(str(r["action"]).startswith("error") for r in rows):
-        torndown.mark(node, node_cfg, cfg.name, stopped=sum(1 for r in rows if r["action"] in ("stopped", "killed")),
-                      by=flow_run.name)
+    rows = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
+    if not any(r.error for r in rows):
+        torndown.mark(node, node_cfg, cfg.name, stopped=sum(1 for r in rows if r.stopped), by=flow_run.name)
     return rows
 
 
-def teardown(cfg: FleetConfig) -> list[dict[str, Any]]:
+def teardown(cfg: FleetConfig) -> list[TeardownRow]:
     futs = [stop_node.submit(cfg, n.name) for n in cfg.nodes]
     return [row for f in futs for row in f.result()]
