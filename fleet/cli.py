@@ -17,6 +17,8 @@ from fleet.errors import FleetError
 if TYPE_CHECKING:
     from fleet.config import FleetConfig
 
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]  # what add_subparsers returns
+
 EXIT_FAILED = 1     # the command ran and found a problem (a failed check, a failed server)
 EXIT_ERROR = 2      # the command could not run (bad config, unreachable, bad input)
 
@@ -55,7 +57,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return EXIT_FAILED if bad else 0
 
 
-def print_rows(rows: list[dict[str, Any]], columns: list[str]) -> None:
+def print_rows(rows: Sequence[Mapping[str, Any]], columns: list[str]) -> None:
+    """A table of `columns` (rich, at its natural width: never wrapped at 80 columns on a pipe)."""
+    from fleet.tables import table
+
     def cell(v: object) -> str:
         if v is None:
             return "-"
@@ -65,11 +70,7 @@ def print_rows(rows: list[dict[str, Any]], columns: list[str]) -> None:
             return ",".join(str(x) for x in v) or "-"
         return str(v)
 
-    table = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [min(60, max([len(c)] + [len(t[i]) for t in table])) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for t in table:
-        print("  ".join(v[:60].ljust(w) for v, w in zip(t, widths)))
+    print(table(columns, [[cell(r.get(c)) for c in columns] for r in rows]))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -292,15 +293,7 @@ def _runs_a_flow(args: argparse.Namespace) -> int:
                      remedy="run it through the `fleet` command (or `python -m flows.cli`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fleet",
-        description="Bring up a fleet of LLM inference servers (one per GPU) on nodes reached over SSH, "
-                    "prove each one works, and push batch-generation jobs through them — orchestrated by Prefect.",
-        epilog="Start here: `fleet demo` (the whole bring-up on this machine). `fleet COMMAND --help` for details.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _demo_command(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="run the bring-up flow on this machine (embedded Prefect, tiny local model)",
                        description="Build a tiny random-weight model, bring up servers on this machine through the "
                                    "full `fleet` flow (provision, venv, RAM-disk staging, launch, smoke) under "
@@ -311,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="leave the servers running (stop them with `fleet down`)")
     p.set_defaults(func=_runs_a_flow)
 
+
+def _preflight_command(sub: Subparsers) -> None:
     p = sub.add_parser("preflight", help="inspect every node: GPUs, RAM, RAM disk, filesystems, ports",
                        description="Inspect every node of a fleet config and run the hard checks of the provision "
                                    "stage. Exit 0 when all pass, 1 when a node fails a hard check, 2 when a node is "
@@ -319,12 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON (schema in the README) instead of a table")
     p.set_defaults(func=cmd_preflight)
 
+
+def _up_command(sub: Subparsers) -> None:
     p = sub.add_parser("up", help="run the bring-up flow for a config (same flow as the `bringup` deployment)",
                        description="Provision, venv, stage, launch and smoke every server of the config. "
                                    "Idempotent: what is already in place is adopted. Exit 1 when any server is not up.")
     _config_arg(p)
     p.set_defaults(func=_runs_a_flow)
 
+
+def _deploy_command(sub: Subparsers) -> None:
     p = sub.add_parser("deploy", help="save the config in Prefect and register its bringup, revalidate, generate "
                                       "and teardown deployments",
                        description="Validate the config, save it as the Prefect block fleet-config/NAME (NAME: the "
@@ -338,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="revalidate schedule interval; 0 for no schedule (default %(default)s)")
     p.set_defaults(func=_runs_a_flow)
 
+
+def _status_command(sub: Subparsers) -> None:
     p = sub.add_parser("status", help="show every server: state, pid, port, seconds up, last smoke",
                        description="Read every server's launch record on every node (no relaunch, no requests): "
                                    "state (running / dead / stopped), pid, port, GPUs, seconds up, when its last "
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_status)
 
+
+def _down_command(sub: Subparsers) -> None:
     p = sub.add_parser("down", help="stop every server of the config (TERM, then KILL after servers.stop_grace_s)",
                        description="Stop every server this fleet recorded on every node: SIGTERM to its whole "
                                    "process group, SIGKILL after servers.stop_grace_s. Idempotent. The RAM-disk copy "
@@ -360,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "when no live process uses it)")
     p.set_defaults(func=cmd_down)
 
+
+def _inspect_log_command(sub: Subparsers) -> None:
     p = sub.add_parser("inspect-log", help="classify a server log: facts, fatal lines, readiness verdict",
                        description="Run fleet's log classifier on a server log, for diagnosing a server by hand. "
                                    "Exit 1 when a fatal line is found.")
@@ -369,9 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect_log)
 
-    p = sub.add_parser("sim", help="run the simulated SGLang server (`fleet sim --help` lists its flags and faults)", add_help=False,
-                       description="The SGLang-compatible simulated server. All arguments go to it.")
 
+def _sim_command(sub: Subparsers) -> None:
+    # main() hands `fleet sim …` to the simulator before parsing: this entry is for `fleet --help`.
+    sub.add_parser("sim", help="run the simulated SGLang server (`fleet sim --help` lists its flags and faults)",
+                   add_help=False, description="The SGLang-compatible simulated server. All arguments go to it.")
+
+
+def _generate_command(sub: Subparsers) -> None:
     p = sub.add_parser("generate", help="bring the fleet up if needed, then run a batch job through every server",
                        description="The `generate` action of the `fleet` flow: bring-up (adopting what runs), then a "
                                    "detached runner on the node pushes every input row through the servers (one queue, "
@@ -387,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or none goes on from there)")
     p.set_defaults(func=_runs_a_flow)
 
+
+def _fetch_command(sub: Subparsers) -> None:
     p = sub.add_parser("fetch", help="copy a generation output directory back from the node(s)",
                        description="Copy a job's output (shards, errors, rejects, manifest, progress) from the node "
                                    "to a local directory. A job over several nodes: gather every chunk from every node "
@@ -398,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", default=None, help="output directory on the node (default: the newest job's)")
     p.set_defaults(func=cmd_fetch)
 
+
+def _plan_command(sub: Subparsers) -> None:
     p = sub.add_parser("plan", help="wall time and $ per M tokens of a generation job (the seed job's arithmetic)",
                        description="How long N completions take and what they cost. The rate is per GPU (what one "
                                    "server on one GPU generates) unless --fleet-rate.")
@@ -410,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
+
+def _export_command(sub: Subparsers) -> None:
     p = sub.add_parser("export", help="write a generation output DIR as openai-batch, jsonl, sharegpt, specforge or speculators",
                        description="Stream the Parquet shards of a generation output directory into an interchange "
                                    "format (atomic write; a .gz destination is compressed).")
@@ -420,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "for the others)")
     p.set_defaults(func=cmd_export)
 
+
+def _report_command(sub: Subparsers) -> None:
     p = sub.add_parser("report", help="show what a run recorded: state, summary table, artifacts (fast, read-only)",
                        description="Render a fleet run's state, summary and artifacts in the terminal at full width. "
                                    "Reads the server at PREFECT_API_URL, or else the embedded server's database "
@@ -434,12 +452,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one artifact by key (e.g. local-sim-summary): of that run, or the newest with that key")
     p.set_defaults(func=_runs_a_flow)
 
+
+def _tiny_model_command(sub: Subparsers) -> None:
     p = sub.add_parser("tiny-model", help="build the tiny random-weight chat model used by tests and the demo",
                        description="Build a tiny random-weight Qwen2-style chat model (byte-level BPE tokenizer "
                                    "trained locally, ChatML template) in a few seconds, with no download. "
                                    "Idempotent: an existing complete build is reused.")
     p.add_argument("out", help="output directory (created; must be empty or a previous build)")
     p.set_defaults(func=cmd_tiny_model)
+
+
+# `fleet --help` lists the commands in this order.
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    _demo_command, _preflight_command, _up_command, _deploy_command, _status_command, _down_command,
+    _inspect_log_command, _sim_command, _generate_command, _fetch_command, _plan_command, _export_command,
+    _report_command, _tiny_model_command,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleet",
+        description="Bring up a fleet of LLM inference servers (one per GPU) on nodes reached over SSH, "
+                    "prove each one works, and push batch-generation jobs through them — orchestrated by Prefect.",
+        epilog="Start here: `fleet demo` (the whole bring-up on this machine). `fleet COMMAND --help` for details.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 

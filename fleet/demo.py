@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
 
 
 def demo_dir() -> Path:
@@ -39,42 +39,23 @@ def free_port_block(n: int, start: int = 31000, stop: int = 60000) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+def to_toml(data: Mapping[str, Any]) -> str:
+    """TOML text of a config dict (tomli-w). TOML has no null: a key set to None is left out, as
+    the config treats a missing key (`model_dump(mode="json")` output can be written as is)."""
+    import tomli_w
+
+    return tomli_w.dumps(_without_none(data))
 
 
-def to_toml(data: dict[str, Any]) -> str:
-    """TOML for the config shapes fleet writes: scalars, lists, tables, and arrays of tables."""
-    lines: list[str] = []
+def _without_none(d: Mapping[str, Any]) -> dict[str, Any]:
+    def clean(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return _without_none(v)
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v if x is not None]
+        return v
 
-    def table(prefix: str, d: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) and not _is_table_list(v) and v is not None}
-        for k, v in scalars.items():
-            lines.append(f"{k} = {_toml_value(v)}")
-        for k, v in d.items():
-            name = f"{prefix}.{k}" if prefix else k
-            if isinstance(v, dict) and v:
-                lines.extend(["", f"[{name}]"])
-                table(name, v)
-            elif _is_table_list(v):
-                for item in v:
-                    lines.extend(["", f"[[{name}]]"])
-                    table(name, item)
-
-    table("", data)
-    return "\n".join(lines).lstrip() + "\n"
-
-
-def _is_table_list(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+    return {k: clean(v) for k, v in d.items() if v is not None}
 
 
 def demo_config(engine: str, servers: int | None, state: Path) -> dict[str, Any]:

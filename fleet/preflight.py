@@ -439,6 +439,9 @@ def _gb(n: int | None) -> str:
 # -- rendering -------------------------------------------------------------------------
 
 def render(reports: list[NodeReport]) -> str:
+    """The report as text: a head line per node, its GPU and path tables (rich), then its checks."""
+    from fleet.tables import table
+
     out = []
     for r in reports:
         head = f"node {r.node} ({r.host})"
@@ -449,16 +452,16 @@ def render(reports: list[NodeReport]) -> str:
         out.append(f"  cpus {r.cpu_count}, RAM {_gb(r.mem_total_bytes)} ({_gb(r.mem_available_bytes)} available), "
                    f"python3 {r.python or '—'}, uv {r.uv or '—'}")
         if r.gpus:
-            out.append(f"  {'gpu':>3}  {'name':<28} {'total MiB':>10} {'used MiB':>9} {'free MiB':>9}  driver")
-            for g in r.gpus:
-                out.append(f"  {g.index:>3}  {g.name[:28]:<28} {g.memory_total_mib:>10} {g.memory_used_mib:>9} "
-                           f"{g.memory_free_mib:>9}  {g.driver_version}")
+            out.append(table(["gpu", "name", "total MiB", "used MiB", "free MiB", "driver"],
+                             [[str(g.index), g.name, str(g.memory_total_mib), str(g.memory_used_mib),
+                               str(g.memory_free_mib), g.driver_version] for g in r.gpus],
+                             indent=2, right=("gpu", "total MiB", "used MiB", "free MiB"), max_cell=None))
         else:
             out.append(f"  no GPUs (nvidia-smi {r.nvidia_smi})")
-        out.append(f"  {'path':<15} {'fs':<10} {'network':<8} {'free':>9}  location")
-        for p in r.paths:
-            out.append(f"  {p.role:<15} {p.fstype:<10} {'YES' if p.network else 'no':<8} "
-                       f"{_gb(p.avail_bytes):>9}  {p.path}{'' if p.exists else ' (not yet created)'}")
+        out.append(table(["path", "fs", "network", "free", "location"],
+                         [[p.role, p.fstype, "YES" if p.network else "no", _gb(p.avail_bytes),
+                           p.path + ("" if p.exists else " (not yet created)")] for p in r.paths],
+                         indent=2, right=("free",), max_cell=None))
         for c in r.checks:
             mark = "ok  " if c.ok else ("FAIL" if c.hard else "warn")
             line = f"  [{mark}] {c.name}: {c.detail}"
