@@ -1,7 +1,12 @@
 """The fleet config: one pydantic-settings model, read from TOML and `FLEET_*` env vars.
 
 Precedence, highest first: `FLEET_<SECTION>__<KEY>` environment variables, then the TOML
-file given with `-c/--config`, then the defaults below. Unknown keys are errors: a typo
+file given with `-c/--config`, then the defaults below. The file is read by pydantic-settings'
+`TomlConfigSettingsSource` (`read_toml`) and its data handed to the model as init values, the
+source below the environment. Two things the source does not do are done around it, to keep
+the errors one clear line with a remedy: it reads a missing file (or a directory) as empty —
+every default — so the file is opened first and a missing one refused; and its syntax error
+(tomllib's, "at line L, column C") becomes a ConfigError naming the file. Unknown keys are errors: a typo
 must never silently fall back to a default on a machine billed by the hour.
 
 The same model is the Prefect flow's parameter type, so every field carries a
@@ -646,24 +651,37 @@ def _build(data: dict[str, Any], source: str) -> FleetConfig:
     return cfg
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The config file's data, read by pydantic-settings' TomlConfigSettingsSource; a ConfigError
+    naming the file, the line and the remedy when it cannot be read."""
+    from pydantic_settings import TomlConfigSettingsSource
+
+    try:
+        # The source reads a missing file, or a directory, as empty (every default): a mistyped
+        # -c must stop here instead of bringing up a default fleet.
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found",
+                          remedy="pass an existing file with -c; examples are in deployments/configs/") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        return TomlConfigSettingsSource(FleetConfig, toml_file=path)()
+    except tomllib.TOMLDecodeError as exc:   # its message ends "(at line L, column C)"
+        raise ConfigError(f"{path}: not valid TOML: {exc}", remedy="fix the syntax at the line shown") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})",
+                          remedy="save the file as UTF-8") from None
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig:
     """Read a fleet config from TOML (if given) + FLEET_* env; raise ConfigError with every problem."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} not found",
-                              remedy="pass an existing file with -c; examples are in deployments/configs/") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: not valid TOML: {exc}", remedy="fix the syntax at the line shown") from exc
+        source = str(path)
+        data = read_toml(Path(path))
     data.update(overrides)
     return _build(data, source)
 
