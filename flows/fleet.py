@@ -207,14 +207,13 @@ def revalidate_action(cfg: FleetConfig) -> Any:
     from tasks.revalidate import revalidate
 
     t0 = time.monotonic()
-    rows, failures = revalidate(cfg)
-    healthy = sum(1 for r in rows if r["state"] == "healthy")
-    if rows and all(r["state"] == "torn down" for r in rows):
-        return Completed(message=" | ".join(sorted({r["problem"] for r in rows})), data=rows)
-    if failures:
-        return failed(f"{len(failures)} server(s) unhealthy, {healthy} healthy: " + " | ".join(failures),
-                      rows)
-    return Completed(message=f"{healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=rows)
+    found = revalidate(cfg)
+    if found.all_torn_down:
+        return Completed(message=" | ".join(sorted(set(found.torn_down))), data=found.rows)
+    if found.failures:
+        return failed(f"{len(found.failures)} server(s) unhealthy, {found.healthy} healthy: "
+                      + " | ".join(found.failures), found.rows)
+    return Completed(message=f"{found.healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=found.rows)
 
 
 def _write_summary(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], t0: float) -> int:

@@ -253,9 +253,9 @@ def _cell(v: Any) -> str:
 def table_of(data: Any) -> tuple[list[str], list[list[str]]]:
     """Columns and rows from what a table artifact holds: a list of dicts, a dict of columns, or rows."""
     if isinstance(data, dict):
-        cols = list(data)
+        keys = list(data)
         n = max((len(v) for v in data.values() if isinstance(v, list)), default=0)
-        return cols, [[_cell(data[c][i] if i < len(data[c]) else None) for c in cols] for i in range(n)]
+        return keys, [[_cell(data[c][i] if i < len(data[c]) else None) for c in keys] for i in range(n)]
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
         cols: list[str] = []
         for r in data:

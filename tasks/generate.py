@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -56,8 +57,9 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
                        retry_errors=retry_errors, facts=facts)
     logger.info("%s runner pid %d on %s (output %s, log %s)",
                 "re-attached to" if handle.attached else "started", handle.pid, node_name, output, handle.log)
-    progress_id = create_progress_artifact(0.0, key=artifact_key(cfg, node_name, "generate-progress"),
-                                           description=f"generation on {node_name} → {output}")
+    # Called from sync code it returns the id (its type also covers async callers' coroutine).
+    progress_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(cfg, node_name, "generate-progress"),
+                                                      description=f"generation on {node_name} → {output}"))
     series: list[dict[str, Any]] = []
     last_table = 0.0
     last_log = 0.0

@@ -69,48 +69,65 @@ def revalidate_server(cfg: FleetConfig, node_name: str, record: dict[str, Any]) 
     return check
 
 
-def revalidate(cfg: FleetConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    """Re-validate every server of every node; (table rows, one line per unhealthy server)."""
-    rows: list[dict[str, Any]] = []
+@dataclass(frozen=True)
+class Revalidation:
+    """What a revalidate run found: the table (one row per server, or per node when it has none
+    to check) and one line per unhealthy server."""
+
+    rows: list[dict[str, Any]]
+    failures: list[str]
+    healthy: int
+    torn_down: list[str]  # per torn-down node: "nothing is up (torn down at …)"
+
+    @property
+    def all_torn_down(self) -> bool:
+        return bool(self.rows) and len(self.torn_down) == len(self.rows)
+
+
+def revalidate(cfg: FleetConfig) -> Revalidation:
+    """Re-validate every server of every node; write the table."""
+    rows: list[tuple[tuple[str, int], dict[str, Any]]] = []   # (sort key, table row)
     failures: list[str] = []
+    torn: list[str] = []
+    healthy = 0
     inventories = {n.name: inventory.submit(cfg, n.name) for n in cfg.nodes}
     checks: dict[PrefectFuture[ServerCheck], tuple[str, dict[str, Any]]] = {}
-    blank = {c: None for c in REVALIDATE_COLUMNS}
+
+    def node_row(node: str, state: str, problem: str | None) -> None:
+        rows.append(((node, -1), {c: None for c in REVALIDATE_COLUMNS} | {
+            "node": node, "server": "-", "state": state, "problem": problem}))
+
     for node_cfg in cfg.nodes:
         inv, err = outcome(inventories[node_cfg.name])
         if inv is None:
-            rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "unreachable", "problem": err})
+            node_row(node_cfg.name, "unreachable", err)
             failures.append(f"{node_cfg.name}: {err}")
             continue
-        recs = inv.records
         if inv.torn_down:
-            rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "torn down",
-                                 "problem": f"nothing is up ({describe(inv.torn_down)})"})
+            torn.append(f"nothing is up ({describe(inv.torn_down)})")
+            node_row(node_cfg.name, "torn down", torn[-1])
             continue
-        for missing in missing_servers(cfg, node_cfg, recs):
-            rows.append(missing.row())
+        for missing in missing_servers(cfg, node_cfg, inv.records):
+            rows.append(((missing.node, missing.index), missing.row()))
             failures.append(f"{missing.label()}: {'; '.join(missing.problems)}")
-        if not recs and cfg.servers.count is None:
+        if not inv.records and cfg.servers.count is None:
             why = f"no servers of fleet {cfg.name!r} recorded: run the bringup deployment"
-            rows.append(blank | {"node": node_cfg.name, "server": "-", "state": "unhealthy", "problem": why})
+            node_row(node_cfg.name, "unhealthy", why)
             failures.append(f"{node_cfg.name}: {why}")
-        for rec in recs:
+        for rec in inv.records:
             checks[revalidate_server.submit(cfg, node_cfg.name, rec)] = (node_cfg.name, rec)
     for fut, (node_name, rec) in checks.items():
         check, err = outcome(fut)
-        label = f"{node_name} server {rec.get('index')} (port {rec.get('port')})"
+        index, port = rec.get("index"), rec.get("port")   # the launch record's
         if check is not None:
-            row = check.row()
+            rows.append(((check.node, check.index), check.row()))
+            healthy += check.healthy
         else:  # the check itself could not run (node lost mid-way)
-            row = blank | {"node": node_name, "server": rec.get("index"), "port": rec.get("port"),
-                           "state": "unknown", "problem": err}
-        rows.append(row)
+            rows.append(((node_name, int(index or 0)), {c: None for c in REVALIDATE_COLUMNS} | {
+                "node": node_name, "server": index, "port": port, "state": "unknown", "problem": err}))
         if err:
-            failures.append(err if err.startswith(node_name) else f"{label}: {err}")
-    rows.sort(key=lambda r: (r["node"], -1 if r["server"] == "-" else r["server"]))
-    up = sum(1 for r in rows if r["state"] == "healthy")
-    down = [r for r in rows if r["state"] == "torn down"]
-    write_table(cfg, ("revalidate",), rows, f"revalidation of {cfg.name}: {up} healthy, {len(failures)} unhealthy"
-                + (f", {len(down)} node(s) torn down" if down else ""))
-    return rows, failures
-
+            failures.append(err if err.startswith(node_name) else f"{node_name} server {index} (port {port}): {err}")
+    table = [row for _, row in sorted(rows, key=lambda kr: kr[0])]
+    write_table(cfg, ("revalidate",), table, f"revalidation of {cfg.name}: {healthy} healthy, {len(failures)} unhealthy"
+                + (f", {len(torn)} node(s) torn down" if torn else ""))
+    return Revalidation(table, failures, healthy, torn)
