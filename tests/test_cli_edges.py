@@ -120,7 +120,8 @@ def test_runner_final_line_and_manifest_give_the_same_tok_s(tmp_path: Path, sims
     log showed the last minute's rate, the manifest the run's average, both called "tok/s".
     Now running lines name both ("now", "avg") and the final line's avg is the manifest's."""
     from fleet.config import FleetConfig
-    from fleet.generation.runner import _Progress, run_local
+    from fleet.generation.progress import Progress
+    from fleet.generation.runner import run_local
 
     sim = sims("--tokens-per-s", "5000")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -134,6 +135,6 @@ def test_runner_final_line_and_manifest_give_the_same_tok_s(tmp_path: Path, sims
     avg = manifest["throughput"]["completion_tok_s"]
     assert avg > 0 and f"| avg {avg:,.0f} tok/s |" in last, last
     assert json.loads((out / "progress.json").read_text())["tok_s_avg"] == avg
-    running = _Progress.line({**json.loads((out / "progress.json").read_text()), "state": "running",
+    running = Progress.line({**json.loads((out / "progress.json").read_text()), "state": "running",
                               "tok_s": 12194.0, "tok_s_avg": 22359.0})
     assert "| 12,194 tok/s now, avg 22,359 |" in running

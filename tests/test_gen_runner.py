@@ -367,13 +367,13 @@ def test_liveness_reads_pid_files_that_carry_the_start_time(tmp_path: Path) -> N
     number, answered "cannot tell" for every server: a crashed server was then only noticed
     after connection failures. It must read the first field: alive, dead, and unknown."""
     from fleet.generation.dispatch import Endpoint
-    from fleet.generation.runner import _Servers
+    from fleet.generation.relaunch import JobServers
     from fleet.servers import server_paths
 
     cfg = FleetConfig(name="live", nodes=[{"name": "local", "workdir": str(tmp_path)}])
     entry = ServerEntry(node="local", index=0, url="http://127.0.0.1:1", model="m",
                         spec={"workdir": str(tmp_path), "index": 0})
-    servers = _Servers(cfg, [entry], relaunch=False)
+    servers = JobServers(cfg, [entry], relaunch=False)
     ep = Endpoint(name=entry.name, url=entry.url, model="m")
     pid_path = Path(server_paths(str(tmp_path), "live", 0).pid)
     pid_path.parent.mkdir(parents=True, exist_ok=True)

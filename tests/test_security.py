@@ -624,12 +624,12 @@ def test_runner_gets_the_real_engine_env_back_for_a_relaunch(monkeypatch: pytest
     """job.json holds engine.env masked; a relaunch by the runner must still export the real
     HF_TOKEN, which the runner gets from its environment (FLEET_ENGINE_ENV), never from the file."""
     from fleet.generation.remote import runner_secret_env
-    from fleet.generation.runner import _fleet_config
+    from fleet.generation.jobspec import fleet_config
 
     cfg = FleetConfig(servers={"api_key": "sk-run-1"}, engine={"env": {"HF_TOKEN": "hf_run_2"}})
     masked = json.loads(json.dumps(cfg.model_dump(mode="json")))
     assert masked["engine"]["env"]["HF_TOKEN"] == "**********"
     for k, v in runner_secret_env(cfg).items():
         monkeypatch.setenv(k, v)
-    back = _fleet_config(masked)
+    back = fleet_config(masked)
     assert back.api_key() == "sk-run-1" and back.engine.env_values() == {"HF_TOKEN": "hf_run_2"}

@@ -26,6 +26,10 @@ Hot path (the data plane's runner):
     serverstate.py  what is known of one server: endpoint, state, counters, row times, timeline
     probes.py   the HTTP checks health makes (/health, /v1/models, /health_generate, server info, metrics)
     runner.py   the detached process that ties input, dispatcher and store together (run_job's steps)
+      jobspec.py    JOB.json: the job, its servers, its config with the secrets from the environment
+      relaunch.py   the job's servers on the runner's node: alive?, relaunch, healthy again
+      progress.py   progress.json and the console line
+      failures.py   Failure (cause + remedy) from any exception, the disk reserve, exit.json
 
 Nothing is imported here: `import fleet.generation.inputs` must not pay for pyarrow or aiohttp.
 """

@@ -559,7 +559,7 @@ def _retry(fn: Callable[[], Any], attempts: int = 3) -> Any:
 
 def format_line(p: dict[str, Any]) -> str:
     """The CLI's one line for a multi-node job."""
-    from fleet.generation.runner import _fmt_s
+    from fleet.generation.progress import fmt_s as _fmt_s
 
     pct = f" ({p['percent']:.1f}%)" if p.get("percent") is not None else ""
     nodes = " | ".join(f"{n['node']} {n['state']} {n['rows_done']:,} rows ({(n['share'] or 0) * 100:.0f}%) "

@@ -42,496 +42,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig
-from fleet.generation.dispatch import Dispatcher, Endpoint, Summary
+from fleet.generation.dispatch import Dispatcher, Summary
+from fleet.generation.failures import (
+    Failure,
+    GuardedStore,
+    OutputRemoved,
+    classify,
+    reserve_space,
+    write_exit,
+)
 from fleet.generation.jobdir import EXIT_FILE
+from fleet.generation.jobspec import JobSpec, ServerEntry, fleet_config
+from fleet.generation.progress import Progress, write_json_atomic
+from fleet.generation.relaunch import JobServers
+from fleet.generation.serverstate import Endpoint
 
 if TYPE_CHECKING:
     from fleet.generation.manifest import RunFacts
     from fleet.generation.store import ResultStore
 
+
 log = logging.getLogger("fleet.generation")
 
 __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
-
-PROGRESS_FILE = "progress.json"
-
-
-@dataclass
-class ServerEntry:
-    """One server of the job, as JOB.json lists it."""
-
-    node: str
-    index: int
-    url: str                                   # base URL as seen from the runner (on the node)
-    model: str                                 # the "model" requests carry (engines.get_profile(kind).request_model(spec))
-    api_key_env: str = "FLEET_API_KEY"         # environment variable that holds the API key
-    gpus: list[int] = field(default_factory=list)
-    max_running_requests: int | None = None    # from the launch log, when /server_info does not say
-    spec: dict[str, Any] | None = None         # ServerSpec fields except api_key: enables relaunch
-
-    @property
-    def name(self) -> str:
-        return f"{self.node}/{self.index}"
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ServerEntry:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-
-@dataclass
-class JobSpec:
-    config: dict[str, Any]
-    input: str
-    output: str
-    servers: list[ServerEntry]
-    retry_errors: bool = False
-    relaunch: bool = True
-    flush_interval_s: float = 30.0
-    progress_interval_s: float = 2.0
-    console_interval_s: float = 5.0
-    stop_grace_s: float = 60.0
-    dispatch: dict[str, Any] = field(default_factory=dict)   # Dispatcher keyword options (backoff_s, down_after, ...)
-
-    @classmethod
-    def load(cls, path: str | Path) -> JobSpec:
-        d = json.loads(Path(path).read_text())
-        d["servers"] = [ServerEntry.from_dict(s) for s in d.get("servers") or []]
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _fleet_config(data: dict[str, Any]) -> FleetConfig:
-    """The job's config, with the API key put back from the environment (never from the file)."""
-    data = json.loads(json.dumps(data))
-    servers = data.setdefault("servers", {})
-    servers.pop("api_key", None)
-    key = os.environ.get("FLEET_API_KEY")
-    if key:
-        servers["api_key"] = key
-    # engine.env values arrive masked in the file; the real ones come from the environment
-    # (fleet.generation.remote.runner_secret_env), so a relaunch gets the real HF_TOKEN & co.
-    env_json = os.environ.get("FLEET_ENGINE_ENV")
-    if env_json:
-        data.setdefault("engine", {})["env"] = json.loads(env_json)
-    return FleetConfig(**data)
-
-
-# ---------------------------------------------------------------------------- the node side
-
-
-_T = TypeVar("_T")
-
-
-async def _in_daemon_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Run blocking `fn` in a daemon thread: unlike asyncio.to_thread, a stop never waits for it
-    (a relaunch can sit in wait_ready for minutes; the server it starts is detached anyway)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[_T] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            (fut.set_result if ok else fut.set_exception)(value)
-
-    def target() -> None:
-        try:
-            res = fn(*args)
-        except BaseException as exc:  # handed to the awaiting task
-            try:
-                loop.call_soon_threadsafe(settle, False, exc)
-            except RuntimeError:   # the loop is gone: nobody is waiting any more
-                pass
-            return
-        try:
-            loop.call_soon_threadsafe(settle, True, res)
-        except RuntimeError:
-            pass
-
-    threading.Thread(target=target, daemon=True, name=f"fleet-{getattr(fn, '__name__', 'call')}").start()
-    return await fut
-
-
-def _pid_state(pid: int) -> str | None:
-    """The process state letter from /proc (R, S, D, T stopped, Z zombie, ...), None when gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:][:1]
-
-
-def _pid_alive(pid: int) -> bool:
-    return _pid_state(pid) not in (None, "Z", "X")
-
-
-def _generation_answers(ep: Endpoint, timeout: float = 20.0) -> bool:
-    """Does the server run a generation now? /health_generate (SGLang), else /health."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
-    try:
-        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers)
-        if r.status_code == 404:
-            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers)
-        return r.status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class _Servers:
-    """Liveness and relaunch of the job's servers, on this node (the runner runs on it)."""
-
-    def __init__(self, cfg: FleetConfig, entries: list[ServerEntry], relaunch: bool) -> None:
-        self.cfg = cfg
-        self.entries = {e.name: e for e in entries}
-        self.relaunch = relaunch
-
-    def _pid_path(self, e: ServerEntry) -> Path | None:
-        if not e.spec or "workdir" not in e.spec:
-            return None
-        from fleet.servers import server_paths
-
-        return Path(server_paths(e.spec["workdir"], self.cfg.name, e.index).pid)
-
-    def is_alive(self, ep: Endpoint) -> bool | None:
-        e = self.entries[ep.name]
-        path = self._pid_path(e)
-        if path is None:
-            return None
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            return None   # no pid file: cannot tell (stopped by hand, or not launched by fleet)
-        first = text.split()[0] if text else ""   # "PID STARTTIME" (older files: "PID")
-        return _pid_alive(int(first)) if first.isdigit() else None
-
-    async def on_down(self, ep: Endpoint) -> bool:
-        e = self.entries[ep.name]
-        if not self.relaunch or not e.spec:
-            return await _in_daemon_thread(self._healthy_and_smoked, ep)
-        return await _in_daemon_thread(self._relaunch, ep, e)
-
-    def _healthy_and_smoked(self, ep: Endpoint) -> bool:
-        import httpx
-
-        from fleet.errors import FleetError
-        from fleet.smoke import smoke
-
-        try:
-            if httpx.get(ep.url + "/health", timeout=10).status_code != 200:
-                return False
-        except httpx.HTTPError:
-            return False
-        try:
-            smoke(ep.url, ep.model, self.cfg.smoke, node=ep.name, api_key=ep.api_key,
-                  temperature=self.cfg.generation.temperature)
-        except FleetError as exc:
-            log.warning("server %s answers /health but fails its smoke: %s", ep.name, exc.one_line())
-            return False
-        return True
-
-    def _relaunch(self, ep: Endpoint, e: ServerEntry) -> bool:
-        """Same launch spec, same GPU: stop what is left, launch, wait ready, smoke."""
-        from fleet.engines import ServerSpec
-        from fleet.node import LocalNode
-        from fleet.servers import launch, record_smoke, server_paths, wait_ready
-        from fleet.smoke import smoke
-
-        assert e.spec is not None
-        spec_fields = {k: v for k, v in e.spec.items() if k in ServerSpec.__dataclass_fields__}
-        spec_fields["gpus"] = tuple(spec_fields.get("gpus") or ())
-        spec_fields["extra_args"] = tuple(spec_fields.get("extra_args") or ())
-        spec = ServerSpec(**{**spec_fields, "api_key": ep.api_key})
-        node = LocalNode(spec.node)
-        paths = server_paths(spec.workdir, self.cfg.name, spec.index)
-        pid = node.read_pid(paths.pid, expect=f"--port {spec.port}")
-        if pid is not None and node.is_alive(pid):
-            # Alive but taken out (stopped, hung, or answering garbage): is it fine after all?
-            # A stopped process (SIGSTOP) cannot be; a wedged one fails a generation probe in
-            # seconds (never wait for a smoke's first-request timeout on it).
-            stopped = _pid_state(pid) == "T"
-            if not stopped and _generation_answers(ep) and self._healthy_and_smoked(ep):
-                log.info("server %s is healthy again without a relaunch", ep.name)
-                return True
-            log.warning("server %s: process %d %s: stopping it", ep.name, pid,
-                        "is stopped (SIGSTOP)" if stopped else "alive but not serving")
-            try:
-                os.killpg(pid, signal.SIGCONT)   # a stopped group acts on SIGTERM only once continued
-            except OSError:
-                pass
-            node.stop(pid, grace_s=self.cfg.servers.stop_grace_s)
-        log.warning("relaunching server %s on GPUs %s", ep.name, list(spec.gpus))
-        res = launch(node, self.cfg, spec)
-        wait_ready(node, self.cfg, spec, res.pid)
-        result = smoke(ep.url, ep.model, self.cfg.smoke, node=spec.node, index=spec.index, api_key=ep.api_key,
-                       temperature=self.cfg.generation.temperature)
-        record_smoke(node, self.cfg, spec, result.as_dict())
-        log.warning("server %s relaunched (pid %d) and smoked in %.1f s", ep.name, res.pid,
-                    res.seconds + (result.latency_s or 0))
-        return True
-
-
-# ---------------------------------------------------------------------------- progress
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, path)
-    except OSError as exc:
-        if not exc.filename:   # a failed write() names no file: say which one (disk full at which file)
-            exc.filename = str(path)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
-
-
-def _fmt_s(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = int(s)
-    if s >= 86400:
-        return f"{s // 86400}d{s % 86400 // 3600}h"
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s"
-
-
-class _Progress:
-    """progress.json and the console line, from the dispatcher's counters and the store's."""
-
-    def __init__(self, job: JobSpec, store: Any, started_at: float) -> None:
-        self.job = job
-        self.store = store
-        self.rows_total: int | None = None
-        self.started_at = started_at
-        self.path = Path(job.output) / PROGRESS_FILE
-
-    def build(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
-        snap = disp.snapshot()
-        counts = self.store.counts()   # the truth, across every run into this directory
-        completed, errors, rejects = counts["completed"], counts["errors"], counts["rejects"]
-        quality_rejects = counts.get("quality_rejects", 0)
-        done = completed + errors + rejects + quality_rejects
-        total = self.rows_total
-        remaining = None if total is None else max(0, total - done)
-        rows_per_s = snap["completed"] + snap["errors"]
-        rows_per_s = rows_per_s / snap["elapsed_s"] if snap["elapsed_s"] > 0 else 0.0
-        eta = remaining / rows_per_s if remaining is not None and rows_per_s > 0 else None
-        st = state or snap["state"]
-        return {
-            "state": st.split(":")[0] if not st.startswith("paused") else "paused",
-            "detail": st, "reason": snap["reason"],
-            "pid": os.getpid(), "started_at": self.started_at, "updated_at": time.time(),
-            "elapsed_s": snap["elapsed_s"],
-            "input": self.job.input, "output": self.job.output,
-            "rows_total": total, "rows_done": done, "completed": completed, "errors": errors,
-            "rejects": rejects, "quality_rejects": quality_rejects,
-            "committed": counts.get("committed"), "shards": counts.get("shards"),
-            "percent": round(100 * done / total, 2) if total else None,
-            "this_run": {k: snap[k] for k in ("fed", "completed", "errors", "rejects", "retries", "requeues")},
-            "in_flight": snap["in_flight"], "queued": snap["queued"],
-            "tok_s": snap["tok_s"], "tok_s_avg": snap["tok_s_avg"],
-            "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta) if eta is not None else None,
-            "prompt_tokens": snap["prompt_tokens"], "completion_tokens": snap["completion_tokens"],
-            "servers_up": snap["servers_up"], "servers": snap["servers"],
-        }
-
-    def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
-        data = self.build(disp, state)
-        write_json_atomic(self.path, data)
-        return data
-
-    @staticmethod
-    def line(p: dict[str, Any]) -> str:
-        total = p["rows_total"]
-        pct = f" ({p['percent']:.1f}%)" if p["percent"] is not None else ""
-        return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
-                f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
-            f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,}"
-            + (f" gated {p['quality_rejects']:,}" if p.get("quality_rejects") else "")
-            + f" | in flight {p['in_flight']}"
-            # two rates, named: the last minute's (tok_s) and this run's average (tok_s_avg), which
-            # in the final line is the manifest's throughput.completion_tok_s
-            + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
-               f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + f" | ETA {_fmt_s(p['eta_s'])}"
-            f" | servers up {p['servers_up']}/{len(p['servers'])}")
-
-
-# ---------------------------------------------------------------------------- failures
-
-RESERVE_FILE = ".reserve.tmp"    # a little space set aside so a full disk still gets its manifest
-RESERVE_BYTES = 512 * 1024
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-@dataclass
-class Failure:
-    """Why a job stopped failed: what progress.json, the manifest and exit.json say, and the CLI prints."""
-
-    kind: str            # disk_full | output_removed | output_unwritable | input | conflict | internal
-    cause: str           # one line: what failed, where (file, line, byte)
-    remedy: str          # one line: what to do, then "run the same command again to resume"
-    file: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class OutputRemoved(OSError):
-    """The output directory is gone (or replaced by another) under the running job."""
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _target(path: str | None) -> str | None:
-    """The file a temp file stands for: .progress.json.123.tmp -> progress.json, part-1.parquet.tmp -> part-1.parquet."""
-    if not path:
-        return path
-    p = Path(path)
-    name = p.name
-    if name.endswith(".tmp"):
-        name = name[:-4]
-        if name.startswith("."):
-            name = name[1:].rsplit(".", 1)[0] if name.rsplit(".", 1)[-1].isdigit() else name[1:]
-    return str(p.with_name(name))
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def classify(exc: BaseException, out: Path, *, committed: int | None = None) -> Failure:
-    """Turn any exception of a runner task into a Failure with its cause and remedy."""
-    from fleet.errors import FleetError, InputError, JobConflict
-
-    resume = "then run the same command again to resume" + (
-        f": the {committed:,} committed rows are kept" if committed else ": committed rows are kept")
-    if isinstance(exc, InputError):
-        return Failure("input", exc.reason, exc.remedy or "fix the input, then run the same command again")
-    if isinstance(exc, JobConflict):
-        return Failure("conflict", exc.reason, exc.remedy or "give this job its own --output")
-    oserr = _os_error(exc)
-    path = _target(getattr(exc, "path", None) or (oserr.filename if oserr is not None else None))
-    if isinstance(oserr, OutputRemoved) or (oserr is not None and not out.is_dir()):
-        return Failure("output_removed", f"output directory {out} was removed while the job ran",
-                       f"run the same command again: the job starts over in a new {out} (the rows of the "
-                       "removed directory are gone)", str(out))
-    text = f"{exc} {oserr or ''}"
-    if oserr is not None and (oserr.errno in _DISK_FULL or "No space left" in text or "errno 28" in text.lower()):
-        try:
-            st = os.statvfs(out)
-            free = f"{_fmt_bytes(st.f_bavail * st.f_frsize)} free of {_fmt_bytes(st.f_blocks * st.f_frsize)}"
-        except OSError:
-            free = "free space unknown"
-        return Failure("disk_full", f"disk full: no space left on device writing {path or out} ({free} on the "
-                                    f"filesystem of {out})",
-                       f"free space there (`df -h {out}`), {resume}; rows not committed are generated again",
-                       path)
-    if oserr is not None and oserr.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return Failure("output_unwritable", f"cannot write {path or out}: {oserr.strerror}",
-                       f"make {out} writable (or pick another --output), {resume}", path)
-    if oserr is not None:
-        return Failure("output_unwritable", f"writing {path or out} failed: {oserr.strerror or oserr}",
-                       f"fix the output filesystem, {resume}", path)
-    if isinstance(exc, FleetError):
-        return Failure("internal", exc.reason, exc.remedy or f"read the runner's log, {resume}")
-    return Failure("internal", f"runner error: {type(exc).__name__}: {exc}"[:500],
-                   f"a bug: the traceback is in the runner's log; {resume}")
-
-
-def _reserve(out: Path) -> Path | None:
-    """Set RESERVE_BYTES aside in the output directory (OSError: the disk is already full)."""
-    path = out / RESERVE_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, RESERVE_BYTES)
-    except OSError as exc:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return None   # a filesystem without fallocate: no reserve, the rest still works
-        exc.filename = str(out / "shards")
-        raise
-    os.close(fd)
-    return path
-
-
-def write_exit(path: Path | None, pid: int, rc: int, state: str, failure: Failure | None,
-               extra: dict[str, Any] | None = None) -> None:
-    """<job dir>/exit.json: the runner's last word, outside the output directory (which may be full or gone)."""
-    if path is None:
-        return
-    try:
-        write_json_atomic(path, {"pid": pid, "rc": rc, "state": state, "at": time.time(),
-                                 "failure": failure.as_dict() if failure else None, **(extra or {})})
-    except OSError as exc:
-        log.error("cannot write %s: %s", path, exc)
-
-
-class _GuardedStore:
-    """The store as the dispatcher sees it: any write that raises is recorded as the job's failure."""
-
-    def __init__(self, store: Any, on_error: Any) -> None:
-        self._store = store
-        self._on_error = on_error
-
-    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
-        try:
-            return getattr(self._store, name)(*args, **kw)
-        except Exception as exc:
-            self._on_error(exc)
-            raise
-
-    def add_result(self, row: dict[str, Any]) -> Any:
-        return self._call("add_result", row)
-
-    def add_error(self, id: str, **kw: Any) -> Any:
-        return self._call("add_error", id, **kw)
-
-    def add_reject(self, reject: Any) -> Any:
-        return self._call("add_reject", reject)
-
-    def add_quality_reject(self, row: dict[str, Any], reasons: list[str], **kw: Any) -> Any:
-        return self._call("add_quality_reject", row, reasons, **kw)
-
-    def flush(self) -> None:
-        self._call("flush")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
 
 
 # ---------------------------------------------------------------------------- the job
@@ -579,7 +122,7 @@ class _Run:
         from fleet.generation.store import ResultStore
         from fleet.generation.validate import job_params
 
-        cfg = _fleet_config(job.config)
+        cfg = fleet_config(job.config)
         out = Path(job.output)
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -627,7 +170,7 @@ class _Run:
         from fleet.generation.inputs import InputStats
 
         try:
-            self.reserve = _reserve(self.out)
+            self.reserve = reserve_space(self.out)
         except OSError as exc:
             self.fail(exc)
         if self.job.retry_errors and self.failure is None:
@@ -638,13 +181,13 @@ class _Run:
         if len(self.done):
             log.info("resuming: %d ids already done are skipped", len(self.done))
         self.endpoints = _endpoints(self.job.servers)
-        servers = _Servers(self.cfg, self.job.servers, self.job.relaunch)
-        self.guarded = _GuardedStore(self.store, self.fail)
+        servers = JobServers(self.cfg, self.job.servers, self.job.relaunch)
+        self.guarded = GuardedStore(self.store, self.fail)
         self._disp = Dispatcher(self.endpoints, self.guarded, self.gen, on_server_down=servers.on_down,
                                 is_alive=servers.is_alive, **self.job.dispatch)
         if self.failure is not None:
             self._disp.request_stop(0.0, reason=self.failure.cause)
-        self.progress = _Progress(self.job, self.store, self.started_at)
+        self.progress = Progress(self.job, self.store, self.started_at)
         self.stats = InputStats()
 
     # -- the rows
@@ -717,7 +260,7 @@ class _Run:
                     last_flush = now
                 p = self.progress.write(self.disp)
                 if console and now - last_console >= job.console_interval_s:
-                    print(_Progress.line(p), flush=True)
+                    print(Progress.line(p), flush=True)
                     last_console = now
             except Exception as exc:   # a ticker that dies must not leave the job running blind
                 self.fail(exc)
@@ -754,7 +297,7 @@ class _Run:
         final["tok_s_avg"] = manifest["throughput"]["completion_tok_s"] or 0.0   # one number, two places
         state = self._write_final(manifest, final, state)
         if console:
-            print(_Progress.line(final), flush=True)
+            print(Progress.line(final), flush=True)
         return state, reason, counts
 
     def _settle(self, summary: Summary) -> tuple[str, str | None]:
