@@ -156,3 +156,51 @@ def test_merge_first_wins_and_every_id_once(tmp_path: Path) -> None:
     from fleet.generation.export import export
 
     assert export(tmp_path / "out", "jsonl", tmp_path / "x.jsonl") == 20
+
+
+def test_chunk_rows_follow_the_measured_rate_and_shrink_to_the_tail() -> None:
+    """The pure sizing rule (issue 14: a chunk is a few minutes of work at the node's measured rate):
+    unknown rate -> the plan's cut stands; early -> target_s of work; at the end -> the node's share of
+    half of what is left, so both nodes' last chunks take about the same time; never below min_s of work."""
+    from fleet.generation.chunks import CHUNK_TARGET_S, chunk_rows_for
+
+    rates = {"fast": 20.0, "slow": 10.0}
+    assert chunk_rows_for(None, rates, 10_000) is None and chunk_rows_for(0.0, rates, 10_000) is None
+    assert chunk_rows_for(20.0, rates, 1_000_000) == int(20 * CHUNK_TARGET_S)     # minutes of work, not rows
+    assert chunk_rows_for(10.0, rates, 1_000_000) == int(10 * CHUNK_TARGET_S)
+    fast, slow = chunk_rows_for(20.0, rates, 3000), chunk_rows_for(10.0, rates, 3000)
+    assert (fast, slow) == (1000, 500) and fast / 20.0 == slow / 10.0             # the tail: equal time
+    assert chunk_rows_for(20.0, rates, 200) == 200                                # min_s of work, capped by what is left
+    assert chunk_rows_for(20.0, {"fast": 20.0}, 4000) == 2000                     # alone: half of what is left
+
+
+def test_a_slow_node_leaves_the_last_chunk_to_a_faster_one_that_would_end_it_sooner() -> None:
+    from fleet.generation.chunks import finishes_first
+
+    assert finishes_first(100, None, [(0.0, 20.0)])                       # no rate yet: take it
+    assert finishes_first(100, 10.0, [(60.0, 20.0)])                      # fast busy for a minute: 10 s < 65 s
+    assert not finishes_first(100, 10.0, [(2.0, 20.0)])                   # fast free in 2 s: 7 s < 10 s
+    assert finishes_first(100, 20.0, [(0.0, 10.0)])                       # only faster nodes count
+
+
+def test_claim_cuts_a_chunk_to_the_wanted_size_and_keeps_every_line(tmp_path: Path) -> None:
+    """A first-time chunk longer than a node's wanted size is cut: the head is claimed, the rest stays
+    pending at the end of the plan (in input order for the merge); files and plan.json agree; a new
+    controller reads the cut plan; a chunk with attempts is never cut."""
+    inp = lines_file(tmp_path / "in.jsonl", 1000, blank_every=97)
+    pdir = tmp_path / "p"
+    plan = split_input(inp, pdir, ["a", "b"], chunk_rows=400)
+    n0, first = len(plan.chunks), plan.chunks[0].lines
+    st = Assignments(pdir, plan)
+    assert st.claim("a", lambda i: f"/o/{i}", rows=150) == 0
+    assert plan.chunks[0].lines == 150 and plan.chunks[-1].index == n0
+    assert plan.chunks[-1].first_line == 151 and st.chunks[n0].state == "pending"
+    assert st.pending()[0] == n0                                           # input order: the rest comes next
+    assert st.claim("b", lambda i: f"/o/{i}", rows=10_000) == n0           # longer than the rest: taken whole
+    by_line = sorted(load_plan(pdir).chunks, key=lambda c: c.first_line)
+    assert b"".join((pdir / c.file).read_bytes() for c in by_line) == inp.read_bytes()
+    assert [c.first_line for c in by_line] == [1 + sum(c.lines for c in by_line[:i]) for i in range(len(by_line))]
+    st.finish(n0, "b", "lost", "gone")                                     # now it has an attempt ...
+    assert st.claim("a", another=True, rows=5) == n0 and load_plan(pdir).chunks[n0].lines == first - 150
+    assert [c.index for c, _ in Assignments(pdir, load_plan(pdir)).sources()][:2] == [0, n0]
+    assert any(e["event"] == "cut" for e in st.events)

@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
-           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock"]
+           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "chunk_rows_for", "finishes_first",
+           "split_chunk", "CHUNK_TARGET_S"]
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -83,6 +84,37 @@ def plan_sizes(total: int, nodes: int, chunk_rows: int | None = None) -> list[in
             sizes.append(take)
             left -= take
     return sizes
+
+
+CHUNK_TARGET_S = 180.0   # a chunk is a few minutes of work at the node's measured rate
+MIN_CHUNK_S = 15.0       # and never less than this: below it a runner's start (~8 s here) is most of the chunk
+
+
+def chunk_rows_for(rate: float | None, rates: dict[str, float], rows_left: int, *,
+                   target_s: float = CHUNK_TARGET_S, min_s: float = MIN_CHUNK_S) -> int | None:
+    """Rows of a node's next chunk from its measured rate (rows/s), or None before it is known.
+
+    `rates`: the measured rate of every live node (this one included); `rows_left`: rows not yet
+    handed out. The chunk is `target_s` of the node's work, but never more than its share (its
+    rate over all rates) of half of what is left: factoring by capacity, so chunks shrink towards
+    the end and the nodes' last chunks end together. At least `min_s` of work (a runner start must
+    pay), at most what is left. Before any rate is known, the plan's cut stands (`plan_sizes`)."""
+    if rate is None or rate <= 0 or rows_left <= 0:
+        return None
+    total = sum(r for r in rates.values() if r > 0) or rate
+    guided = rows_left * (rate / max(total, rate)) / 2
+    want = min(rate * target_s, guided)
+    return max(1, min(rows_left, math.ceil(max(want, rate * min_s))))
+
+
+def finishes_first(rows: int, rate: float | None, others: list[tuple[float, float]]) -> bool:
+    """Should a node of `rate` rows/s take a chunk of `rows`? Not when a faster node, free in `free_s`
+    (`others`: (free_s, rate) of the other live nodes), would end it sooner: a slow node that takes the
+    last chunk is what makes a job's tail long. Unknown rates: take it."""
+    if not rate or rate <= 0:
+        return True
+    mine = rows / rate
+    return all(mine <= free_s + rows / r for free_s, r in others if r > rate)
 
 
 @dataclass(frozen=True)
@@ -216,6 +248,43 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     return plan
 
 
+def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chunk:
+    """Cut chunk `index` (pending, never attempted) after its first `rows` lines: the rest becomes a
+    new chunk at the end of `plan.chunks`. Returns the new chunk.
+
+    Order of writes, for a controller killed at any point: the rest's file, then the head's file
+    aside, then plan.json (atomic: the cut happens here), then the head's file in place. Killed
+    before plan.json: nothing changed. Killed after it, before the head's file is replaced: the
+    head's runner reads the rest's lines too; the merge drops their second copies (first wins)."""
+    pdir = Path(plan_dir)
+    c = plan.chunks[index]
+    if not 0 < rows < c.lines:
+        raise ValueError(f"cannot cut chunk {index} of {c.lines} lines after {rows}")
+    new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
+                file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
+    head = Chunk(index=c.index, first_line=c.first_line, lines=rows, file=c.file)
+    head_tmp = pdir / (c.file + ".head.tmp")
+    if plan.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(pdir / c.file)
+        pq.write_table(table.slice(rows), pdir / (new.file + ".tmp"))
+        pq.write_table(table.slice(0, rows), head_tmp)
+    else:
+        with open(pdir / c.file, "rb") as f, open(head_tmp, "wb") as h, open(pdir / (new.file + ".tmp"), "wb") as r:
+            for i, line in enumerate(f):
+                (h if i < rows else r).write(line)
+            for out in (h, r):
+                out.flush()
+                os.fsync(out.fileno())
+    os.replace(pdir / (new.file + ".tmp"), pdir / new.file)
+    plan.chunks[index] = head
+    plan.chunks.append(new)
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    os.replace(head_tmp, pdir / c.file)
+    return new
+
+
 def _split_jsonl(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
     with _open_lines(src) as f:
         for c in chunks:
@@ -309,21 +378,39 @@ class Assignments:
         with self._lock:
             return sorted(i for i, c in self.chunks.items() if c.state == "running" and c.node == node)
 
-    def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False) -> int | None:
-        """The chunk `node` works on next: one it already runs (re-attach), else the lowest pending,
+    def pending(self) -> list[int]:
+        """Pending chunks in input order (a chunk cut in two has its rest at the end of the list)."""
+        with self._lock:
+            return sorted((i for i, c in self.chunks.items() if c.state == "pending"),
+                          key=lambda i: self.plan.chunks[i].first_line)
+
+    def rows_pending(self) -> int:
+        with self._lock:
+            return sum(self.plan.chunks[i].lines for i in self.pending())
+
+    def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False,
+              rows: int | None = None) -> int | None:
+        """The chunk `node` works on next: one it already runs (re-attach), else the first pending,
         which is marked running on `node` at once (with `output_for`), so two nodes never take one chunk.
-        `another`: a pending chunk even though the node runs one (started while that one drains)."""
+        `another`: a pending chunk even though the node runs one (started while that one drains).
+        `rows`: the size this node's chunks should have now (`chunk_rows_for`): a first-time chunk
+        longer than that by a quarter is cut (`split_chunk`) and the rest stays pending."""
         with self._lock:
             if self.nodes.get(node, {}).get("state") == "lost":
                 return None
             mine = self.running_on(node)
             if mine and not another:
                 return mine[0]
-            for i in sorted(self.chunks):
-                if self.chunks[i].state == "pending":
-                    if output_for is not None:
-                        self.start(i, node, output_for(i))
-                    return i
+            for i in self.pending():
+                c = self.chunks[i]
+                if rows is not None and not c.attempts and self.plan.chunks[i].lines > rows + max(1, rows // 4):
+                    new = split_chunk(self.path.parent, self.plan, i, rows)
+                    self.chunks[new.index] = ChunkState()
+                    self._event("cut", chunk=i, rows=rows, rest=new.index)
+                    self._save()
+                if output_for is not None:
+                    self.start(i, node, output_for(i))
+                return i
             return None
 
     def start(self, index: int, node: str, output: str) -> tuple[Attempt, bool]:
@@ -408,7 +495,7 @@ class Assignments:
         by when they ended (see the merge rule in the module docstring)."""
         with self._lock:
             out = []
-            for c in self.plan.chunks:
+            for c in sorted(self.plan.chunks, key=lambda c: c.first_line):   # input order: first wins
                 atts = list(self.chunks[c.index].attempts)
                 atts.sort(key=lambda a: (a.outcome != "done", a.ended_at or float("inf")))
                 out.append((c, atts))

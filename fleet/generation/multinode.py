@@ -37,7 +37,7 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.chunks import (
-    Assignments, Chunk, Plan, Source, merge, split_input, write_json_atomic,
+    Assignments, Chunk, Plan, Source, chunk_rows_for, finishes_first, merge, split_input, write_json_atomic,
 )
 from fleet.node import LocalNode, Node, connect
 
@@ -143,7 +143,14 @@ class Controller:
                 self.say(logging.WARNING, f"node {name} answers again: it rejoins the job")
                 lost_since = None
             self.assign.node_ok(name)
-            index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)))
+            rows: int | None = None
+            if not self.assign.running_on(name):
+                rows, go = self.next_size(name)
+                if not go:   # a faster node would end the next chunk sooner: leave it to that node
+                    work.state = "idle"
+                    self._stop.wait(self.poll_s)
+                    continue
+            index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows)
             if index is None:
                 # nothing pending: others hold the last chunks. Wait: a loss may hand one back.
                 work.state = "idle"
@@ -168,6 +175,47 @@ class Controller:
             work.state = "finished"
         return {"node": name, "rows": work.rows_done, "tokens": work.tokens, "busy_s": round(work.busy_s, 2),
                 "state": work.state}
+
+    def node_rate(self, name: str) -> float | None:
+        """The node's measured rate (input lines/s): over the chunks it finished (state.json, so a new
+        controller knows it too), else its running chunk's runner's own rate; None before either."""
+        assert self.assign is not None and self.plan is not None
+        rows, secs = 0, 0.0
+        with self.assign._lock:
+            for i, c in self.assign.chunks.items():
+                for a in c.attempts:
+                    if a.node == name and a.outcome == "done" and a.ended_at:
+                        rows += self.plan.chunks[i].lines
+                        secs += a.ended_at - a.started_at
+        if rows and secs > 0:
+            return rows / secs
+        w = self.nodes.get(name)
+        live = float((w.progress or {}).get("rows_per_s") or 0.0) if w is not None and w.chunk is not None else 0.0
+        return live or None
+
+    def _free_in(self, name: str, rate: float) -> float:
+        """Seconds until node `name` has no chunk left to work (its running chunk's rows over its rate)."""
+        w = self.nodes[name]
+        if w.chunk is None or not w.progress:
+            return 0.0
+        total = int(w.progress.get("rows_total") or self.chunk(w.chunk).lines)
+        return max(0, total - int(w.progress.get("rows_done") or 0)) / rate
+
+    def next_size(self, name: str) -> tuple[int | None, bool]:
+        """(rows of node `name`'s next chunk, whether it should take one now): `chunk_rows_for` from the
+        measured rates, `finishes_first` against the faster nodes (see chunks.py)."""
+        assert self.assign is not None
+        lost = {n for n, v in self.assign.nodes.items() if v.get("state") == "lost"}
+        rates = {n: r for n in self.nodes if n not in lost and (r := self.node_rate(n))}
+        rate = rates.get(name)
+        pending = self.assign.pending()
+        if not pending:
+            return None, True
+        rows = chunk_rows_for(rate, rates, self.assign.rows_pending())
+        nxt = self.chunk(pending[0]).lines
+        take = min(nxt, rows) if rows else nxt
+        others = [(self._free_in(n, r), r) for n, r in rates.items() if n != name]
+        return rows, finishes_first(take, rate, others)
 
     def _probe(self, name: str) -> bool:
         try:
@@ -348,7 +396,10 @@ class Controller:
         from fleet.generation.remote import start_job
 
         assert self.assign is not None
-        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True)
+        rows, go = self.next_size(name)
+        if not go:
+            return
+        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows)
         if nxt is None:
             return
         chunk = self.chunk(nxt)
