@@ -24,6 +24,10 @@ queue and flow to the others), back in use (`up` again with a new pid), and the 
 Prints a table and, unless --no-append, writes it to bench/RESULTS.md under "## Fault soak".
 
 `soak_job()` is also what tests/test_gen_faults.py runs, small and with short stall settings.
+
+`--node-loss` (issue 14): jobs over two local nodes through the multi-node controller, each losing
+a node twice (`soak_nodes`: frozen, then back: it must rejoin; killed, like a reboot); after each,
+every input id exactly once in the merge. tests/test_gen_faults.py runs it small too.
 """
 
 from __future__ import annotations
@@ -312,12 +316,276 @@ def soak_job(cfg: FleetConfig, entries: list[ServerEntry], work: Path, *, rows: 
     return res
 
 
+# ---------------------------------------------------------------------------- node loss (issue 14)
+
+NODE_KINDS = ("node-freeze", "node-kill")
+
+
+def two_node_config(workdir: Path, base_port: int, *, tokens_per_s: float, slots: int, startup_s: float,
+                    max_tokens: int, generation: dict[str, Any] | None = None) -> FleetConfig:
+    """Two local nodes on this machine, "a" with 2 sim servers and "b" with 1, each with its own workdir."""
+    nodes = []
+    for name, servers, port in (("a", 2, base_port), ("b", 1, base_port + 2)):
+        (workdir / f"shm-{name}").mkdir(parents=True, exist_ok=True)
+        nodes.append({"name": name, "workdir": str(workdir / f"work-{name}"), "servers": servers,
+                      "base_port": port, "ramdisk": str(workdir / f"shm-{name}")})
+    return FleetConfig(
+        name="soakmn", nodes=nodes,
+        engine={"kind": "sim", "sim": {"startup_s": startup_s, "tokens_per_s": tokens_per_s,
+                                       "max_running_requests": slots}},
+        model={"source": "/dev/null/sim-model", "served_name": "sim-model"},
+        venv={"path": sys.prefix, "use_existing": True},
+        servers={"ready_timeout_s": 60, "stop_grace_s": 2},
+        smoke={"first_timeout_s": 20, "timeout_s": 10, "attempts": 3, "backoff_s": 0.2},
+        generation={"max_tokens": max_tokens, **(generation or {})},
+    )
+
+
+def launch_nodes(cfg: FleetConfig) -> dict[str, list[Any]]:
+    """Every node's sim servers, launched and ready (fleet's own launch path): specs per node."""
+    from fleet.node import LocalNode
+    from fleet.servers import launch, plan_servers, wait_ready
+
+    out: dict[str, list[Any]] = {}
+    for n in cfg.nodes:
+        node = LocalNode(n.name)
+        out[n.name] = []
+        for spec in plan_servers(cfg, n, [], model_path="/dev/shm/sim-model", python=sys.executable):
+            wait_ready(node, cfg, spec, launch(node, cfg, spec).pid)
+            out[n.name].append(spec)
+    return out
+
+
+def stop_nodes(cfg: FleetConfig) -> None:
+    from fleet.node import LocalNode
+    from fleet.servers import stop_servers
+
+    for n in cfg.nodes:
+        for pid in _node_pids(Path(n.workdir)):
+            try:
+                os.kill(pid, signal.SIGCONT)   # a stopped process must act on the stop's TERM
+            except OSError:
+                pass
+        for pid in _node_pids(Path(n.workdir), servers=False):
+            try:
+                os.kill(pid, signal.SIGKILL)   # runners the soak left behind (a lost node's)
+            except OSError:
+                pass
+        stop_servers(LocalNode(n.name), cfg, n)
+
+
+def _node_pids(workdir: Path, *, runners: bool = True, servers: bool = True) -> list[int]:
+    """Live runner and/or server pids of a local node (its workdir's pid files)."""
+    from fleet.node import LocalNode
+
+    files = [*(workdir.glob("jobs/*/runner.pid") if runners else []), *(workdir.glob("servers/*.pid") if servers else [])]
+    out = []
+    for f in files:
+        try:
+            first = (f.read_text().split() or ["0"])[0]
+        except OSError:
+            continue
+        if first.isdigit() and int(first) and LocalNode().is_alive(int(first)):
+            out.append(int(first))
+    return out
+
+
+@dataclass
+class NodeFault:
+    kind: str
+    node: str
+    t: float
+    chunk: int | None = None
+    pids: list[int] = field(default_factory=list)
+    lost_s: float | None = None       # injection → the controller marks the node lost / its chunk released
+    back_s: float | None = None       # node-freeze: the node resumed → the controller sees it rejoin
+    resumed_at: float | None = None
+
+
+@dataclass
+class NodeSoak:
+    rows: int
+    wall_s: float = 0.0
+    faults: list[NodeFault] = field(default_factory=list)
+    account_ok: bool = False
+    completed: int = 0
+    duplicated: int = 0
+    missing: int = 0
+    duplicates_dropped: int = 0
+    errors_exact: bool = False
+    rejects_exact: bool = False
+    chunks: int = 0
+    rows_by_node: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.account_ok and self.errors_exact and self.rejects_exact and not self.problems
+
+
+def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, rows: int, kinds: tuple[str, ...],
+               rng: random.Random, bad: int = 3, malformed: int = 2, deadline_s: float = 1800,
+               controller: dict[str, Any] | None = None, log: Any = print) -> NodeSoak:
+    """One job over the nodes of `cfg` (the Prefect-free multi-node controller, one thread per node) with
+    one node lost per entry of `kinds`, one at a time, each while that node runs a chunk it has committed
+    shards of:
+
+    - node-freeze: SIGSTOP of the node's runner and servers (a hung machine: no progress, no answer);
+      once the controller has marked it lost, SIGCONT (the machine is back): it must rejoin.
+    - node-kill: SIGKILL of the node's runner and servers (a reboot); the next runner there relaunches
+      its servers.
+
+    After the job: the merge (`Controller.finalize`), `checks.account` (every input id exactly once),
+    errors exactly the rows over the context, rejects exactly the malformed lines."""
+    import threading
+
+    from fleet.generation.chunks import ControllerLock
+    from fleet.generation.multinode import Controller, NodeWork
+
+    work.mkdir(parents=True, exist_ok=True)
+    inp = work / "input.jsonl"
+    ids, bad_ids, n_malformed = write_input(inp, rows, bad, malformed, rng)
+    nodes = {name: NodeWork(name, sp) for name, sp in specs.items()}
+    pdir = work / "plan"
+    res = NodeSoak(rows=rows)
+    ctl = Controller(cfg, pdir, str(work / "remote-out"), nodes, **{"probe_s": 1.0, "poll_s": 0.2, **(controller or {})})
+    plan = list(kinds)
+    t0 = time.monotonic()
+    with ControllerLock(pdir):
+        ctl.prepare(str(inp))
+        assert ctl.assign is not None
+        errors: list[str] = []
+
+        def worker(name: str) -> None:
+            try:
+                ctl.node_loop(name)
+            except Exception as exc:   # a chunk failed too often: the soak reports it
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                ctl.stop()
+
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in sorted(nodes)]
+        for th in threads:
+            th.start()
+        open_fault: NodeFault | None = None
+        while any(th.is_alive() for th in threads):
+            now = time.monotonic()
+            if now - t0 > deadline_s:
+                res.problems.append(f"job did not end within {deadline_s:.0f} s")
+                ctl.stop()
+                break
+            f = open_fault
+            if f is not None:
+                st = ctl.assign.nodes.get(f.node, {})
+                if f.lost_s is None and f.chunk is not None and ctl.assign.chunks[f.chunk].node != f.node:
+                    f.lost_s = now - f.t                   # its chunk went back to the queue (or elsewhere)
+                if f.kind == "node-freeze" and f.lost_s is not None and st.get("state") == "lost" \
+                        and f.resumed_at is None:
+                    for pid in f.pids:
+                        try:
+                            os.kill(pid, signal.SIGCONT)
+                        except OSError:
+                            pass
+                    f.resumed_at = now
+                if f.resumed_at is not None and st.get("state") == "ok":
+                    f.back_s = now - f.resumed_at
+                if f.lost_s is not None and (f.kind == "node-kill" or f.back_s is not None):
+                    open_fault = None
+            elif plan and ctl.assign.counts().get("pending", 0) >= 2:
+                # the next loss: a node running a chunk whose committed shards were gathered already
+                for name in sorted(nodes, key=lambda _: rng.random()):
+                    idx = nodes[name].chunk
+                    g = ctl.gathered(name, ctl.chunk(idx)) / "shards" if idx is not None else None
+                    if g is not None and len(list(g.glob("part-*.parquet"))) >= 1:
+                        kind = plan.pop(0)
+                        wd = Path(cfg.node(name).workdir)
+                        f = NodeFault(kind, name, time.monotonic(), chunk=idx, pids=_node_pids(wd))
+                        sig = signal.SIGSTOP if kind == "node-freeze" else signal.SIGKILL
+                        for pid in f.pids:
+                            try:
+                                os.kill(pid, sig)
+                            except OSError:
+                                pass
+                        log(f"  t={f.t - t0:6.1f}s {kind} {name} (chunk {idx}, {len(f.pids)} processes)")
+                        res.faults.append(f)
+                        open_fault = f
+                        break
+            time.sleep(0.1)
+        for th in threads:
+            th.join(timeout=60)
+        res.wall_s = time.monotonic() - t0
+        res.problems += errors
+        dest = work / "merged"
+        manifest = ctl.finalize(dest)
+    if plan:
+        res.problems.append(f"{len(plan)} node loss(es) not injected before the job ended")
+    for f in res.faults:
+        if f.lost_s is None:
+            res.problems.append(f"{f.kind} of {f.node}: its chunk was never handed to another node")
+        if f.kind == "node-freeze" and f.back_s is None:
+            res.problems.append(f"node-freeze of {f.node}: the node never rejoined")
+    res.chunks = len(ctl.plan.chunks) if ctl.plan else 0
+    res.rows_by_node = {n["node"]: n["rows"] for n in manifest.get("nodes") or []}
+    res.duplicates_dropped = int(manifest["merge"]["duplicates_dropped"])
+    acc = account(inp, dest)
+    res.account_ok = bool(acc.get("ok"))
+    res.duplicated, res.missing = int(acc["duplicated"]), int(acc["missing"])
+    res.completed = int(manifest["counts"]["completed"])
+    err_ids = {str(r["id"]) for r in read_errors(dest)}
+    res.errors_exact = err_ids == bad_ids
+    if not res.errors_exact:
+        res.problems.append(f"errors != the bad rows: extra {sorted(err_ids - bad_ids)[:5]}, "
+                            f"missing {sorted(bad_ids - err_ids)[:5]}")
+    res.rejects_exact = len(list(read_rejects(dest))) == n_malformed
+    if not res.account_ok:
+        res.problems.append(f"accounting: {json.dumps(acc, default=str)[:400]}")
+    return res
+
+
 def _med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f}" if xs else "—"
 
 
 def _max(xs: list[float]) -> str:
     return f"{max(xs):.1f}" if xs else "—"
+
+
+def main_node_loss(args: argparse.Namespace) -> int:
+    """`--node-loss`: jobs over two local nodes (2 + 1 sim servers), each losing a node twice."""
+    import tempfile
+
+    from fleet.demo import free_port_block
+
+    rng = random.Random(args.seed)
+    base = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-soak-nodes-"))
+    port = free_port_block(3, start=rng.randrange(20000, 50000, 100))
+    cfg = two_node_config(base / "w", port, tokens_per_s=args.tokens_per_s, slots=args.slots,
+                          startup_s=args.startup_s, max_tokens=args.max_tokens,
+                          generation={"node_lost_s": args.node_lost_s})
+    print(f"node-loss soak in {base}: nodes a (2 servers) and b (1), {args.jobs} jobs x {args.rows:,} rows, "
+          f"node_lost_s {args.node_lost_s:g}", flush=True)
+    rows = ["| job | losses (kind node: chunk released after s / rejoined after s) | wall s | chunks | completed "
+            "| duplicated | missing | dropped by the merge | errors = bad rows | rejects = malformed | rows a / b |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ok = True
+    try:
+        specs = launch_nodes(cfg)
+        for j in range(1, args.jobs + 1):
+            r = soak_nodes(cfg, specs, base / f"job-{j}", rows=args.rows, kinds=NODE_KINDS, rng=rng,
+                           log=lambda s: print(s, flush=True))
+            ok = ok and r.ok
+            losses = "; ".join(f"{f.kind} {f.node}: {f.lost_s if f.lost_s is None else round(f.lost_s, 1)}"
+                               + (f" / {f.back_s:.1f}" if f.back_s is not None else "") for f in r.faults)
+            rows.append(f"| {j} | {losses} | {r.wall_s:.0f} | {r.chunks} | {r.completed:,} | {r.duplicated} | "
+                        f"{r.missing} | {r.duplicates_dropped} | {r.errors_exact} | {r.rejects_exact} | "
+                        f"{r.rows_by_node.get('a', 0):,} / {r.rows_by_node.get('b', 0):,} |")
+            print(rows[-1], r.problems, flush=True)
+    finally:
+        stop_nodes(cfg)
+    print(f"\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC — "
+          f"`{shlex.join(['.venv/bin/python', 'bench/bench_faults.py', *sys.argv[1:]])}`, load average "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print("\n".join(rows))
+    return 0 if ok else 1
 
 
 def main() -> int:
@@ -334,7 +602,12 @@ def main() -> int:
     ap.add_argument("--baseline", action="store_true", help="first a job of the same size with no fault")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--node-loss", action="store_true", help="instead: jobs over two local nodes, each with a "
+                    "node frozen then back and a node killed (issue 14); --rows per job")
+    ap.add_argument("--node-lost-s", type=float, default=30.0, help="--node-loss: generation.node_lost_s")
     args = ap.parse_args()
+    if args.node_loss:
+        return main_node_loss(args)
     import tempfile
 
     from fleet.demo import free_port_block

@@ -48,3 +48,31 @@ def test_fault_soak_small_every_row_exactly_once(tmp_path: Path) -> None:
             assert f.second_pid is not None, "the relaunch itself was killed"
         if f.kind == "runner-kill":
             assert f.resumed_s is not None
+
+
+def test_fault_soak_node_loss_small_every_row_exactly_once(tmp_path: Path) -> None:
+    """Faults (issue 14): a node lost mid-job twice — frozen (runner and servers SIGSTOPped: no progress,
+    no answer) then back, and killed (runner and servers SIGKILLed: a reboot). Each time its running chunk
+    goes to the other node, starting from the shards already gathered; the frozen node rejoins. After the
+    job: every input id exactly once in the merge, errors exactly the rows over the context, rejects
+    exactly the malformed lines."""
+    from fleet.demo import free_port_block
+
+    from bench_faults import NODE_KINDS, launch_nodes, soak_nodes, stop_nodes, two_node_config
+
+    rng = random.Random(11)
+    port = free_port_block(3, start=rng.randrange(20000, 50000, 100))
+    cfg = two_node_config(tmp_path / "w", port, tokens_per_s=40, slots=4, startup_s=0.3, max_tokens=16,
+                          generation={"chunk_rows": 200, "shard_rows": 20, "node_lost_s": 4})
+    try:
+        specs = launch_nodes(cfg)
+        res = soak_nodes(cfg, specs, tmp_path / "job", rows=1200, kinds=NODE_KINDS, rng=rng, deadline_s=600,
+                         controller={"fetch_every_s": 1.0}, log=lambda s: None)
+    finally:
+        stop_nodes(cfg)
+    assert [f.kind for f in res.faults] == list(NODE_KINDS), (res.problems, res.faults)
+    assert not res.problems, res.problems
+    assert res.account_ok and res.duplicated == 0 and res.missing == 0 and res.completed == 1200 - 3
+    assert res.errors_exact and res.rejects_exact
+    assert all(f.lost_s is not None for f in res.faults)
+    assert res.faults[0].back_s is not None, "the frozen node rejoined"
