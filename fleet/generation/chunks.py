@@ -67,12 +67,14 @@ def plan_sizes(total: int, nodes: int, chunk_rows: int | None = None) -> list[in
     """Chunk sizes for `total` rows over `nodes` nodes (factoring, see the module docstring).
 
     `chunk_rows` is the ceiling (default: total / (8 × nodes), between 100 and 20,000); the
-    floor is a sixteenth of it, so the last chunks are small but a runner start still pays."""
+    floor is a quarter of it: the last chunks are smaller, but each still pays for its runner's
+    start. Shorter ones, sized in seconds of work, are cut at claim time once the nodes' rates
+    are known (`chunk_rows_for`); a sixteenth here made tails of chunks mostly runner start."""
     if total <= 0:
         return []
     nodes = max(1, nodes)
     ceiling = chunk_rows or min(20_000, max(100, math.ceil(total / (8 * nodes))))
-    floor = max(1, ceiling // 16)
+    floor = max(1, ceiling // 4)
     sizes: list[int] = []
     left = total
     while left > 0:
