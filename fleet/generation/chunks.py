@@ -8,10 +8,14 @@ What is new lives here:
 
 - `plan_sizes`: chunk sizes by *factoring* (guided self-scheduling): each round of one chunk
   per node takes half of what is left, between a floor and a ceiling. Early chunks are big (few
-  runner starts), the last ones small, so the node that finishes last waits on a small chunk:
-  the tail is short without knowing any node's rate in advance. The sizes depend only on the
-  row count, the node count and `chunk_rows`, and are written to `plan.json`: a re-run reads
-  them back, never re-derives different ones.
+  runner starts), the last ones smaller. These are the sizes before any node's rate is known;
+  they depend only on the row count, the node count and `chunk_rows`, and are written to
+  `plan.json`: a re-run reads them back, never re-derives different ones.
+- `chunk_rows_for` / `finishes_first`: once nodes' rates are measured, a node's next chunk is a
+  few minutes of its work but at most its share of half of what is left (so the last chunks end
+  together), and a slow node leaves a chunk to a faster one that would end it sooner.
+  `Assignments.claim` cuts a longer first-time chunk to that size (`split_chunk`: the rest is a
+  new chunk at the end of the plan, recorded in plan.json before the files change).
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
   with the input's schema) and the plan, atomically.
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
@@ -20,7 +24,8 @@ What is new lives here:
   next one reads it and re-attaches to the runners it names.
 - `merge`: every chunk's output into one directory `fleet export` reads unchanged.
 
-The merge rule (first wins, keyed by id). Chunk outputs are read in chunk order, and within a
+The merge rule (first wins, keyed by id). Chunk outputs are read in input order (by each chunk's
+first line: a chunk cut in two keeps its place), and within a
 chunk attempt by attempt in the order the attempts ended (the attempt that finished the chunk
 first, then any attempt abandoned on a lost node). Then:
 
