@@ -16,16 +16,20 @@ import pyarrow.parquet as pq
 from fleet.generation.jsonl import read_jsonl
 from fleet.generation.schema import COLUMN_SET, NESTED_COLUMNS, RESULT_COLUMNS, RESULT_SCHEMA, upgrade_column
 
-__all__ = ["QUALITY_REJECTS", "SHARD_RE", "iter_results", "read_errors", "read_quality_rejects", "read_rejects",
-           "read_results", "shard_paths", "shard_seq"]
+__all__ = ["ERRORS_FILE", "QUALITY_REJECTS", "REJECTS_FILE", "SHARDS_DIR", "SHARD_RE", "iter_results", "read_errors",
+           "read_quality_rejects", "read_rejects", "read_results", "shard_paths", "shard_seq"]
 
+# The names of an output directory, as store.py's docstring draws them.
+SHARDS_DIR = "shards"
+ERRORS_FILE = "errors.jsonl"
+REJECTS_FILE = "rejects.jsonl"
 QUALITY_REJECTS = "quality_rejects.jsonl"
 SHARD_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 
 
 def shard_paths(out_dir: str | Path) -> list[Path]:
     """Committed shards, in commit order (temp files are never listed)."""
-    d = Path(out_dir) / "shards"
+    d = Path(out_dir) / SHARDS_DIR
     if not d.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := SHARD_RE.match(p.name))]
@@ -34,7 +38,7 @@ def shard_paths(out_dir: str | Path) -> list[Path]:
 
 def read_errors(out_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Records of errors.jsonl: id, error, attempts, line, server, status, at."""
-    return read_jsonl(Path(out_dir) / "errors.jsonl")
+    return read_jsonl(Path(out_dir) / ERRORS_FILE)
 
 
 def read_quality_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
@@ -44,7 +48,7 @@ def read_quality_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
 
 def read_rejects(out_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Records of rejects.jsonl: line, id, reason, duplicate, raw, at."""
-    return read_jsonl(Path(out_dir) / "rejects.jsonl")
+    return read_jsonl(Path(out_dir) / REJECTS_FILE)
 
 
 def shard_seq(path: Path) -> int:

@@ -48,7 +48,10 @@ from fleet.generation.idset import IdSet
 from fleet.generation.inputs import DUPLICATE_REASON, Reject, digest
 from fleet.generation.jsonl import dumps, repair_jsonl
 from fleet.generation.results import (
+    ERRORS_FILE,
     QUALITY_REJECTS,
+    REJECTS_FILE,
+    SHARDS_DIR,
     read_errors,
     read_quality_rejects,
     read_rejects,
@@ -75,9 +78,9 @@ class ResultStore:
             raise ValueError("shard_rows must be >= 1")
         self.dir = Path(out_dir)
         self.shard_rows = shard_rows
-        self.shards_dir = self.dir / "shards"
-        self.errors_path = self.dir / "errors.jsonl"
-        self.rejects_path = self.dir / "rejects.jsonl"
+        self.shards_dir = self.dir / SHARDS_DIR
+        self.errors_path = self.dir / ERRORS_FILE
+        self.rejects_path = self.dir / REJECTS_FILE
         self.quality_path = self.dir / QUALITY_REJECTS
         try:
             self.shards_dir.mkdir(parents=True, exist_ok=True)
