@@ -377,7 +377,7 @@ class GenerationConfig(_Section):
     stall_min_s: float = Field(30.0, gt=0, description="Floor of the derived stall_s.")
     stall_max_s: float = Field(300.0, gt=0, description="Ceiling of the derived stall_s (also its value before any row completed).")
     shard_rows: int = Field(10000, ge=1, description="Rows per committed Parquet shard.")
-    chunk_rows: int | None = Field(None, ge=1, description="Several nodes: the largest chunk of input lines one node takes at a time (default: rows / (8 × nodes), 100 to 20,000; later chunks shrink to 1/16 of it).")
+    chunk_rows: int | None = Field(None, ge=1, description="Several nodes: the largest chunk of input lines one node takes at a time (default: rows / (8 × nodes), 100 to 20,000; later chunks shrink to a quarter of it, then by the nodes' measured rates).")
     node_lost_s: float = Field(120.0, gt=0, description="Several nodes: a node that does not answer, or whose runner stops moving or has no server up, for this long is lost; its chunk goes to another node.")
     price_per_gpu_hour: float | None = Field(None, ge=0, description="GPU-hour price, to report measured $ per M tokens.")
 
