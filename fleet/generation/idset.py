@@ -71,16 +71,20 @@ class IdSet:
     def __contains__(self, id: object) -> bool:
         return isinstance(id, str) and self.has_digest(digest(id))
 
-    def has_digests(self, digests: Any) -> Any:
+    def has_digests(self, digests: Any, memory_pool: Any = None) -> Any:
         """`has_digest` for many digests at once, in C: a pyarrow UInt64Array -> a BooleanArray
         (`inputs.plan_resume` over a million rows)."""
+        pool = memory_pool
         base = self._base   # one snapshot: a merge publishes a new array, never resizes this one
         extra, removed = tuple(self._extra), tuple(self._removed)   # copied under the GIL
-        hit = pc.is_in(digests, value_set=pa.Array.from_buffers(pa.uint64(), len(base), [None, pa.py_buffer(base)]))
+        hit = pc.is_in(digests, value_set=pa.Array.from_buffers(pa.uint64(), len(base), [None, pa.py_buffer(base)]),
+                       memory_pool=pool)
         if removed:
-            hit = pc.and_(hit, pc.invert(pc.is_in(digests, value_set=pa.array(removed, pa.uint64()))))
+            hit = pc.and_(hit, pc.invert(pc.is_in(digests, value_set=pa.array(removed, pa.uint64()), memory_pool=pool),
+                                         memory_pool=pool), memory_pool=pool)
         if extra:
-            hit = pc.or_(hit, pc.is_in(digests, value_set=pa.array(extra, pa.uint64())))
+            hit = pc.or_(hit, pc.is_in(digests, value_set=pa.array(extra, pa.uint64()), memory_pool=pool),
+                         memory_pool=pool)
         return hit
 
     def __len__(self) -> int:

@@ -792,7 +792,7 @@ class DigestSet(Protocol):
 
     def __contains__(self, id: object) -> bool: ...
 
-    def has_digests(self, digests: Any) -> Any:
+    def has_digests(self, digests: Any, memory_pool: Any = None) -> Any:
         """A pyarrow UInt64Array of digests -> a BooleanArray: which are in the set."""
 
 
@@ -900,25 +900,30 @@ def plan_resume(path: str | Path, defaults: GenerationConfig | None, done: Diges
         error = exc
     rows = n - blank
     first_at: dict[int, int] = {}
+    pool = pa.system_memory_pool()   # freed at once (the default pool keeps its scratch for the process)
     d = pa.Array.from_buffers(pa.uint64(), len(digests), [None, pa.py_buffer(digests)])
     w = pa.Array.from_buffers(pa.uint32(), len(where), [None, pa.py_buffer(where)])
-    if len(d) > 1 and pc.count_distinct(d).as_py() < len(d):   # duplicates: find each one's first line
-        order = pc.sort_indices(d)   # a stable sort: within one id, lines stay ascending
-        sd, sw = pc.take(d, order), pc.take(w, order)
-        new = pa.concat_arrays([pa.array([True]), pc.not_equal(sd.slice(1), sd.slice(0, len(sd) - 1))])
-        for pos in pc.indices_nonzero(pc.invert(new)).to_pylist():   # few: walked in Python
-            first = pos
-            while not new[first].as_py():
-                first -= 1
-            first_at[sw[pos].as_py()] = sw[first].as_py()
+    if len(d) > 1:   # duplicates, each with its first line: neighbours after a sort by digest
+        # (a sort, not count_distinct: its hash table peaks at ~120 MB per million ids)
+        order = pc.sort_indices(d, memory_pool=pool)   # a stable sort: within one id, lines stay ascending
+        sd = pc.take(d, order, memory_pool=pool)
+        same = pc.equal(sd.slice(1), sd.slice(0, len(sd) - 1), memory_pool=pool)
+        if pc.any(same).as_py():
+            sw = pc.take(w, order, memory_pool=pool)
+            for pos in pc.indices_nonzero(same).to_pylist():   # few: walked in Python
+                first = pos
+                while first > 0 and same[first - 1].as_py():
+                    first -= 1
+                first_at[sw[pos + 1].as_py()] = sw[first].as_py()
     skipped = 0
     todo = w
     if len(done) and len(d):
-        skip = done.has_digests(d)
+        skip = done.has_digests(d, pool)
         if first_at:   # a duplicate of a done id is still a reject
-            skip = pc.and_(skip, pc.invert(pc.is_in(w, value_set=pa.array(list(first_at), pa.uint32()))))
+            skip = pc.and_(skip, pc.invert(pc.is_in(w, value_set=pa.array(list(first_at), pa.uint32()), memory_pool=pool),
+                                               memory_pool=pool), memory_pool=pool)
         skipped = int(pc.sum(skip).as_py() or 0)
-        todo = pc.filter(w, pc.invert(skip))   # still in input order
+        todo = pc.filter(w, pc.invert(skip, memory_pool=pool), memory_pool=pool)   # still in input order
     visit = array("I")
     if len(todo):
         visit.frombytes(memoryview(todo.buffers()[1])[4 * todo.offset: 4 * (todo.offset + len(todo))])
