@@ -560,7 +560,7 @@ def main_node_loss(args: argparse.Namespace) -> int:
     port = free_port_block(3, start=rng.randrange(20000, 50000, 100))
     cfg = two_node_config(base / "w", port, tokens_per_s=args.tokens_per_s, slots=args.slots,
                           startup_s=args.startup_s, max_tokens=args.max_tokens,
-                          generation={"node_lost_s": args.node_lost_s})
+                          generation={"node_lost_s": args.node_lost_s, "shard_rows": 200})
     print(f"node-loss soak in {base}: nodes a (2 servers) and b (1), {args.jobs} jobs x {args.rows:,} rows, "
           f"node_lost_s {args.node_lost_s:g}", flush=True)
     rows = ["| job | losses (kind node: chunk released after s / rejoined after s) | wall s | chunks | completed "
