@@ -3,6 +3,7 @@
 #   ./dev.sh setup        create .venv (uv), install fleet with its test + transformers extras
 #   ./dev.sh demo [ARGS]  setup, then `fleet demo ARGS` (the main job on the embedded Prefect server)
 #   ./dev.sh test [ARGS]  setup, install openssh-server, sshfs and chromium when missing, then run the whole test suite
+#                         in 4 parallel workers (ARGS -n N: N workers; -n 0: serially)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${FLEET_VENV:-.venv}
@@ -70,7 +71,12 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/fleet" demo "$@" ;;
-  test) setup; need_test_tools; exec "$VENV/bin/python" -m pytest "$@" ;;
+  test)
+    setup; need_test_tools
+    # In parallel: the tests mostly wait (on servers, Prefect, processes), so more workers than
+    # cores. loadgroup keeps each module with a costly module-wide server on one worker;
+    # conftest.py orders the longest tests first (hence no reordering here). A later -n wins.
+    exec "$VENV/bin/python" -m pytest -n 4 --dist loadgroup --no-loadscope-reorder "$@" ;;
   help|-h|--help) usage ;;
   *) echo "dev.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
 esac

@@ -25,6 +25,11 @@ os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-r
 # Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
 # attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# This test process's RAM disk (nodes.ramdisk): a model is staged to <ramdisk>/<its dir name>, and
+# the default /dev/shm is shared by every test process on the machine (parallel workers, other
+# runs): two tests staging their own `sim-model` or `tiny-chat` there at once re-copied each
+# other's files under running servers. Still a tmpfs where the machine has /dev/shm.
+RAMDISK = tempfile.mkdtemp(prefix="fleet-tests-ram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else _SESSION_TMP)
 
 from fleet.config import NodeConfig  # noqa: E402
 from fleet.node import LocalNode, Node  # noqa: E402
@@ -33,6 +38,7 @@ SSHD = "/usr/sbin/sshd"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(RAMDISK, ignore_errors=True)
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
@@ -51,10 +57,96 @@ def wait_until(check, *, timeout: float = 30.0, interval: float = 0.02, what: st
         time.sleep(interval)
 
 
-def free_port() -> int:
+# Ports. The suite runs in parallel (pytest-xdist workers) beside other runs of it on the same
+# machine, and a port that was free when picked can be taken before the server binds it. So each
+# test process claims a block of ports for its life (an flock on a file named after the block, shared
+# by every run of this suite on the machine) and hands out ports only from its block, each checked
+# free by a bind. The blocks lie below the kernel's ephemeral range (32768-60999 by default: the
+# ports of outgoing connections and of bind(0)) and below `fleet demo`'s 31000, so nothing else on
+# the machine is handed them either. With every block taken: a port from the kernel (bind(0)).
+PORT_LO, PORT_HI, PORT_BLOCK = 10000, 30000, 400
+_PORT_LOCKS = Path(tempfile.gettempdir()) / f"fleet-test-ports-{os.getuid()}"
+
+
+class _PortPool:
+    def __init__(self) -> None:
+        self.base: int | None = None
+        self.owner = 0
+        self.next = 0
+        self._lock_fd: int | None = None
+
+    def _claim(self) -> int | None:
+        import fcntl
+        import random
+
+        if self.base is not None and self.owner == os.getpid():
+            return self.base
+        self.base, self.owner = None, os.getpid()   # a forked child claims its own block
+        _PORT_LOCKS.mkdir(mode=0o700, exist_ok=True)
+        bases = list(range(PORT_LO, PORT_HI - PORT_BLOCK + 1, PORT_BLOCK))
+        first = random.randrange(len(bases))
+        for base in bases[first:] + bases[:first]:
+            fd = os.open(_PORT_LOCKS / f"{base}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self.base, self.next, self._lock_fd = base, 0, fd   # held until this process exits
+            return base
+        return None
+
+    def take(self, n: int) -> int:
+        """The first of `n` consecutive ports, all free now, from this process's block."""
+        base = self._claim()
+        if base is None:
+            return _kernel_port() if n == 1 else _kernel_block(n)
+        for _ in range(PORT_BLOCK):
+            first = base + self.next
+            if self.next + n > PORT_BLOCK:   # wrap: ports handed out long ago are free again by now
+                self.next, first = 0, base
+            self.next += n
+            if all(_bindable(p) for p in range(first, first + n)):
+                return first
+        raise RuntimeError(f"no {n} free consecutive ports in {base}..{base + PORT_BLOCK - 1}")
+
+
+def _bindable(port: int) -> bool:
+    # no SO_REUSEADDR: a port with connections in TIME_WAIT counts as taken (a server that does
+    # not set SO_REUSEADDR could not bind it)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kernel_block(n: int) -> int:
+    import random
+
+    from fleet.demo import free_port_block
+
+    return free_port_block(n, start=random.randrange(32768, 60000, 100))
+
+
+_PORTS = _PortPool()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 that no other test process on this machine is handed."""
+    return _PORTS.take(1)
+
+
+def port_block(n: int) -> int:
+    """The first of `n` consecutive free ports (servers.base_port for n servers), as free_port."""
+    return _PORTS.take(n)
 
 
 @dataclass(frozen=True)
@@ -115,7 +207,7 @@ class Sshd:
     def node_config(self, **overrides) -> NodeConfig:
         fields = dict(name="ssh-test", kind="ssh", host=self.host, port=self.port, user=self.user,
                       key_file=self.key_file, host_key=self.host_key, workdir=str(self.dir / "work"),
-                      connect_timeout_s=5.0)
+                      ramdisk=RAMDISK, connect_timeout_s=5.0)
         fields.update(overrides)
         return NodeConfig(**fields)
 
@@ -199,6 +291,18 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Prefect's temporary servers (prefect_test_harness, and a flow called in a test without one)
+    # pick a random port in 8000-8999 after a bind check: two test processes starting theirs at
+    # once can pick the same one, and the loser's health check is then answered by the winner's
+    # server (another database). Take their port from this process's block instead.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # the xdist controller runs no test (and need not import Prefect's server)
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer.find_available_port = lambda self: free_port()  # type: ignore[method-assign]
+
+
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
 def node(request: pytest.FixtureRequest) -> Iterator[Node]:
     """A connected Node of each kind; closed after the test."""
@@ -214,3 +318,30 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
         yield n
     finally:
         n.close()
+
+
+# -- running in parallel (`./dev.sh test` runs pytest-xdist workers, `--dist loadgroup`) ----------
+# Modules whose module-scoped fixture is a whole server (a Prefect server with deployments and a
+# worker, a Prefect server with its UI and a browser, `transformers serve`) run on one worker, so
+# it is started once, not once per worker that gets one of their tests.
+GROUPED = {"tests/test_deployments.py": "deployments", "tests/test_ui.py": "ui", "tests/test_tinymodel.py": "tinymodel"}
+# The longest tests, in seconds (`./dev.sh test --durations=40`), started first so that no worker
+# is left with a long one at the end while the others are done. Only the order depends on these
+# numbers; a test missing here just runs later.
+SLOW_S: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a plain run keeps pytest's order (and module fixtures set up once)
+    unit_cost: dict[str, float] = {}
+    unit_of: dict[str, str] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = GROUPED.get(path)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+        unit = group or item.nodeid
+        unit_of[item.nodeid] = unit
+        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(item.nodeid, SLOW_S.get(item.nodeid.split("[", 1)[0], 0.0))
+    items.sort(key=lambda it: -unit_cost[unit_of[it.nodeid]])  # stable: the rest keeps its order

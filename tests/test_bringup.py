@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from conftest import RAMDISK
 from fleet.config import FleetConfig
 from fleet.node import LocalNode
 
@@ -28,7 +29,7 @@ def sim_config(tmp_path: Path, base_port: int, *, node: dict | None = None, n: i
     (model / "weights.bin").write_bytes(b"w" * 100_000)
     data: dict[str, Any] = {
         "name": "t",
-        "nodes": [node or {"name": "local", "workdir": str(tmp_path / "work")}],
+        "nodes": [node or {"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": RAMDISK}],
         "engine": {"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 5000}},
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(tmp_path / "venv")},
@@ -41,10 +42,9 @@ def sim_config(tmp_path: Path, base_port: int, *, node: dict | None = None, n: i
 
 
 def port_block(n: int) -> int:
-    from fleet.demo import free_port_block
+    from conftest import port_block
 
-    import random
-    return free_port_block(n, start=random.randrange(20000, 50000, 100))
+    return port_block(n)
 
 
 def run(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
@@ -321,7 +321,7 @@ def test_transformers_engine_end_to_end(tmp_path: Path, tiny_model: Path, teardo
     import sys
 
     cfg = FleetConfig(
-        name="tf", nodes=[{"name": "local", "workdir": str(tmp_path / "work")}],
+        name="tf", nodes=[{"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": RAMDISK}],
         engine={"kind": "transformers", "device": "cpu", "continuous_batching": False},
         model={"source": str(tiny_model), "stage_margin_gb": 0.0},
         venv={"path": sys.prefix, "use_existing": True},

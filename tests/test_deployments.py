@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
+from conftest import free_port
 from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
@@ -36,10 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -196,9 +193,8 @@ def run_deployment(s: PrefectServer, name: str, *params: str, timeout: float = 1
 
 
 def sim_toml(tmp_path: Path, n: int = 3) -> tuple[Path, dict[str, Any]]:
-    import random
-
-    from fleet.demo import free_port_block, to_toml
+    from conftest import port_block
+    from fleet.demo import to_toml
 
     model = tmp_path / "models" / "sim-model"
     model.mkdir(parents=True)
@@ -211,7 +207,7 @@ def sim_toml(tmp_path: Path, n: int = 3) -> tuple[Path, dict[str, Any]]:
         "engine": {"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 5000}},
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(tmp_path / "venv")},
-        "servers": {"count": n, "base_port": free_port_block(n, start=random.randrange(20000, 50000, 100)),
+        "servers": {"count": n, "base_port": port_block(n),
                     "ready_timeout_s": 60, "stop_grace_s": 2},
         "smoke": {"first_timeout_s": 10, "timeout_s": 3, "attempts": 2, "backoff_s": 0.1},
     }

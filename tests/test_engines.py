@@ -554,7 +554,6 @@ def test_transformers_profile_runs_real_transformers_serve(tmp_path: Path) -> No
     """
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
@@ -567,9 +566,9 @@ def test_transformers_profile_runs_real_transformers_serve(tmp_path: Path) -> No
     from fleet import tinymodel
 
     model = tinymodel.build_tiny_model(tmp_path / "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import free_port
+
+    port = free_port()
     profile = get_profile("transformers")
     cfg = cfg_of(engine={"kind": "transformers", "continuous_batching": False})
     spec = spec_of(gpus=(), port=port, model_path=str(model), python=sys.executable, workdir=str(tmp_path))

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from conftest import free_port
 from fleet.config import GenerationConfig
 from fleet.generation.client import chat, classify_status, new_session
 from fleet.generation.dispatch import Dispatcher, Endpoint
@@ -28,10 +29,6 @@ from fleet.generation.rowqueue import WorkQueue
 SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sim:

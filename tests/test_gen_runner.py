@@ -191,15 +191,13 @@ def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path
     launch record not yet smoked (or, with a slow first relaunch, before server 1 served again).
     """
     import dataclasses
-    import random
-
-    from fleet.demo import free_port_block
+    from conftest import port_block
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, stop_servers, wait_ready
 
     crash_at, n_rows = 70, 120
     assert n_rows <= (crash_at - 8) + (crash_at - 3), "server 1 could crash a second time"
-    base = free_port_block(2, start=random.randrange(20000, 50000, 100))
+    base = port_block(2)
     cfg = sim_fleet(tmp_path, base, 2, extra_args_by_index={
         0: ["--max-running-requests", "1", "--tokens-per-s", "24"],   # 48 tokens: ~2 s a row
         1: ["--crash-after", str(crash_at)]})
@@ -303,14 +301,12 @@ def test_sigstopped_server_is_detected_relaunched_and_readmitted(tmp_path: Path)
     uncharged; the runner sees the process stopped, stops it (SIGCONT + TERM), relaunches it
     with its launch spec, smokes it and re-admits it; every row ends exactly once, no errors.
     Server 0 is slow (one row at a time) so the job outlasts the relaunch whatever the load."""
-    import random
-
-    from fleet.demo import free_port_block
+    from conftest import port_block
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, stop_servers, wait_ready
 
     n_rows = 160
-    base = free_port_block(2, start=random.randrange(20000, 50000, 100))
+    base = port_block(2)
     cfg = sim_fleet(tmp_path, base, 2, extra_args_by_index={0: ["--max-running-requests", "1", "--tokens-per-s", "24"]})
     cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"stall_s": 1.0})})
     node = LocalNode("local")

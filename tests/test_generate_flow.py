@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import RAMDISK
 from fleet.node import LocalNode
 from test_bringup import port_block, sim_config
 
@@ -160,7 +161,7 @@ def test_generate_with_real_transformers_servers_readable_by_pandas(tmp_path: Pa
 
     model = build_tiny_model(tmp_path / "models" / "tiny-chat")
     cfg = FleetConfig(
-        name="tfgen", nodes=[{"name": "local", "workdir": str(tmp_path / "work")}],
+        name="tfgen", nodes=[{"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": RAMDISK}],
         engine={"kind": "transformers", "device": "cpu", "continuous_batching": False},
         model={"source": str(model), "stage_margin_gb": 0.0},
         venv={"path": sys.prefix, "use_existing": True},

@@ -9,7 +9,6 @@ a loaded CI machine does not fail them (the goal, on an idle machine, is under 5
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes, wait_until
-from fleet.demo import free_port_block, to_toml
+from conftest import port_block, processes, wait_until
+from fleet.demo import to_toml
 
 pytestmark = pytest.mark.prefect
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +49,7 @@ def sim_cfg(tmp_path: Path, name: str, startup_s: float = 15.0, base_port: int |
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(d / "venv")},
         "servers": {"count": 2,
-                    "base_port": base_port or free_port_block(2, start=random.randrange(20000, 50000, 100)),
+                    "base_port": base_port or port_block(2),
                     "ready_timeout_s": 120, "stop_grace_s": 2},
         "smoke": {"first_timeout_s": 20, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
     }
@@ -167,7 +166,7 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
     while attempting to connect to ephemeral Prefect API server" (each starts an embedded
     server on the same database) and against a waiting run that does not say who it waits for.
     Both configs use this machine, so the second waits for the first's lock, naming it."""
-    base = free_port_block(4, start=random.randrange(20000, 50000, 100))  # one block: the two never collide
+    base = port_block(4)  # one block: the two never collide
     a, b = sim_cfg(tmp_path, "ta", startup_s=8, base_port=base), sim_cfg(tmp_path, "tb", startup_s=1, base_port=base + 2)
     try:
         first = Cmd(env, tmp_path / "a.txt", "up", "-c", str(a))

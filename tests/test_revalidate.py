@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
 def sim_config(tmp_path: Path, *, n: int = 3, **kw: Any) -> FleetConfig:
-    from fleet.demo import free_port_block
+    from conftest import port_block
 
     model = tmp_path / "src" / "sim-model"
     model.mkdir(parents=True, exist_ok=True)
@@ -41,7 +40,7 @@ def sim_config(tmp_path: Path, *, n: int = 3, **kw: Any) -> FleetConfig:
         "engine": {"kind": "sim", "sim": {"startup_s": 0.2, "tokens_per_s": 5000}},
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(tmp_path / "venv")},
-        "servers": {"count": n, "base_port": free_port_block(n, start=random.randrange(20000, 50000, 100)),
+        "servers": {"count": n, "base_port": port_block(n),
                     "ready_timeout_s": 60, "stop_grace_s": 2},
         "smoke": {"first_timeout_s": 10, "timeout_s": 2, "attempts": 2, "backoff_s": 0.1},
     }

@@ -20,15 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import free_port
+
 SIM_DIR = Path(__file__).resolve().parents[1] / "fleet" / "sim"
 SERVER = ("-m", "fleet.sim")
 FAST = ("--tokens-per-s", "1000000")  # generations answer at once
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sim:
