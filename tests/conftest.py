@@ -324,11 +324,74 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 # Modules whose module-scoped fixture is a whole server (a Prefect server with deployments and a
 # worker, a Prefect server with its UI and a browser, `transformers serve`) run on one worker, so
 # it is started once, not once per worker that gets one of their tests.
-GROUPED = {"tests/test_deployments.py": "deployments", "tests/test_ui.py": "ui", "tests/test_tinymodel.py": "tinymodel"}
-# The longest tests, in seconds (`./dev.sh test --durations=40`), started first so that no worker
-# is left with a long one at the end while the others are done. Only the order depends on these
-# numbers; a test missing here just runs later.
-SLOW_S: dict[str, float] = {}
+# (Node id prefixes; the longest matching one wins; None: not grouped.)
+GROUPED: dict[str, str | None] = {
+    "test_deployments.py": "deployments",
+    # needs only the module's Prefect server, not its deployments and worker: a second group, so
+    # that the deployments group, the longest unit of work, is shorter
+    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
+    "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
+    "test_ui.py": "ui",
+    "test_tinymodel.py": "tinymodel",
+}
+# The longest tests (seconds with 4 workers on a busy 2-core machine: `./dev.sh test
+# --durations=60`; a grouped module's fixture setup counted in), started first so that no worker is
+# left running a long one while the others are done. Only the order depends on these numbers; a
+# test missing here runs after them, in pytest's order.
+SLOW_S: dict[str, float] = {
+    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet": 287,
+    "test_deployments.py::test_bringup_revalidate_teardown_through_a_worker": 164,
+    "test_generate_flow.py::test_flow_killed_runner_goes_on_then_reattached": 160,
+    "test_multinode.py::test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows": 150,
+    "test_multinode.py::test_controller_killed_runners_go_on_then_rerun_reattaches": 138,
+    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": 129,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-launching]": 105,
+    "test_generate_flow.py::test_generate_with_real_transformers_servers_readable_by_pandas": 99,
+    "test_multinode.py::test_a_local_and_an_ssh_node_one_job": 97,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-holding]": 95,
+    "test_gen_store.py::test_kill_9_at_random_moments_never_tears_a_shard_or_duplicates_an_id": 92,
+    "test_bringup.py::test_demo_command_from_readme": 91,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-launching]": 90,
+    "test_deployments.py::test_the_yaml_declares_four_deployments": 89,
+    "test_gen_job_faults.py::test_fleet_generate_prints_the_runners_cause_and_remedy": 88,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 86,
+    "test_bringup.py::test_cli_up_status_down": 84,
+    "test_multinode.py::test_two_nodes_one_job_split_merge_fetch_export": 83,
+    "test_deployments.py::test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback": 76,
+    "test_ui.py::test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy": 75,
+    "test_interrupt.py::test_embedded_server_that_cannot_start_is_one_line_with_the_remedy": 72,
+    "test_generate_flow.py::test_generate_over_ssh_runner_on_node_then_fetch": 69,
+    "test_interrupt.py::test_two_commands_at_once_both_work_and_the_second_names_the_holder": 66,
+    "test_gen_faults.py::test_fault_soak_small_every_row_exactly_once": 54,
+    "test_gen_job_faults.py::test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_the_live_job": 53,
+    "test_generate_flow.py::test_generate_local_end_to_end": 51,
+    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[2]": 47,
+    "test_deployments.py::test_default_config_is_read_relative_to_the_repo": 43,
+    "test_security.py::test_fetch_remote_cannot_inject_options_or_leave_the_job_output[ssh]": 42,
+    "test_bringup.py::test_transformers_engine_end_to_end": 40,
+    "test_gen_job_faults.py::test_disk_full_on_a_real_tmpfs_fails_loud_then_resumes_exactly_once": 37,
+    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[9]": 36,
+    "test_engines.py::test_transformers_profile_runs_real_transformers_serve": 35,
+    "test_interrupt.py::test_ctrl_c_of_generate_leaves_the_runner_going": 34,
+    "test_bringup.py::test_all_healthy_local_with_artifacts": 31,
+    "test_security.py::test_secrets_appear_nowhere_after_a_bringup_over_ssh": 30,
+    "test_security.py::test_secrets_appear_nowhere_after_a_bringup_and_a_job": 29,
+    "test_tinymodel.py::test_transformers_serve_chat_completion": 26,
+    "test_revalidate.py::test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup": 26,
+    "test_cli_edges.py::test_status_and_down_call_the_column_server_like_up": 25,
+    "test_gen_turns.py::test_all_turns_kill_mid_conversation_then_resume_is_whole": 22,
+    "test_security.py::test_fetch_remote_cannot_inject_options_or_leave_the_job_output[local]": 22,
+    "test_revalidate.py::test_revalidate_names_every_unhealthy_server_and_relaunches_nothing": 21,
+    "test_gen_runner.py::test_sigkill_mid_run_then_resume_exact_counts": 21,
+    "test_gen_runner.py::test_sigterm_stops_cleanly_then_resume_finishes": 20,
+    "test_bringup.py::test_one_server_crashing_over_ssh": 20,
+    "test_tinymodel.py::test_build_is_idempotent_and_rebuilds_on_change": 20,
+    "test_staging.py::test_verify_catches_a_corrupt_copy_with_same_size_and_mtime[ssh]": 20,
+    "test_gen_runner.py::test_bad_job_file_and_locked_output_exit_2": 19,
+    "test_revalidate.py::test_teardown_stops_everything_frees_ramdisk_and_is_idempotent": 17,
+    "test_gen_runner.py::test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost[pyz]": 17,
+    "test_bringup.py::test_all_healthy_over_ssh_with_forwarded_ports": 16,
+}
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -336,12 +399,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return  # a plain run keeps pytest's order (and module fixtures set up once)
     unit_cost: dict[str, float] = {}
     unit_of: dict[str, str] = {}
+    prefixes = sorted(GROUPED, key=len, reverse=True)
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = GROUPED.get(path)
+        nodeid = item.nodeid.removeprefix("tests/")
+        group = next((GROUPED[p] for p in prefixes if nodeid.startswith(p)), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
         unit = group or item.nodeid
         unit_of[item.nodeid] = unit
-        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(item.nodeid, SLOW_S.get(item.nodeid.split("[", 1)[0], 0.0))
+        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(nodeid, 0.0)
     items.sort(key=lambda it: -unit_cost[unit_of[it.nodeid]])  # stable: the rest keeps its order

@@ -636,6 +636,9 @@ def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_t
         inp.write_bytes(rows_jsonl(300))
         handle = start_job(node, cfg, node_cfg, input_path=str(inp), output=str(tmp_path / "out"), specs=[spec])
         runner = handle.pid
+        # frozen, so the job is still live when the second bring-up looks, however long that takes
+        # (left running, its 300 rows were done before the checks below on a busy machine)
+        os.kill(runner, signal.SIGSTOP)
         changed = cfg.model_copy(update={"engine": cfg.engine.model_copy(
             update={"sim": cfg.engine.sim.model_copy(update={"tokens_per_s": 50})})})
         ok, _, message = run_bringup(changed)

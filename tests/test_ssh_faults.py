@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Sshd, descendants, free_port, processes, wait_until
+from conftest import Sshd, descendants, free_port, wait_until
 from fleet.config import NodeConfig
 from fleet.errors import (
     AuthFailed,
@@ -165,8 +165,9 @@ def _run_in_thread(node: SSHNode, argv: list[str]) -> tuple[threading.Thread, li
     return thread, errors
 
 
-def _remote_sleep(duration: str) -> int | None:
-    return next((p.pid for p in processes() if p.argv == ["sleep", duration]), None)
+def _remote_sleep(sshd: Sshd, duration: str) -> int | None:
+    # only below this test's sshd: another run of this test on the machine has its own sleep
+    return next((p.pid for p in descendants(sshd.pid) if p.argv == ["sleep", duration]), None)
 
 
 def _kill(pid: int) -> None:
@@ -184,7 +185,7 @@ def test_sshd_session_killed_mid_command(sshd: Sshd) -> None:
     node.connect()
     ours = wait_until(lambda: sshd.session_pids() - before, what="the sshd process serving our connection")
     thread, errors = _run_in_thread(node, ["sleep", "31.5"])
-    sleeper = wait_until(lambda: _remote_sleep("31.5"), what="the remote sleep to start")
+    sleeper = wait_until(lambda: _remote_sleep(sshd, "31.5"), what="the remote sleep to start")
     t0 = time.monotonic()
     for pid in ours:  # the per-connection sshd and its privilege-separated child
         for p in [pid, *(d.pid for d in descendants(pid) if d.comm.startswith("sshd"))]:
@@ -204,7 +205,7 @@ def test_connection_dropped_under_the_client_mid_command(sshd: Sshd) -> None:
     node = _node(sshd)
     node.connect()
     thread, errors = _run_in_thread(node, ["sleep", "32.5"])
-    sleeper = wait_until(lambda: _remote_sleep("32.5"), what="the remote sleep to start")
+    sleeper = wait_until(lambda: _remote_sleep(sshd, "32.5"), what="the remote sleep to start")
     assert node._sock is not None
     node._sock.shutdown(socket.SHUT_RDWR)
     thread.join(timeout=10)
