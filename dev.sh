@@ -76,7 +76,9 @@ case "$cmd" in
     # In parallel: the tests mostly wait (on servers, Prefect, processes), so more workers than
     # cores. loadgroup keeps each module with a costly module-wide server on one worker;
     # conftest.py orders the longest tests first (hence no reordering here). A later -n wins.
-    exec "$VENV/bin/python" -m pytest -n 4 --dist loadgroup --no-loadscope-reorder "$@" ;;
+    # --timeout: pytest-timeout's hang guard (300 s in pyproject) with room for a long test slowed by
+    # the others beside it (the deployment tests reached 290 s with 4 workers on a busy machine).
+    exec "$VENV/bin/python" -m pytest -n 4 --dist loadgroup --no-loadscope-reorder --timeout 900 "$@" ;;
   help|-h|--help) usage ;;
   *) echo "dev.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
 esac

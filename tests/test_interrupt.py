@@ -167,10 +167,22 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
     server on the same database) and against a waiting run that does not say who it waits for.
     Both configs use this machine, so the second waits for the first's lock, naming it."""
     base = port_block(4)  # one block: the two never collide
-    a, b = sim_cfg(tmp_path, "ta", startup_s=8, base_port=base), sim_cfg(tmp_path, "tb", startup_s=1, base_port=base + 2)
+    a, b = sim_cfg(tmp_path, "ta", startup_s=8, base_port=base), sim_cfg(tmp_path, "tb", startup_s=8, base_port=base + 2)
     try:
         first = Cmd(env, tmp_path / "a.txt", "up", "-c", str(a))
         second = Cmd(env, tmp_path / "b.txt", "up", "-c", str(b))
+        # Whichever takes the machine first is stopped (SIGSTOP) while it holds it, until the other
+        # says it waits for it: left running, on a busy machine one was done before the other had
+        # started its Prefect server. (Its lease lasts 120 s unrenewed; the other's wait begins
+        # well within that.)
+        holder = wait_until(lambda: next((c for c in (first, second) if "bringup: holding" in c.text()), None),
+                            timeout=180, what="one of the two to take the machine")
+        other = second if holder is first else first
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        try:
+            other.wait_for_text("is held by run 'bringup-t", timeout=110)
+        finally:
+            os.kill(holder.proc.pid, signal.SIGCONT)
         assert first.finish() == 0, first.text()[-3000:]
         assert second.finish() == 0, second.text()[-3000:]
         outs = first.text() + second.text()
