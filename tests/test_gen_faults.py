@@ -56,12 +56,12 @@ def test_fault_soak_node_loss_small_every_row_exactly_once(tmp_path: Path) -> No
     goes to the other node, starting from the shards already gathered; the frozen node rejoins. After the
     job: every input id exactly once in the merge, errors exactly the rows over the context, rejects
     exactly the malformed lines."""
-    from fleet.demo import free_port_block
+    from conftest import port_block
 
     from bench_faults import NODE_KINDS, launch_nodes, soak_nodes, stop_nodes, two_node_config
 
     rng = random.Random(11)
-    port = free_port_block(3, start=rng.randrange(20000, 50000, 100))
+    port = port_block(3)
     cfg = two_node_config(tmp_path / "w", port, tokens_per_s=40, slots=4, startup_s=0.3, max_tokens=16,
                           generation={"chunk_rows": 200, "shard_rows": 20, "node_lost_s": 4})
     try:

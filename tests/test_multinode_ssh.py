@@ -47,13 +47,13 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
     node rejoins and takes the chunk again — re-attaching to the runner that kept working through the
     outage (or resuming it). With the node the job's only one, the job cannot end without the rejoin.
     After it: every id exactly once."""
-    from fleet.demo import free_port_block
+    from conftest import port_block
     from fleet.generation.chunks import ControllerLock
     from fleet.generation.multinode import Controller, NodeWork
     from fleet.node import connect
     from fleet.servers import launch, plan_servers, wait_ready
 
-    cfg = ssh_only_config(tmp_path, sshd, free_port_block(1, start=41000))
+    cfg = ssh_only_config(tmp_path, sshd, port_block(1))
     stop_everything(cfg)
     n = cfg.nodes[0]
     with connect(n) as node:

@@ -84,7 +84,8 @@ def test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy(server,
     """Fault: a bring-up where one server runs out of memory at launch. In the UI the run page must
     show the run Failed with the server, its error and the remedy (the state message, not an
     engine traceback), and the summary artifact must show that server's row with the same."""
-    from fleet.demo import free_port_block, to_toml
+    from conftest import port_block
+    from fleet.demo import to_toml
 
     base, env = server
     model = tmp_path / "models" / "sim-model"
@@ -98,7 +99,7 @@ def test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy(server,
         "engine": {"kind": "sim", "sim": {"startup_s": 0.3}},
         "model": {"source": str(model), "stage_margin_gb": 0.0},
         "venv": {"path": str(tmp_path / "venv")},
-        "servers": {"count": 2, "base_port": free_port_block(2), "ready_timeout_s": 60, "stop_grace_s": 2,
+        "servers": {"count": 2, "base_port": port_block(2), "ready_timeout_s": 60, "stop_grace_s": 2,
                     "extra_args_by_index": {1: ["--oom-at-start"]}},
         "smoke": {"first_timeout_s": 20, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
     }
