@@ -292,14 +292,16 @@ def prefect_api() -> Iterator[None]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Prefect's temporary servers (prefect_test_harness, and a flow called in a test without one)
-    # pick a random port in 8000-8999 after a bind check: two test processes starting theirs at
-    # once can pick the same one, and the loser's health check is then answered by the winner's
-    # server (another database). Take their port from this process's block instead.
+    # Prefect's temporary servers take a port from bind(0) (prefect_test_harness) or a random one in
+    # 8000-8999 after a bind check (a flow called with no API, and the retry after a failed bind):
+    # if another process takes it first, the server's health check can be answered by that
+    # process's server (another database). Take their ports from this process's block instead.
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # the xdist controller runs no test (and need not import Prefect's server)
+    import prefect.testing.utilities
     from prefect.server.api.server import SubprocessASGIServer
 
+    prefect.testing.utilities._find_available_port = free_port
     SubprocessASGIServer.find_available_port = lambda self: free_port()  # type: ignore[method-assign]
 
 
