@@ -205,3 +205,8 @@ def test_claim_cuts_a_chunk_to_the_wanted_size_and_keeps_every_line(tmp_path: Pa
     assert st.claim("a", another=True, rows=5) == n0 and load_plan(pdir).chunks[n0].lines == first - 150
     assert [c.index for c, _ in Assignments(pdir, load_plan(pdir)).sources()][:2] == [0, n0]
     assert any(e["event"] == "cut" for e in st.events)
+    nxt = st.pending()[0]
+    lines = load_plan(pdir).chunks[nxt].lines
+    rows = lines * 2 // 3   # the rest (a third) is more than a quarter of rows: cut, unless below min_rest
+    assert st.claim("b", another=True, rows=rows, min_rest=lines - rows) == nxt
+    assert load_plan(pdir).chunks[nxt].lines == lines                          # taken whole: not cut

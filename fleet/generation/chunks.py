@@ -58,7 +58,7 @@ from typing import Any
 
 __all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "chunk_rows_for", "finishes_first",
-           "split_chunk", "CHUNK_TARGET_S"]
+           "split_chunk", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -396,12 +396,13 @@ class Assignments:
             return sum(self.plan.chunks[i].lines for i in self.pending())
 
     def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False,
-              rows: int | None = None) -> int | None:
+              rows: int | None = None, min_rest: int = 0) -> int | None:
         """The chunk `node` works on next: one it already runs (re-attach), else the first pending,
         which is marked running on `node` at once (with `output_for`), so two nodes never take one chunk.
         `another`: a pending chunk even though the node runs one (started while that one drains).
         `rows`: the size this node's chunks should have now (`chunk_rows_for`): a first-time chunk
-        longer than that by a quarter is cut (`split_chunk`) and the rest stays pending."""
+        longer than that is cut (`split_chunk`) and the rest stays pending — unless the rest would be
+        shorter than a quarter of `rows` or than `min_rest` (a chunk that is mostly runner start)."""
         with self._lock:
             if self.nodes.get(node, {}).get("state") == "lost":
                 return None
@@ -410,7 +411,8 @@ class Assignments:
                 return mine[0]
             for i in self.pending():
                 c = self.chunks[i]
-                if rows is not None and not c.attempts and self.plan.chunks[i].lines > rows + max(1, rows // 4):
+                if rows is not None and not c.attempts and \
+                        self.plan.chunks[i].lines - rows > max(1, rows // 4, min_rest):
                     new = split_chunk(self.path.parent, self.plan, i, rows)
                     self.chunks[new.index] = ChunkState()
                     self._event("cut", chunk=i, rows=rows, rest=new.index)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import posixpath
 import shutil
 import threading
@@ -37,7 +38,8 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.chunks import (
-    Assignments, Chunk, Plan, Source, chunk_rows_for, finishes_first, merge, split_input, write_json_atomic,
+    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, chunk_rows_for, finishes_first, merge, split_input,
+    write_json_atomic,
 )
 from fleet.node import LocalNode, Node, connect
 
@@ -150,7 +152,8 @@ class Controller:
                     work.state = "idle"
                     self._stop.wait(self.poll_s)
                     continue
-            index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows)
+            index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
+                                      min_rest=self.min_rest())
             if index is None:
                 # nothing pending: others hold the last chunks. Wait: a loss may hand one back.
                 work.state = "idle"
@@ -201,6 +204,12 @@ class Controller:
         total = int(w.progress.get("rows_total") or self.chunk(w.chunk).lines)
         return max(0, total - int(w.progress.get("rows_done") or 0)) / rate
 
+    def min_rest(self) -> int:
+        """The shortest rest a cut may leave: MIN_CHUNK_S of work at the fastest measured rate (a rest
+        shorter than that is a chunk that is mostly its runner's start, whichever node takes it)."""
+        rates = [r for n in self.nodes if (r := self.node_rate(n))]
+        return math.ceil(MIN_CHUNK_S * max(rates)) if rates else 0
+
     def next_size(self, name: str) -> tuple[int | None, bool]:
         """(rows of node `name`'s next chunk, whether it should take one now): `chunk_rows_for` from the
         measured rates, `finishes_first` against the faster nodes (see chunks.py)."""
@@ -213,7 +222,7 @@ class Controller:
             return None, True
         rows = chunk_rows_for(rate, rates, self.assign.rows_pending())
         nxt = self.chunk(pending[0]).lines
-        take = min(nxt, rows) if rows else nxt
+        take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
         others = [(self._free_in(n, r), r) for n, r in rates.items() if n != name]
         return rows, finishes_first(take, rate, others)
 
@@ -399,7 +408,8 @@ class Controller:
         rows, go = self.next_size(name)
         if not go:
             return
-        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows)
+        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows,
+                                min_rest=self.min_rest())
         if nxt is None:
             return
         chunk = self.chunk(nxt)
