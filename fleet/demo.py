@@ -41,7 +41,8 @@ def free_port_block(n: int, start: int = 31000, stop: int = 60000) -> int:
 
 def to_toml(data: Mapping[str, Any]) -> str:
     """TOML text of a config dict (tomli-w). TOML has no null: a key set to None is left out, as
-    the config treats a missing key (`model_dump(mode="json")` output can be written as is)."""
+    the config treats a missing key (`model_dump(mode="json")` output can be written as is); TOML
+    keys are strings: an int key (`servers.extra_args_by_index`) is written as its digits."""
     import tomli_w
 
     return tomli_w.dumps(_without_none(data))
@@ -52,10 +53,10 @@ def _without_none(d: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(v, Mapping):
             return _without_none(v)
         if isinstance(v, list | tuple):
-            return [clean(x) for x in v if x is not None]
+            return [clean(x) for x in v]
         return v
 
-    return {k: clean(v) for k, v in d.items() if v is not None}
+    return {str(k): clean(v) for k, v in d.items() if v is not None}
 
 
 def demo_config(engine: str, servers: int | None, state: Path) -> dict[str, Any]:

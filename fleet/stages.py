@@ -157,7 +157,7 @@ class TeardownRow:
         return self.index is not None or self.what.startswith("server")
 
     @property
-    def error(self) -> bool:
+    def failed(self) -> bool:
         return self.action.startswith("error")
 
     @property

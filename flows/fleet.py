@@ -43,6 +43,7 @@ quiet_expected_failures()
 
 Action = Literal["bringup", "revalidate", "teardown", "generate"]
 
+
 @dataclass
 class ServerRow:
     """One row of the summary table: a server, or (server "-") a node that failed before its servers."""
@@ -183,7 +184,7 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
         for name, f in [(n.name, free_task.submit(cfg, n.name)) for n in cfg.nodes]:
             freed, err = outcome(f)
             rows.append(freed if freed is not None else TeardownRow(name, "ramdisk", f"error: {err}"))
-    failures = [f"{r.node} {r.what}: {r.action}" for r in rows if r.error]
+    failures = [f"{r.node} {r.what}: {r.action}" for r in rows if r.failed]
     stopped = sum(1 for r in rows if r.is_server and r.stopped)
     freed_bytes = sum(r.bytes or 0 for r in rows if r.action == "freed")
     summary = (f"teardown of {cfg.name}: stopped {stopped} server(s)"
@@ -193,8 +194,8 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
     write_table(cfg, ("teardown",), table, summary)
     # The summary is "the fleet's state after the latest run": after a teardown, nothing is up.
     write_table(cfg, ("summary",), [ServerRow(r.node, r.index if r.index is not None else "-", port=r.port, pid=r.pid,
-                                              state="teardown failed" if r.error else "stopped by teardown",
-                                              error=r.action if r.error else None).as_dict()
+                                              state="teardown failed" if r.failed else "stopped by teardown",
+                                              error=r.action if r.failed else None).as_dict()
                                     for r in rows if r.is_server],
                 f"{cfg.name}: torn down, {stopped} server(s) stopped")
     if failures:

@@ -26,7 +26,7 @@ def stop_node(cfg: FleetConfig, node_name: str) -> list[TeardownRow]:
     node_cfg = cfg.node(node_name)
     node = node_for(cfg, node_name)
     rows = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
-    if not any(r.error for r in rows):
+    if not any(r.failed for r in rows):
         torndown.mark(node, node_cfg, cfg.name, stopped=sum(1 for r in rows if r.stopped), by=flow_run.name)
     return rows
 
