@@ -15,7 +15,7 @@ never launch onto the same GPUs at once: a second one waits for the first, then 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger
@@ -79,32 +79,59 @@ class ServerRow:
 SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
 
 
-def _failed_server(spec: ServerSpec, state: str, error: str) -> ServerRow:
-    return ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, state=state, error=error)
+@dataclass
+class _Summary:
+    """The summary table as the stages fill it in, and one line per failure."""
+
+    rows: list[ServerRow] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def node_failed(self, node: str, what: str, err: str | None) -> None:
+        self.rows.append(ServerRow(node, "-", state=f"{what} failed", error=err))
+        self.failures.append(f"{node}: {what}: {err}")
+
+    def server_failed(self, row: ServerRow, state: str, err: str | None) -> None:
+        row.state, row.error = state, err
+        self.rows.append(row)
+        self.failures.append(f"{row.node} server {row.server} (port {row.port}): {err}")
 
 
 def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSpec]]:
     """Run the DAG for every node; return (summary rows, failure lines, specs of the servers up)."""
-    logger = get_run_logger()
-    rows: list[ServerRow] = []
-    failures: list[str] = []
+    summary = _Summary()
+    provisioned = _provision(cfg, summary)
+    prepared = _prepare(cfg, provisioned, summary)
+    specs: list[ServerSpec] = []
+    for name, (v, s) in prepared.items():
+        specs += plan_servers(cfg, cfg.node(name), provisioned[name].gpu_ids, model_path=s.model_path,
+                              python=v.python)
+    get_run_logger().info("launching %d server(s) on %d node(s)", len(specs), len(prepared))
+    _launch_and_smoke(cfg, specs, summary)
+    _flag_small_kv_caches(cfg, summary.rows)
+    rows = sorted(summary.rows, key=ServerRow.sort_key)
+    up = {(r.node, r.server) for r in rows if r.up}
+    return rows, summary.failures, [s for s in specs if (s.node, s.index) in up]
 
-    # 1. provision every node in parallel; a node that fails stops here.
+
+def _provision(cfg: FleetConfig, summary: _Summary) -> dict[str, Provisioned]:
+    """1. Provision every node in parallel; a node that fails stops here."""
     provs = {n.name: provision.submit(cfg, n.name) for n in cfg.nodes}
     provisioned: dict[str, Provisioned] = {}
     for name, fut in provs.items():
         prov, err = outcome(fut)
         if prov is None:
-            rows.append(ServerRow(name, "-", state="provision failed", error=err))
-            failures.append(f"{name}: provision: {err}")
+            summary.node_failed(name, "provision", err)
         else:
             provisioned[name] = prov
-
     for name in provs:
         if name not in provisioned:
             _not_reached(cfg, name, ("venv", "stage"), "the node's provision failed")
+    return provisioned
 
-    # 2 + 3. venv and RAM-disk staging, in parallel, per node.
+
+def _prepare(cfg: FleetConfig, provisioned: dict[str, Provisioned],
+             summary: _Summary) -> dict[str, tuple[VenvResult, ModelPlace]]:
+    """2 + 3. The venv and the RAM-disk copy of the model, in parallel, per node."""
     prepared: dict[str, tuple[VenvResult, ModelPlace]] = {}
     futs = {name: (venv.submit(cfg, name, p), stage.submit(cfg, name, p)) for name, p in provisioned.items()}
     for name, (vf, sf) in futs.items():
@@ -112,19 +139,16 @@ def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSp
         s, serr = outcome(sf)
         for what, err in (("venv", verr), ("stage", serr)):
             if err:
-                rows.append(ServerRow(name, "-", state=f"{what} failed", error=err))
-                failures.append(f"{name}: {what}: {err}")
+                summary.node_failed(name, what, err)
         if v is not None and s is not None:
             prepared[name] = (v, s)
         else:
             _not_reached(cfg, name, (), f"the node's {'venv' if verr else 'staging'} failed")
+    return prepared
 
-    # 4. launch every server of every ready node at once; 5. smoke each as soon as it is ready.
-    specs: list[ServerSpec] = []
-    for name, (v, s) in prepared.items():
-        specs += plan_servers(cfg, cfg.node(name), provisioned[name].gpu_ids, model_path=s.model_path,
-                              python=v.python)
-    logger.info("launching %d server(s) on %d node(s)", len(specs), len(prepared))
+
+def _launch_and_smoke(cfg: FleetConfig, specs: list[ServerSpec], summary: _Summary) -> None:
+    """4. Launch every server of every ready node at once; 5. smoke each as soon as it is ready."""
     launches = {launch_server.submit(cfg, spec): spec for spec in specs}
     launched: dict[tuple[str, int], Launched] = {}
     smokes: dict[PrefectFuture[Smoked], ServerSpec] = {}
@@ -132,8 +156,8 @@ def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSp
         spec = launches[lfut]
         started, err = outcome(lfut)
         if started is None:
-            rows.append(_failed_server(spec, "launch failed", err or "launch failed"))
-            failures.append(f"{spec.node} server {spec.index} (port {spec.port}): {err}")
+            summary.server_failed(ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port),
+                                  "launch failed", err)
             write_not_run(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}",
                           "its launch failed")
             continue
@@ -146,23 +170,22 @@ def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSp
                         kv_cache_tokens=lr.fact_int("kv_cache_tokens"),
                         max_running_requests=lr.fact_int("max_running_requests"))
         if smoked is None:
-            row.state, row.error = "smoke failed", err
-            failures.append(f"{spec.node} server {spec.index} (port {spec.port}): {err}")
-        else:
-            row.state = "adopted" if lr.adopted else "up"
-            row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
-            row.max_running_requests = smoked.max_running_requests or row.max_running_requests
-        rows.append(row)
+            summary.server_failed(row, "smoke failed", err)
+            continue
+        row.state = "adopted" if lr.adopted else "up"
+        row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
+        row.max_running_requests = smoked.max_running_requests or row.max_running_requests
+        summary.rows.append(row)
 
+
+def _flag_small_kv_caches(cfg: FleetConfig, rows: list[ServerRow]) -> None:
+    """A server whose KV cache is markedly below its peers' (another process holds GPU memory): flag it."""
     flags = compare_kv({r.label: r.kv_cache_tokens for r in rows if r.up}, cfg.smoke.kv_cache_min_ratio)
     for r in rows:
         flag = flags.get(r.label)
         if flag:
             r.flag = flag
-            logger.warning("%s server %s: %s", r.node, r.server, flag)
-    rows.sort(key=ServerRow.sort_key)
-    up = {(r.node, r.server) for r in rows if r.up}
-    return rows, failures, [s for s in specs if (s.node, s.index) in up]
+            get_run_logger().warning("%s server %s: %s", r.node, r.server, flag)
 
 
 def _not_reached(cfg: FleetConfig, node: str, stages: tuple[str, ...], why: str) -> None:
