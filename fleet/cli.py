@@ -125,29 +125,29 @@ def cmd_down(args: argparse.Namespace) -> int:
     from fleet.config import load_config
     from fleet.node import connect
     from fleet.servers import stop_servers
+    from fleet.stages import TeardownRow
     from fleet.staging import free_ramdisk
 
     cfg = load_config(args.config)
-    rows = []
+    rows: list[TeardownRow] = []
     freed = []
     for node_cfg in cfg.nodes:
         with connect(node_cfg) as node:
-            stopped = stop_servers(node, cfg, node_cfg)
+            stopped = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
             rows += stopped
-            if not any(str(r["action"]).startswith("error") for r in stopped):
+            if not any(r.failed for r in stopped):
                 # revalidation then says "nothing is up (torn down …)" rather than alerting (fleet/torndown.py)
-                torndown.mark(node, node_cfg, cfg.name, by="fleet down",
-                              stopped=sum(1 for r in stopped if r["action"] in ("stopped", "killed")))
+                torndown.mark(node, node_cfg, cfg.name, by="fleet down", stopped=sum(1 for r in stopped if r.stopped))
             if args.free_ramdisk:
                 freed.append({"node": node_cfg.name, **free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
                                                                     ramdisk=node_cfg.ramdisk)})
     if rows:
-        print_rows([{"server": r.get("index"), **r} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
+        print_rows([{"server": r.index, **r.as_dict()} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     if freed:
         print_rows(freed, ["node", "path", "action", "bytes"])
-    return EXIT_FAILED if any(str(r["action"]).startswith("error") for r in rows) else 0
+    return EXIT_FAILED if any(r.failed for r in rows) else 0
 
 
 def cmd_inspect_log(args: argparse.Namespace) -> int:

@@ -122,6 +122,7 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
     from fleet.demo import demo_config, demo_dir, to_toml
     from fleet.node import LocalNode
     from fleet.servers import stop_servers
+    from fleet.stages import TeardownRow
 
     state = demo_dir()
     state.mkdir(parents=True, exist_ok=True)
@@ -133,8 +134,8 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
         ok, rows, message = run_bringup(cfg)
     finally:
         if not keep:
-            stopped = stop_servers(LocalNode(), cfg, cfg.nodes[0])
-            print(f"\nfleet demo: stopped {sum(1 for r in stopped if r['action'] != 'none')} server(s) "
+            stopped = [TeardownRow.of_server(r) for r in stop_servers(LocalNode(), cfg, cfg.nodes[0])]
+            print(f"\nfleet demo: stopped {sum(1 for r in stopped if r.action != 'none')} server(s) "
                   "(--keep leaves them running)")
     print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
     print("See what the run recorded (summary table, per-stage results, log excerpts):\n"

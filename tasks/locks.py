@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+from uuid import UUID
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.errors import TransientError
@@ -150,8 +151,6 @@ def _process_alive(pid: int, start: str) -> bool:
 
 def _why_gone(client: Any, h: Holder, age_s: float) -> str | None:
     """Why the holder of a record is gone for good, or None while it may still run."""
-    from uuid import UUID
-
     from prefect.exceptions import ObjectNotFound
 
     if h.machine and h.machine == _machine_id() and h.host == socket.gethostname():
@@ -205,8 +204,8 @@ def _reclaim_dead(client: Any, limit: str, var: Any, h: Holder, why: str, logger
     if not _delete_record(client, var.id):
         return
     try:  # the lease still exists on this server: revoke it (a later expiry must not free it twice)
-        client.renew_concurrency_lease(h.lease_id, LEASE_S)
-        client.release_concurrency_slots_with_lease(h.lease_id)
+        client.renew_concurrency_lease(UUID(h.lease_id), LEASE_S)
+        client.release_concurrency_slots_with_lease(UUID(h.lease_id))
     except Exception:
         # The lease died with the server that granted it: the slot is leaked, free it by hand
         # unless a new holder took the slot since (it writes its record right after).
@@ -219,8 +218,6 @@ def _reclaim_dead(client: Any, limit: str, var: Any, h: Holder, why: str, logger
 
 def _mark_crashed(client: Any, h: Holder, why: str) -> None:
     """A killed run stays Running in Prefect for ever: say what became of it (best effort)."""
-    from uuid import UUID
-
     from prefect.states import Crashed
 
     if not h.run_id:
@@ -260,7 +257,7 @@ def _try_acquire(client: Any, names: list[str], run_id: str | None) -> str | Non
     """The lease id, or None while another run holds one of the limits (all or nothing)."""
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(run_id)) if run_id else None
     try:
         resp = client.increment_concurrency_slots_with_lease(names, 1, "concurrency", LEASE_S, holder=holder)
     except Exception as exc:
@@ -292,7 +289,7 @@ class _Held:
         while not self._stop.wait(BEAT_S):
             try:
                 with get_client(sync_client=True) as client:
-                    client.renew_concurrency_lease(self.holder.lease_id, LEASE_S)
+                    client.renew_concurrency_lease(UUID(self.holder.lease_id), LEASE_S)
                     for name in self.names:
                         value = {**asdict(self.holder), "beat": time.time()}
                         client.update_variable(VariableUpdate(name=record_name(name), value=value))
@@ -312,7 +309,7 @@ class _Held:
         self._unregister()
         with get_client(sync_client=True) as client:
             try:
-                client.release_concurrency_slots_with_lease(self.holder.lease_id)
+                client.release_concurrency_slots_with_lease(UUID(self.holder.lease_id))
             finally:
                 for var_id in self.record_ids.values():
                     try:
@@ -397,7 +394,7 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
         try:
             records = _write_records(client, names, holder)
         except BaseException:
-            client.release_concurrency_slots_with_lease(lease_id)
+            client.release_concurrency_slots_with_lease(UUID(lease_id))
             raise
     held = _Held(names, holder, records, logger)
     try:
