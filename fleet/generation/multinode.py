@@ -5,7 +5,8 @@ and `Controller.run_chunk` (one Prefect task run per chunk attempt). See `chunks
 plan, the assignment state and the merge rule.
 
 Per node, in a loop: claim a chunk (the node's own running chunk first: that is how a new
-controller re-attaches), put its input on the node, start the ordinary detached runner into
+controller re-attaches; else the next one, cut to the node's measured rate and left to a faster
+node that would end it sooner — `next_size`), put its input on the node, start the ordinary detached runner into
 `<output>/<node>/chunk-NNNNN` (or re-attach to the one running there), and watch its
 progress.json. While it runs, committed shards are gathered every `fetch_every_s`, so what a
 node committed survives the node. A chunk ends:
