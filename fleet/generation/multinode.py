@@ -206,10 +206,11 @@ class Controller:
         return max(0, total - int(w.progress.get("rows_done") or 0)) / rate
 
     def min_rest(self) -> int:
-        """The shortest rest a cut may leave: MIN_CHUNK_S of work at the fastest measured rate (a rest
-        shorter than that is a chunk that is mostly its runner's start, whichever node takes it)."""
+        """The shortest rest a cut may leave: MIN_CHUNK_S of work at the slowest measured rate. A shorter
+        rest is a chunk that is mostly its runner's start (the bench's 102-row rests); at the fastest
+        rate the bar also refused useful cuts (a 234-row rest), and the slow node then ran 1,000 rows."""
         rates = [r for n in self.nodes if (r := self.node_rate(n))]
-        return math.ceil(MIN_CHUNK_S * max(rates)) if rates else 0
+        return math.ceil(MIN_CHUNK_S * min(rates)) if rates else 0
 
     def next_size(self, name: str) -> tuple[int | None, bool]:
         """(rows of node `name`'s next chunk, whether it should take one now): `chunk_rows_for` from the
