@@ -27,7 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     from fleet.config import GenerationConfig
-    from fleet.generation.client import Outcome, dumps
+    from fleet.generation.client import Outcome
+    from fleet.generation.jsonl import dumps
     from fleet.generation.inputs import Request
     from fleet.generation.store import ResultStore
 

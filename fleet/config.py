@@ -36,7 +36,9 @@ EngineKind = Literal["sglang", "vllm", "transformers", "sim"]
 # MASK (fleet.errors) is a value shown masked. A config that arrives with it (a flow-run
 # parameter read back from the API) lost its secret on the way and must not be used.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What an environment variable name may be (sh `export` and `env K=V` accept these): engine.env
+# here, and every env a Node command sets (fleet.node).
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Environment variables fleet sets on the servers itself (the API key travels in them).
 OWNED_ENV = {"VLLM_API_KEY": "servers.api_key", "FLEET_ENGINE_API_KEY": "servers.api_key",
              "FLEET_API_KEY": "servers.api_key", "FLEET_ENGINE_ENV": "engine.env"}
@@ -189,7 +191,7 @@ class EngineConfig(_Section):
     @classmethod
     def _env_names(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
         for name, value in v.items():
-            if not _ENV_NAME.match(name):
+            if not ENV_NAME.match(name):
                 raise ValueError(f"engine.env: {name!r} is not a valid environment variable name "
                                  "(letters, digits and _, not starting with a digit)")
             if name in OWNED_ENV:

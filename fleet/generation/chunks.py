@@ -56,6 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.generation.durable import write_json_atomic
+
 __all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "chunk_rows_for", "finishes_first",
            "split_chunk", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
@@ -167,15 +169,6 @@ def plan_dir_for(root: str | Path, fleet_name: str, output: str) -> Path:
 def input_id(path: str | Path) -> dict[str, Any]:
     st = Path(path).stat()
     return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _is_parquet(path: Path) -> bool:

@@ -25,30 +25,16 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from fleet.generation.jsonl import dumps, loads
+
 if TYPE_CHECKING:
     from fleet.generation.inputs import Request
 
-loads: Callable[[str | bytes], Any]  # orjson's or the stdlib's: both take what the runner reads
-
-try:  # 5-10x faster than the stdlib on large completions; optional
-    import orjson
-
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    loads = orjson.loads
-except ImportError:  # pragma: no cover - depends on the environment
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-    loads = json.loads
-
-__all__ = ["Outcome", "TRANSIENT_STATUS", "chat", "classify_status", "new_session", "dumps", "loads"]
+__all__ = ["Outcome", "TRANSIENT_STATUS", "chat", "classify_status", "new_session"]
 
 # Retried statuses, as the OpenAI SDK and speculators' scripts do: request timeout,
 # conflict, too early, rate limited, and every server-side error.

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.generation.progress import write_json_atomic
+from fleet.generation.durable import write_json_atomic
 
 __all__ = ["Failure", "GuardedStore", "OutputRemoved", "RESERVE_BYTES", "RESERVE_FILE", "classify",
            "reserve_space", "write_exit"]

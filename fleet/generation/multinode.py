@@ -40,14 +40,15 @@ from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.chunks import (
     MIN_CHUNK_S, Assignments, Chunk, Plan, Source, chunk_rows_for, finishes_first, merge, split_input,
-    write_json_atomic,
 )
+from fleet.generation.durable import write_json_atomic
+from fleet.generation.manifest import MANIFEST_FILE
+from fleet.generation.progress import PROGRESS_FILE
 from fleet.node import LocalNode, Node, connect
 
 log = logging.getLogger("fleet.generation.multinode")
 
 MAX_FAILED_ATTEMPTS = 3
-PROGRESS_FILE = "progress.json"
 
 
 class NodeLost(FleetError):
@@ -314,7 +315,7 @@ class Controller:
                 remote_input = self._put_input(node, node_cfg, chunk)
                 att, _ = self.assign.start(index, name, out)
                 # a fresh attempt (no runner has written here yet) starts from what other nodes committed
-                seeded = self._seed(node, index, out) if not node.exists(f"{out}/progress.json") else 0
+                seeded = self._seed(node, index, out) if not node.exists(f"{out}/{PROGRESS_FILE}") else 0
                 if seeded:
                     self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
                                            "earlier attempts")
@@ -367,7 +368,7 @@ class Controller:
                     self._gather_partial(node, index, out, dest)
                 if self._stop.wait(self.poll_s):
                     return {"chunk": index, "node": name, "state": "detached"}
-            manifest_text = _retry(lambda: node.read_text(f"{out}/manifest.json"))
+            manifest_text = _retry(lambda: node.read_text(f"{out}/{MANIFEST_FILE}"))
             manifest = json.loads(manifest_text) if manifest_text else {}
             final = _retry(lambda: read_progress(node, out)) or {}
             if manifest.get("complete") and manifest.get("state") == "done" and \
@@ -418,7 +419,7 @@ class Controller:
         out = self.chunk_output(name, chunk)
         try:
             remote_input = self._put_input(node, self.node_cfg(name), chunk)
-            if not node.exists(f"{out}/progress.json"):
+            if not node.exists(f"{out}/{PROGRESS_FILE}"):
                 self._seed(node, nxt, out)
             h = start_job(node, self.chunk_cfg, self.node_cfg(name), input_path=remote_input, output=out,
                           specs=self.nodes[name].specs, facts=self.nodes[name].facts)

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from fleet.generation.client import dumps, loads
+from fleet.generation.jsonl import dumps, loads
 from fleet.generation.serverstate import Endpoint
 
 __all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]

@@ -4,32 +4,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from fleet.generation.dispatch import Dispatcher
+from fleet.generation.durable import write_json_atomic
 from fleet.generation.jobspec import JobSpec
 
-__all__ = ["PROGRESS_FILE", "Progress", "fmt_s", "write_json_atomic"]
+__all__ = ["PROGRESS_FILE", "Progress", "fmt_s"]
 
 PROGRESS_FILE = "progress.json"
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(tmp, path)
-    except OSError as exc:
-        if not exc.filename:   # a failed write() names no file: say which one (disk full at which file)
-            exc.filename = str(path)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
 
 
 def fmt_s(s: float | None) -> str:

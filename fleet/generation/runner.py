@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig
 from fleet.generation.dispatch import Dispatcher, Summary
+from fleet.generation.durable import write_json_atomic
 from fleet.generation.failures import (
     Failure,
     GuardedStore,
@@ -63,7 +64,7 @@ from fleet.generation.failures import (
 )
 from fleet.generation.jobdir import EXIT_FILE
 from fleet.generation.jobspec import JobSpec, ServerEntry, fleet_config
-from fleet.generation.progress import Progress, write_json_atomic
+from fleet.generation.progress import Progress
 from fleet.generation.relaunch import JobServers
 from fleet.generation.serverstate import Endpoint
 

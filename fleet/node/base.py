@@ -10,18 +10,15 @@ process (`shlex.join` in the SSH implementation, `subprocess` argv in the local 
 from __future__ import annotations
 
 import abc
-import re
 import shlex
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleet.config import ENV_NAME
 from fleet.errors import CommandFailed, CommandNotFound
 from fleet.node.scripts import ALIVE, LAUNCH, READ_PID, STOP, WATCH, WRITE
-
-# What an environment variable name may be (sh `export` and `env K=V` accept these).
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)

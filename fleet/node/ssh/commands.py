@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import paramiko
 
+from fleet.config import ENV_NAME
 from fleet.errors import ConfigError
-from fleet.node.base import ENV_NAME
 
 __all__ = ["CLIENT_GRACE_S", "REMOTE_KILL_AFTER_S", "collect", "quietly", "read_lines", "remote_argv", "send_input"]
 
