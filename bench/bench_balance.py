@@ -37,7 +37,7 @@ from bench_client import NullStore, machine  # noqa: E402
 from fleet.config import GenerationConfig  # noqa: E402
 from fleet.generation.client import chat, new_session  # noqa: E402
 from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.inputs import Request  # noqa: E402
+from fleet.generation.rows import Request  # noqa: E402
 
 
 class TokenStore(NullStore):

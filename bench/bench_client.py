@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from fleet.config import GenerationConfig  # noqa: E402
 from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.inputs import Request  # noqa: E402
+from fleet.generation.rows import Request  # noqa: E402
 
 
 def free_port() -> int:

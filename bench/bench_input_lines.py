@@ -1,4 +1,4 @@
-"""Cost of reading input lines through `inputs._lines` (corrupt-gzip detection with line/byte offsets)
+"""Cost of reading input lines through `sources.input_lines` (corrupt-gzip detection with line/byte offsets)
 against plain file iteration.
 
     .venv/bin/python bench/bench_input_lines.py [ROWS]
@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.generation.inputs import _lines, _open_text, iter_input  # noqa: E402
+from fleet.generation.inputs import iter_input  # noqa: E402
+from fleet.generation.sources import input_lines, open_text  # noqa: E402
 
 
 def best(fn, n: int = 3) -> float:
@@ -35,12 +36,12 @@ def main() -> None:
                 f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n")
 
         def plain() -> int:
-            with _open_text(p) as f:
+            with open_text(p) as f:
                 return sum(1 for _ in f)
 
-        a, b = best(plain), best(lambda: sum(1 for _ in _lines(p)))
+        a, b = best(plain), best(lambda: sum(1 for _ in input_lines(p)))
         c = best(lambda: sum(1 for _ in iter_input(p, None)), 1)
-        print(f"{rows:,} lines: plain iteration {a:.3f} s, _lines {b:.3f} s (+{b - a:.3f} s), "
+        print(f"{rows:,} lines: plain iteration {a:.3f} s, input_lines {b:.3f} s (+{b - a:.3f} s), "
               f"whole iter_input {c:.2f} s: the wrapper is {100 * (b - a) / c:.1f} % of reading the input")
 
 

@@ -118,7 +118,9 @@ def generate(work: Path) -> dict:
 
 
 def mark_half_done(work: Path) -> dict:
-    from fleet.generation.inputs import Reject, input_fingerprint, iter_input
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import Reject
+    from fleet.generation.sources import input_fingerprint
     from fleet.generation.store import ResultStore
 
     rng = random.Random(7)
@@ -152,7 +154,9 @@ def mark_half_done(work: Path) -> dict:
 
 def phase(name: str, work: Path) -> dict:
     t_imp = time.perf_counter()
-    from fleet.generation.inputs import InputStats, count_rows, input_fingerprint, iter_input
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import InputStats
+    from fleet.generation.sources import count_rows, input_fingerprint
     from fleet.generation.store import ResultStore
 
     import resource
@@ -180,7 +184,7 @@ def phase(name: str, work: Path) -> dict:
         res["done_ids"] = len(done)
         res["rss_after_done_ids_mb"] = rss_mb()[0]
         if name == "resume":   # planned: the ids only (plan_resume), then the planned lines validated
-            from fleet.generation.inputs import iter_planned, plan_resume
+            from fleet.generation.resume import iter_planned, plan_resume
 
             t = time.perf_counter()
             plan = plan_resume(inp, None, done)

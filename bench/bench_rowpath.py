@@ -29,7 +29,7 @@ def main() -> None:
     from fleet.config import GenerationConfig
     from fleet.generation.client import Outcome
     from fleet.generation.jsonl import dumps
-    from fleet.generation.inputs import Request
+    from fleet.generation.rows import Request
     from fleet.generation.store import ResultStore
 
     rnd = random.Random(1)

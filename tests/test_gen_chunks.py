@@ -120,7 +120,7 @@ def test_one_controller_per_job(tmp_path: Path) -> None:
 
 
 def _store(d: Path, ids: list[str], *, errors: list[str] = (), reject_line: int | None = None) -> None:
-    from fleet.generation.inputs import Reject
+    from fleet.generation.rows import Reject
 
     s = ResultStore(d, shard_rows=3)
     for i in ids:

@@ -23,7 +23,7 @@ from conftest import free_port
 from fleet.config import GenerationConfig
 from fleet.generation.client import chat, classify_status, new_session
 from fleet.generation.dispatch import Dispatcher, Endpoint
-from fleet.generation.inputs import Reject, Request
+from fleet.generation.rows import Reject, Request
 from fleet.generation.rowqueue import WorkQueue
 
 SIM = ("-m", "fleet.sim")  # the simulated SGLang server

@@ -259,7 +259,8 @@ def test_account_proves_exactly_once_and_catches_violations(tmp_path):
             f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": str(i)}]}) + "\n")
         f.write("not json\n")
     out = tmp_path / "out"
-    from fleet.generation.inputs import Reject, iter_input
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import Reject
 
     with ResultStore(out, shard_rows=4) as s:
         for item in iter_input(inp, None):

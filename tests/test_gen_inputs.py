@@ -18,17 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleet.config import GenerationConfig
-from fleet.generation.inputs import (
-    InputStats,
-    Reject,
-    Request,
-    _SeenIds,
-    content_id,
-    count_rows,
-    digest,
-    input_fingerprint,
-    iter_input,
-)
+from fleet.generation.inputs import _SeenIds, iter_input
+from fleet.generation.rows import InputStats, Reject, Request, content_id, digest
+from fleet.generation.sources import count_rows, input_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GenerationConfig(max_tokens=4096, temperature=0.6)
@@ -436,7 +428,7 @@ def test_planned_resume_of_a_truncated_gzip_yields_the_rows_before_the_break_the
 
 
 def test_plan_resume_counts_without_validating_done_rows(tmp_path):
-    from fleet.generation.inputs import plan_resume
+    from fleet.generation.resume import plan_resume
     from fleet.generation.idset import IdSet
 
     q = [{"role": "user", "content": "q"}]

@@ -227,7 +227,8 @@ def test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte(tmp_
 def test_truncated_and_corrupt_parquet_and_directory_inputs_are_clear_errors(tmp_path: Path) -> None:
     """Fault: a truncated Parquet file (ArrowInvalid escaped count_rows), a corrupt page mid-file, a directory
     (`ended None:`). Each is an InputError naming the file (and the row for a bad page)."""
-    from fleet.generation.inputs import count_rows, iter_input
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.sources import count_rows
 
     path = tmp_path / "in.parquet"
     n = 20000

@@ -18,7 +18,8 @@ import pytest
 from fleet.cli import build_parser
 from fleet.config import FleetConfig, GenerationConfig
 from fleet.generation.checks import account
-from fleet.generation.inputs import Reject, Request, iter_input
+from fleet.generation.inputs import iter_input
+from fleet.generation.rows import Reject, Request
 from fleet.generation.runner import ServerEntry, run_local
 from fleet.generation.results import read_results
 from fleet.generation.schema import params_from_arrow

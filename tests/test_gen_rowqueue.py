@@ -12,7 +12,7 @@ from typing import Any
 
 from fleet.config import GenerationConfig
 from fleet.generation.client import Outcome
-from fleet.generation.inputs import Reject, Request
+from fleet.generation.rows import Reject, Request
 from fleet.generation.rowqueue import Job, Ledger, WorkQueue
 from fleet.generation.work import RowPlan
 

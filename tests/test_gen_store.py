@@ -23,7 +23,8 @@ import pytest
 from conftest import wait_until
 from fleet.errors import FatalError
 from fleet.generation.checks import account
-from fleet.generation.inputs import Reject, iter_input
+from fleet.generation.inputs import iter_input
+from fleet.generation.rows import Reject
 from fleet.generation.idset import IdSet
 from fleet.generation.manifest import write_manifest
 from fleet.generation.results import read_errors, read_rejects, read_results, shard_paths
@@ -277,7 +278,7 @@ def test_idset_matches_a_set():
 
 WRITER = r"""
 import random, sys
-from fleet.generation.inputs import Reject
+from fleet.generation.rows import Reject
 from fleet.generation.store import ResultStore
 
 out, n, shard_rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -17,7 +17,8 @@ from typing import Any
 from fleet.config import FleetConfig, GenerationConfig
 from fleet.generation.checks import account
 from fleet.generation.client import Outcome
-from fleet.generation.inputs import Reject, Request, iter_input
+from fleet.generation.inputs import iter_input
+from fleet.generation.rows import Reject, Request
 from fleet.generation.runner import ServerEntry, run_local
 from fleet.generation.results import read_quality_rejects, read_results
 from fleet.generation.schema import message_from_arrow

@@ -3,13 +3,17 @@
 Data layer (no network, no orchestrator):
 
     inputs.py   stream JSONL / JSONL.gz / Parquet rows -> Request | Reject (ids, defaults, duplicates)
+      rows.py       Request, Reject, InputStats; content ids and id digests
+      rowshapes.py  the three row shapes -> messages and params; every check that rejects a row; defaults
+      sources.py    JSONL (plain, gzip) and Parquet readers; the errors of a corrupt or truncated input
+      resume.py     a planned resume: the lines still to run, from the ids alone
     store.py    ResultStore: exactly-once results keyed by id, atomic Parquet shards, resume
       schema.py     the result row's Arrow schema; a row's values to it and back
       idset.py      IdSet: the ids done, 8-10 bytes each
       results.py    reading an output directory: shards, errors, rejects, quality rejects
       jobrecord.py  DIR/job.json: one directory, one input, one set of parameters
       dirlock.py    DIR/.lock: one runner per directory
-      jsonl.py, durable.py  JSON lines (orjson), fsync and atomic replace
+      jsonl.py, durable.py  the JSON codec (orjson) and JSON lines, fsync and atomic replace
     manifest.py manifest.json: a pure builder from one run's facts; read and write
     export.py   openai-batch / jsonl / sharegpt / specforge / speculators files from a job's output
     checks.py   data checks for drafter training sets; quality counts; the exactly-once accounting

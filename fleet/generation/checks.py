@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fleet.generation.inputs import InputStats, Reject, iter_input
+from fleet.generation.inputs import iter_input
+from fleet.generation.rows import InputStats, Reject
 from fleet.generation.results import iter_results, read_errors, read_quality_rejects, read_rejects
 
 if TYPE_CHECKING:

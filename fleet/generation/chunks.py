@@ -568,7 +568,7 @@ def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fleet.generation.inputs import digest
+    from fleet.generation.rows import digest
     from fleet.generation.manifest import write_manifest
     from fleet.generation.results import QUALITY_REJECTS, shard_paths
 

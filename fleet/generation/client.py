@@ -32,7 +32,7 @@ import aiohttp
 from fleet.generation.jsonl import dumps, loads
 
 if TYPE_CHECKING:
-    from fleet.generation.inputs import Request
+    from fleet.generation.rows import Request
 
 __all__ = ["Outcome", "TRANSIENT_STATUS", "chat", "classify_status", "new_session"]
 

@@ -135,7 +135,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ public
     async def run(self, items: Iterable[Any]) -> Summary:
-        """Feed `items` (inputs.Request / inputs.Reject) through the servers until every row
+        """Feed `items` (rows.Request / rows.Reject) through the servers until every row
         ended, or a stop; return what happened."""
         self.rows.done = asyncio.Event()
         self._t0 = self.health.t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """`IdSet`: the ids done in an output directory, ~8-10 bytes per id.
 
-8-byte digests (`inputs.digest`) in a sorted `array('Q')` plus a small set of recent
+8-byte digests (`rows.digest`) in a sorted `array('Q')` plus a small set of recent
 additions; `ResultStore.done_ids()` loads it from the shards' id column alone.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fleet.generation.inputs import digest
+from fleet.generation.rows import digest
 
 __all__ = ["IdSet"]
 
@@ -42,7 +42,7 @@ def _sorted_unique_u64(values: array[int]) -> array[int]:
 class IdSet:
     """A compact set of ids: `id in s`, `len(s)`, `add`, `discard`.
 
-    Stores 64-bit digests (`inputs.digest`), not strings: a sorted array('Q') searched by
+    Stores 64-bit digests (`rows.digest`), not strings: a sorted array('Q') searched by
     bisection, plus a set of recent additions merged into the array when it grows past a
     quarter of it. Safe to read from one thread (the input reader's `skip_ids`) while
     another adds: readers look at the additions first and merges publish the new array
@@ -73,7 +73,7 @@ class IdSet:
 
     def has_digests(self, digests: Any, memory_pool: Any = None) -> Any:
         """`has_digest` for many digests at once, in C: a pyarrow UInt64Array -> a BooleanArray
-        (`inputs.plan_resume` over a million rows)."""
+        (`resume.plan_resume` over a million rows)."""
         pool = memory_pool
         base = self._base   # one snapshot: a merge publishes a new array, never resizes this one
         extra, removed = tuple(self._extra), tuple(self._removed)   # copied under the GIL

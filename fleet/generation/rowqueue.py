@@ -45,7 +45,7 @@ class Store(Protocol):
 
 @dataclass(slots=True)
 class Job:
-    req: Any                   # work.RowWork (an inputs.Request with its turns and gates)
+    req: Any                   # work.RowWork (an rows.Request with its turns and gates)
     attempts: int = 0          # attempts charged so far
     requeues: int = 0          # times put back uncharged because its server went down
     last_error: str = ""
@@ -187,15 +187,15 @@ class Ledger:
         self._first_error: str | None = None
 
     def accept(self, item: Any) -> bool:
-        """A row read from the input (inputs.Request / inputs.Reject): True when it is a new row,
+        """A row read from the input (rows.Request / rows.Reject): True when it is a new row,
         now in flight and to be queued; False when it was recorded as a reject instead."""
-        if not hasattr(item, "messages"):   # an inputs.Reject
+        if not hasattr(item, "messages"):   # an rows.Reject
             if self.store.add_reject(item) is not False:   # False: recorded by an earlier run
                 self.rejects += 1
             return False
         rid = item.id
         if rid in self.inflight:
-            from fleet.generation.inputs import Reject
+            from fleet.generation.rows import Reject
 
             self.store.add_reject(Reject(line=item.line, id=rid, raw="",
                                          reason="duplicate id: the same id is already in flight"))

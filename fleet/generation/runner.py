@@ -119,7 +119,7 @@ class _Run:
     @classmethod
     async def open(cls, job: JobSpec) -> _Run:
         """The config, the output directory (created) and its store (locked, checked against the input)."""
-        from fleet.generation.inputs import input_fingerprint
+        from fleet.generation.sources import input_fingerprint
         from fleet.generation.store import ResultStore
         from fleet.generation.validate import job_params
 
@@ -168,7 +168,7 @@ class _Run:
 
     def prepare(self) -> None:
         """Set the disk reserve aside, load the ids done, build the dispatcher and the progress."""
-        from fleet.generation.inputs import InputStats
+        from fleet.generation.rows import InputStats
 
         try:
             self.reserve = reserve_space(self.out)
@@ -225,7 +225,7 @@ class _Run:
         return summary
 
     async def _count_rows(self) -> None:
-        from fleet.generation.inputs import count_rows
+        from fleet.generation.sources import count_rows
 
         try:
             n = await asyncio.to_thread(count_rows, self.job.input)

@@ -45,7 +45,7 @@ from fleet.generation import jobrecord
 from fleet.generation.dirlock import lock_dir, unlock_dir
 from fleet.generation.durable import fsync
 from fleet.generation.idset import IdSet
-from fleet.generation.inputs import DUPLICATE_REASON, Reject, digest
+from fleet.generation.rows import DUPLICATE_REASON, Reject, digest
 from fleet.generation.jsonl import dumps, repair_jsonl
 from fleet.generation.results import (
     ERRORS_FILE,

@@ -108,7 +108,8 @@ def _resolve(path: str | os.PathLike[str], cwd: str | None) -> Path:
 def check_input(path: str | os.PathLike[str], gen: GenerationConfig | None = None, *, cwd: str | None = None,
                 sniff_rows: int = SNIFF_ROWS) -> InputCheck:
     """The input exists, is a readable file, and holds a valid row among its first rows; InputError if not."""
-    from fleet.generation.inputs import InputStats, Request, iter_input
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import InputStats, Request
 
     p = _resolve(path, cwd)
     if not p.exists():
@@ -172,7 +173,7 @@ _FP_CACHE: dict[tuple[str, int, int], str] = {}
 
 def fingerprint(path: str) -> str:
     """SHA-256 of a local input, remembered per (path, size, mtime) for this process."""
-    from fleet.generation.inputs import input_fingerprint
+    from fleet.generation.sources import input_fingerprint
 
     st = os.stat(path)
     key = (path, st.st_size, st.st_mtime_ns)

@@ -1,6 +1,6 @@
 """The work of one row: the requests it takes, in order, and the result row they make.
 
-The dispatcher queues `RowWork`s, not bare `inputs.Request`s. A worker sends the current
+The dispatcher queues `RowWork`s, not bare `rows.Request`s. A worker sends the current
 request (`messages`, `params`), hands the answer to `advance()`, and either puts the row
 back in the queue for its next request or ends it with `result()`. So:
 
@@ -33,7 +33,7 @@ from fleet.generation.gates import fired, reasoning_expected, verdict
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
     from fleet.generation.client import Outcome
-    from fleet.generation.inputs import Request
+    from fleet.generation.rows import Request
 
 __all__ = ["RowPlan", "RowWork", "GateStats"]
 
@@ -98,7 +98,7 @@ class RowPlan:
 
 
 class RowWork:
-    """One row in flight; quacks like an `inputs.Request` for `client.chat` (id, line, messages, params)."""
+    """One row in flight; quacks like an `rows.Request` for `client.chat` (id, line, messages, params)."""
 
     __slots__ = ("req", "plan", "id", "line", "messages", "params", "turn", "turns", "tries", "_conv", "_slots",
                  "_built", "_expect_reasoning", "flags", "reasons", "prompt_tokens", "completion_tokens",
