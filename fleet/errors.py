@@ -58,8 +58,10 @@ class FleetError(Exception):
         exit_code: int | None = None,
         stderr: str | None = None,
         remedy: str | None = None,
+        path: str | None = None,
     ) -> None:
         self.reason = message
+        self.path = path  # the file the error is about (a full disk names it)
         self.host = host
         self.command = command
         self.exit_code = exit_code

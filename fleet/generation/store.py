@@ -241,8 +241,8 @@ class ResultStore:
             except OSError as exc:
                 done.discard(id)
                 err = FatalError(f"cannot append to {self.errors_path}: {exc.strerror}",
-                                 remedy="free space in the output directory, then resume")
-                err.path = str(self.errors_path)   # type: ignore[attr-defined]
+                                 remedy="free space in the output directory, then resume",
+                                 path=str(self.errors_path))
                 raise err from exc
             self._error_ids.append(id)
             self._errors += 1
@@ -292,10 +292,9 @@ class ResultStore:
                 self._rejects_f.write(data)
                 self._rejects_f.flush()
             except OSError as exc:
-                err = FatalError(f"cannot append to {self.rejects_path}: {exc.strerror}",
-                                 remedy="free space in the output directory, then resume")
-                err.path = str(self.rejects_path)   # type: ignore[attr-defined]
-                raise err from exc
+                raise FatalError(f"cannot append to {self.rejects_path}: {exc.strerror}",
+                                 remedy="free space in the output directory, then resume",
+                                 path=str(self.rejects_path)) from exc
             self._reject_lines.add(reject.line)
             self._rejects += 1
             if reject.id and not dup:
@@ -328,8 +327,8 @@ class ResultStore:
                 if isinstance(exc, OSError):
                     err = FatalError(f"cannot commit result shard {final}: {exc.strerror or exc}",
                                      remedy="free space in the output directory, then resume: "
-                                            "rows not committed are generated again")
-                    err.path = str(final)   # type: ignore[attr-defined]  # the runner names it (disk full at which file)
+                                            "rows not committed are generated again",
+                                     path=str(final))  # the runner names it (disk full at which file)
                     raise err from exc
                 raise
             finally:
