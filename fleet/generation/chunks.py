@@ -565,19 +565,43 @@ def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, 
     quality_rejects.jsonl and manifest.json — the layout of a single-node output."""
     import shutil
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from fleet.generation.rows import digest
     from fleet.generation.manifest import write_manifest
-    from fleet.generation.results import QUALITY_REJECTS, shard_paths
+    from fleet.generation.results import QUALITY_REJECTS
 
     dest = Path(dest)
     shards_dir = dest / "shards"
     if shards_dir.exists():
         shutil.rmtree(shards_dir)
     shards_dir.mkdir(parents=True)
-    seen: set[int] = set()
+    seen: set[int] = set()   # digests of the ids written: first wins
+    n_shard, completed, dropped = _merge_shards(sources, shards_dir, seen)
+    n_err = _write_lines(dest, "errors.jsonl", _merged_errors(sources, seen))
+    n_rej = _write_lines(dest, "rejects.jsonl", _merged_by_line(sources, "rejects.jsonl"))
+    n_qrej = _write_lines(dest, QUALITY_REJECTS, _merged_by_line(sources, QUALITY_REJECTS))
+    manifest = {
+        "state": "done", "complete": True,
+        "counts": {"completed": completed, "errors": n_err, "rejects": n_rej, "quality_rejects": n_qrej,
+                   "shards": n_shard},
+        "accounted": completed + n_err + n_rej + n_qrej,
+        "merge": {"rule": "first wins by id: chunk order, then the attempt that finished the chunk, then "
+                          "abandoned attempts by end time; an error only for an id completed nowhere",
+                  "sources": len(sources), "duplicates_dropped": dropped},
+        **(extra_manifest or {}),
+    }
+    write_manifest(dest, manifest)
+    return manifest
+
+
+def _merge_shards(sources: list[Source], shards_dir: Path, seen: set[int]) -> tuple[int, int, int]:
+    """Every source's shards into `shards_dir`, each id once (`seen`); (shards, rows, duplicates dropped)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fleet.generation.results import shard_paths
+    from fleet.generation.rows import digest
+
     dropped = 0
     n_shard = 0
     completed = 0
@@ -602,55 +626,47 @@ def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, 
                 table = pq.read_table(shard)
                 pq.write_table(table.take(pa.array(keep, type=pa.int64())), target)
             completed += len(keep)
+    return n_shard, completed, dropped
 
-    def write_lines(name: str, records: Iterator[dict[str, Any]]) -> int:
-        n = 0
-        tmp = dest / f".{name}.tmp"
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                n += 1
-        os.replace(tmp, dest / name)
-        return n
 
-    def errors() -> Iterator[dict[str, Any]]:
-        for src in sources:
-            for rec in _jsonl(src.dir / "errors.jsonl"):
-                d = digest(str(rec.get("id")))
-                if d in seen:
+def _write_lines(dest: Path, name: str, records: Iterator[dict[str, Any]]) -> int:
+    n = 0
+    tmp = dest / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, dest / name)
+    return n
+
+
+def _merged_errors(sources: list[Source], seen: set[int]) -> Iterator[dict[str, Any]]:
+    """The errors of ids written nowhere yet (not completed, not already an error), lines made the job's."""
+    from fleet.generation.rows import digest
+
+    for src in sources:
+        for rec in _jsonl(src.dir / "errors.jsonl"):
+            d = digest(str(rec.get("id")))
+            if d in seen:
+                continue
+            seen.add(d)
+            rec = dict(rec)
+            if isinstance(rec.get("line"), int):
+                rec["line"] = rec["line"] + src.chunk.first_line - 1
+            rec["chunk"] = src.chunk.index
+            yield rec
+
+
+def _merged_by_line(sources: list[Source], name: str) -> Iterator[dict[str, Any]]:
+    """The records of file `name` (rejects, quality rejects), one per job line, lines made the job's."""
+    lines: set[int] = set()
+    for src in sources:
+        for rec in _jsonl(src.dir / name):
+            rec = dict(rec)
+            if isinstance(rec.get("line"), int):
+                rec["line"] = rec["line"] + src.chunk.first_line - 1
+                if rec["line"] in lines:
                     continue
-                seen.add(d)
-                rec = dict(rec)
-                if isinstance(rec.get("line"), int):
-                    rec["line"] = rec["line"] + src.chunk.first_line - 1
-                rec["chunk"] = src.chunk.index
-                yield rec
-
-    def by_line(name: str) -> Iterator[dict[str, Any]]:
-        lines: set[int] = set()
-        for src in sources:
-            for rec in _jsonl(src.dir / name):
-                rec = dict(rec)
-                if isinstance(rec.get("line"), int):
-                    rec["line"] = rec["line"] + src.chunk.first_line - 1
-                    if rec["line"] in lines:
-                        continue
-                    lines.add(rec["line"])
-                rec["chunk"] = src.chunk.index
-                yield rec
-
-    n_err = write_lines("errors.jsonl", errors())
-    n_rej = write_lines("rejects.jsonl", by_line("rejects.jsonl"))
-    n_qrej = write_lines(QUALITY_REJECTS, by_line(QUALITY_REJECTS))
-    manifest = {
-        "state": "done", "complete": True,
-        "counts": {"completed": completed, "errors": n_err, "rejects": n_rej, "quality_rejects": n_qrej,
-                   "shards": n_shard},
-        "accounted": completed + n_err + n_rej + n_qrej,
-        "merge": {"rule": "first wins by id: chunk order, then the attempt that finished the chunk, then "
-                          "abandoned attempts by end time; an error only for an id completed nowhere",
-                  "sources": len(sources), "duplicates_dropped": dropped},
-        **(extra_manifest or {}),
-    }
-    write_manifest(dest, manifest)
-    return manifest
+                lines.add(rec["line"])
+            rec["chunk"] = src.chunk.index
+            yield rec

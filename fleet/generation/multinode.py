@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
@@ -45,6 +45,9 @@ from fleet.generation.durable import write_json_atomic
 from fleet.generation.manifest import MANIFEST_FILE
 from fleet.generation.progress import PROGRESS_FILE
 from fleet.node import LocalNode, Node, connect
+
+if TYPE_CHECKING:
+    from fleet.generation.remote import JobHandle
 
 log = logging.getLogger("fleet.generation.multinode")
 
@@ -295,10 +298,6 @@ class Controller:
 
     def run_chunk(self, name: str, index: int) -> dict[str, Any]:
         """Run (or re-attach to) chunk `index` on node `name` until it is done; NodeLost / ChunkFailed else."""
-        from fleet.generation.remote import read_progress, start_job
-        from fleet.generation.manifest import read_manifest
-
-        assert self.assign is not None
         chunk = self.chunk(index)
         node_cfg = self.node_cfg(name)
         work = self.nodes[name]
@@ -310,96 +309,125 @@ class Controller:
         except Exception as exc:
             raise NodeLost(f"cannot connect: {exc}") from exc
         try:
-            try:
-                self._mark_output(node)
-                remote_input = self._put_input(node, node_cfg, chunk)
-                att, _ = self.assign.start(index, name, out)
-                # a fresh attempt (no runner has written here yet) starts from what other nodes committed
-                seeded = self._seed(node, index, out) if not node.exists(f"{out}/{PROGRESS_FILE}") else 0
-                if seeded:
-                    self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
-                                           "earlier attempts")
-                handle = start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
-                                   specs=work.specs, facts=work.facts)
-            except FleetError as exc:
-                if _unreachable(exc):
-                    raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
-                raise
+            handle = self._start_chunk(node, name, index, out)
             work.state, work.chunk = "running", index
             self.say(logging.INFO, f"chunk {index} ({chunk.lines} lines) "
                                    f"{'re-attached' if handle.attached else 'started'} on {name}, runner pid {handle.pid}")
-            last_contact = last_change = last_fetch = time.monotonic()
-            last_stamp: Any = None
-            servers_down_since: float | None = None
-            prestarted = False
-            while True:
-                now = time.monotonic()
-                try:
-                    prog = read_progress(node, out)
-                    alive = node.is_alive(handle.pid)
-                    last_contact = now
-                except Exception as exc:
-                    if now - last_contact > self.node_lost_s:
-                        raise NodeLost(f"no answer for {now - last_contact:.0f} s ({exc})") from exc
-                    node.close()
-                    self._stop.wait(self.poll_s)
-                    continue
-                if prog is not None:
-                    stamp = (prog.get("updated_at"), prog.get("rows_done"))
-                    if stamp != last_stamp:
-                        last_stamp, last_change = stamp, now
-                    work.progress = prog
-                    up = prog.get("servers_up")
-                    servers_down_since = (servers_down_since or now) if up == 0 and prog.get("servers") else None
-                if not alive:
-                    break
-                stalled = now - last_change
-                if stalled > self.node_lost_s or (servers_down_since and now - servers_down_since > self.node_lost_s):
-                    why = (f"its runner's progress did not change for {stalled:.0f} s" if stalled > self.node_lost_s
-                           else f"none of its servers was up for {now - servers_down_since:.0f} s")  # type: ignore[operator]
-                    self._stop_runner(node, handle.pid)
-                    self._gather_partial(node, index, out, dest)
-                    raise NodeLost(why)
-                if prog is not None and not prestarted and _draining(prog):
-                    prestarted = True
-                    self._prestart(node, name)
-                if now - last_fetch > self.fetch_every_s:
-                    last_fetch = now
-                    self._gather_partial(node, index, out, dest)
-                if self._stop.wait(self.poll_s):
-                    return {"chunk": index, "node": name, "state": "detached"}
-            manifest_text = _retry(lambda: node.read_text(f"{out}/{MANIFEST_FILE}"))
-            manifest = json.loads(manifest_text) if manifest_text else {}
-            final = _retry(lambda: read_progress(node, out)) or {}
-            if manifest.get("complete") and manifest.get("state") == "done" and \
-                    final.get("state") == "done":
-                from fleet.generation.remote import fetch
-
-                if dest.exists():
-                    shutil.rmtree(dest)
-                _retry(lambda: fetch(node, out, dest))
-                m = read_manifest(dest) or manifest
-                self.assign.finish(index, name, "done", fetched=True)
-                accounted = int(m.get("accounted") or 0)
-                work.rows_done += accounted
-                run = m.get("this_run") or {}
-                work.session_rows += int(run.get("completed") or 0) + int(run.get("errors") or 0)
-                work.tokens += int((m.get("throughput") or {}).get("completion_tokens") or 0)
-                work.busy_s += time.monotonic() - t0
-                work.progress, work.chunk = None, None
-                return {"chunk": index, "node": name, "state": "done", "rows": accounted,
-                        "seconds": round(time.monotonic() - t0, 2)}
-            self._gather_partial(node, index, out, dest)
-            detail = final.get("detail") or final.get("state") or "exited without a manifest"
-            self.assign.finish(index, name, "failed", detail)
-            work.progress, work.chunk = None, None
-            tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
-            raise ChunkFailed(f"runner of chunk {index} ended: {detail}; log tail: {tail[-300:]!r}")
+            if not self._watch_runner(node, name, index, handle.pid, out, dest):
+                return {"chunk": index, "node": name, "state": "detached"}
+            return self._collect(node, name, index, handle, out, dest, t0)
         except NodeLost:
             work.busy_s += time.monotonic() - t0
             raise
         finally:
             node.close()
+
+    def _start_chunk(self, node: Node, name: str, index: int, out: str) -> JobHandle:
+        """Put the chunk's input on the node and start its runner there (or find the one running)."""
+        from fleet.generation.remote import start_job
+
+        assert self.assign is not None
+        node_cfg = self.node_cfg(name)
+        work = self.nodes[name]
+        try:
+            self._mark_output(node)
+            remote_input = self._put_input(node, node_cfg, self.chunk(index))
+            self.assign.start(index, name, out)
+            # a fresh attempt (no runner has written here yet) starts from what other nodes committed
+            seeded = self._seed(node, index, out) if not node.exists(f"{out}/{PROGRESS_FILE}") else 0
+            if seeded:
+                self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
+                                       "earlier attempts")
+            return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
+                             specs=work.specs, facts=work.facts)
+        except FleetError as exc:
+            if _unreachable(exc):
+                raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
+            raise
+
+    def _watch_runner(self, node: Node, name: str, index: int, pid: int, out: str, dest: Path) -> bool:
+        """Follow the chunk's runner until it exits (True) or the controller stops (False): its
+        progress read every `poll_s`, shards gathered every `fetch_every_s`, the next chunk started
+        while this one drains. NodeLost when the node, the runner or all its servers stop answering
+        for `node_lost_s`."""
+        from fleet.generation.remote import read_progress
+
+        work = self.nodes[name]
+        last_contact = last_change = last_fetch = time.monotonic()
+        last_stamp: Any = None
+        servers_down_since: float | None = None
+        prestarted = False
+        while True:
+            now = time.monotonic()
+            try:
+                prog = read_progress(node, out)
+                alive = node.is_alive(pid)
+                last_contact = now
+            except Exception as exc:
+                if now - last_contact > self.node_lost_s:
+                    raise NodeLost(f"no answer for {now - last_contact:.0f} s ({exc})") from exc
+                node.close()
+                self._stop.wait(self.poll_s)
+                continue
+            if prog is not None:
+                stamp = (prog.get("updated_at"), prog.get("rows_done"))
+                if stamp != last_stamp:
+                    last_stamp, last_change = stamp, now
+                work.progress = prog
+                up = prog.get("servers_up")
+                servers_down_since = (servers_down_since or now) if up == 0 and prog.get("servers") else None
+            if not alive:
+                return True
+            stalled = now - last_change
+            if stalled > self.node_lost_s or (servers_down_since and now - servers_down_since > self.node_lost_s):
+                why = (f"its runner's progress did not change for {stalled:.0f} s" if stalled > self.node_lost_s
+                       else f"none of its servers was up for {now - servers_down_since:.0f} s")  # type: ignore[operator]
+                self._stop_runner(node, pid)
+                self._gather_partial(node, index, out, dest)
+                raise NodeLost(why)
+            if prog is not None and not prestarted and _draining(prog):
+                prestarted = True
+                self._prestart(node, name)
+            if now - last_fetch > self.fetch_every_s:
+                last_fetch = now
+                self._gather_partial(node, index, out, dest)
+            if self._stop.wait(self.poll_s):
+                return False
+
+    def _collect(self, node: Node, name: str, index: int, handle: JobHandle, out: str, dest: Path,
+                 t0: float) -> dict[str, Any]:
+        """The runner exited: fetch a done chunk's whole output and count it to the node, or gather
+        what it committed and raise ChunkFailed with the runner's last words."""
+        from fleet.generation.manifest import read_manifest
+        from fleet.generation.remote import fetch, read_progress
+
+        assert self.assign is not None
+        work = self.nodes[name]
+        manifest_text = _retry(lambda: node.read_text(f"{out}/{MANIFEST_FILE}"))
+        manifest = json.loads(manifest_text) if manifest_text else {}
+        final = _retry(lambda: read_progress(node, out)) or {}
+        if manifest.get("complete") and manifest.get("state") == "done" and \
+                final.get("state") == "done":
+            if dest.exists():
+                shutil.rmtree(dest)
+            _retry(lambda: fetch(node, out, dest))
+            m = read_manifest(dest) or manifest
+            self.assign.finish(index, name, "done", fetched=True)
+            accounted = int(m.get("accounted") or 0)
+            work.rows_done += accounted
+            run = m.get("this_run") or {}
+            work.session_rows += int(run.get("completed") or 0) + int(run.get("errors") or 0)
+            work.tokens += int((m.get("throughput") or {}).get("completion_tokens") or 0)
+            work.busy_s += time.monotonic() - t0
+            work.progress, work.chunk = None, None
+            return {"chunk": index, "node": name, "state": "done", "rows": accounted,
+                    "seconds": round(time.monotonic() - t0, 2)}
+        self._gather_partial(node, index, out, dest)
+        detail = final.get("detail") or final.get("state") or "exited without a manifest"
+        self.assign.finish(index, name, "failed", detail)
+        work.progress, work.chunk = None, None
+        tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
+        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; log tail: {tail[-300:]!r}")
 
     def _prestart(self, node: Node, name: str) -> None:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in
@@ -502,13 +530,54 @@ class Controller:
 
 def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments, dest: str | Path) -> dict[str, Any]:
     """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost."""
+    from fleet.generation.manifest import write_manifest
+
+    first_start = min((a.started_at for _, atts in assign.sources() for a in atts), default=assign.started_at)
+    last_end = max((a.ended_at or 0 for _, atts in assign.sources() for a in atts), default=time.time())
+    wall = max(1e-6, last_end - first_start)
+    sources, missing, per_node, per_server = _job_sources(plan_dir, assign)
+    _node_rates(per_node, per_server)
+    ct = sum(n["completion_tokens"] for n in per_node.values())
+    pt = sum(n["prompt_tokens"] for n in per_node.values())
+    models = {s.get("model") for s in per_server.values() if s.get("model")}
+    extra = {
+        "multi_node": True,
+        "input": {"path": plan.input, "rows": plan.total_lines, "chunks": len(plan.chunks)},
+        "model": models.pop() if len(models) == 1 else None,
+        "nodes": sorted(per_node.values(), key=lambda n: n["node"]),
+        "servers": sorted(per_server.values(), key=lambda s: s["name"]),
+        "timings": {"started_at": first_start, "finished_at": last_end, "wall_s": round(wall, 3)},
+        "throughput": {"completion_tokens": ct, "prompt_tokens": pt,
+                       "completion_tok_s": round(ct / wall, 2), "rows_per_s": None},
+        "cost": _job_cost(cfg, per_node, wall, ct),
+        "events": assign.events[-200:],
+    }
+    manifest = merge(sources, dest, extra_manifest=extra)
+    if missing:
+        manifest.update(state="incomplete", complete=False, missing_chunks=missing)
+        write_manifest(dest, manifest)
+    manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
+    try:
+        from fleet.generation.checks import data_checks
+
+        manifest["checks"] = data_checks(dest)
+    except Exception as exc:
+        manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+    write_manifest(dest, manifest)
+    return manifest
+
+
+_Rows = dict[str, dict[str, Any]]
+
+
+def _job_sources(plan_dir: Path, assign: Assignments) -> tuple[list[Source], list[int], _Rows, _Rows]:
+    """(every gathered attempt as a merge source in merge order, the chunks no attempt finished,
+    per node and per server: what the finished attempts did, from their manifests)."""
     from fleet.generation.manifest import read_manifest
 
     sources: list[Source] = []
-    per_node: dict[str, dict[str, Any]] = {}
-    per_server: dict[str, dict[str, Any]] = {}
-    first_start = min((a.started_at for _, atts in assign.sources() for a in atts), default=assign.started_at)
-    last_end = max((a.ended_at or 0 for _, atts in assign.sources() for a in atts), default=time.time())
+    per_node: _Rows = {}
+    per_server: _Rows = {}
     missing = []
     for chunk, attempts in assign.sources():
         if not any(a.outcome == "done" for a in attempts):
@@ -536,7 +605,11 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
                                                         "completion_tokens": 0, "errors": 0, "restarts": 0})
                 for k in ("requests", "completion_tokens", "errors", "restarts"):
                     ps[k] += int(s.get(k) or 0)
-    wall = max(1e-6, last_end - first_start)
+    return sources, missing, per_node, per_server
+
+
+def _node_rates(per_node: _Rows, per_server: _Rows) -> None:
+    """Each node's and server's completion tokens per busy second, and each node's share of the rows."""
     for n in per_node.values():
         n["busy_s"] = round(n["busy_s"], 2)
         n["completion_tok_s"] = round(n["completion_tokens"] / n["busy_s"], 2) if n["busy_s"] else None
@@ -547,8 +620,10 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     for s in per_server.values():
         busy = per_node.get(s["node"], {}).get("busy_s") or 0
         s["completion_tok_s"] = round(s["completion_tokens"] / busy, 2) if busy else None
-    ct = sum(n["completion_tokens"] for n in per_node.values())
-    pt = sum(n["prompt_tokens"] for n in per_node.values())
+
+
+def _job_cost(cfg: FleetConfig, per_node: _Rows, wall: float, ct: int) -> dict[str, Any]:
+    """GPU hours of every node that ran a chunk over the whole wall time, and their price when known."""
     gpus = sum(n["gpus"] for n in per_node.values())
     gpu_hours = gpus * wall / 3600
     cost: dict[str, Any] = {"gpus": gpus, "gpu_hours": round(gpu_hours, 4),
@@ -557,36 +632,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     if cfg.generation.price_per_gpu_hour is not None and ct:
         usd = gpu_hours * cfg.generation.price_per_gpu_hour
         cost.update(usd=round(usd, 4), usd_per_m_completion_tokens=round(usd / (ct / 1e6), 4))
-    models = {s.get("model") for s in per_server.values() if s.get("model")}
-    extra = {
-        "multi_node": True,
-        "input": {"path": plan.input, "rows": plan.total_lines, "chunks": len(plan.chunks)},
-        "model": models.pop() if len(models) == 1 else None,
-        "nodes": sorted(per_node.values(), key=lambda n: n["node"]),
-        "servers": sorted(per_server.values(), key=lambda s: s["name"]),
-        "timings": {"started_at": first_start, "finished_at": last_end, "wall_s": round(wall, 3)},
-        "throughput": {"completion_tokens": ct, "prompt_tokens": pt,
-                       "completion_tok_s": round(ct / wall, 2), "rows_per_s": None},
-        "cost": cost,
-        "events": assign.events[-200:],
-    }
-    manifest = merge(sources, dest, extra_manifest=extra)
-    if missing:
-        manifest.update(state="incomplete", complete=False, missing_chunks=missing)
-        from fleet.generation.manifest import write_manifest
-
-        write_manifest(dest, manifest)
-    manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
-    try:
-        from fleet.generation.checks import data_checks
-
-        manifest["checks"] = data_checks(dest)
-    except Exception as exc:
-        manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
-    from fleet.generation.manifest import write_manifest
-
-    write_manifest(dest, manifest)
-    return manifest
+    return cost
 
 
 PRESTART_LEAD_S = 8.0   # about what a runner takes from its start to its first completed rows, with margin
