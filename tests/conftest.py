@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,6 +36,26 @@ from fleet.config import NodeConfig  # noqa: E402
 from fleet.node import LocalNode, Node  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_outlive_the_test() -> Iterator[None]:
+    """Prefect sets up its logging when a test first imports a flow (`prefect.main`): its console
+    handler (a rich Console) writes to sys.stderr as it is then. In a test with capsys/capfd that is
+    the test's capture file, closed when the test ends, so every later Prefect log line in this
+    process raised "I/O operation on closed file" (the next tests on that worker failed). After
+    each test, a handler left on a closed stream writes to the current sys.stderr again."""
+    yield
+    import logging
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            with handler.lock:   # not setStream(): it would flush the closed stream first
+                handler.stream = sys.stderr
+                if hasattr(handler, "console"):   # Prefect's PrefectConsoleHandler writes through it
+                    handler.console.file = sys.stderr
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
