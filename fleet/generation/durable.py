@@ -30,18 +30,20 @@ def atomic_write(path: Path, data: bytes) -> None:
     fsync(path.parent)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, *, sync: bool = True) -> None:
     """Replace `path` with `data` as indented JSON: a reader sees the old file or the new, never half.
 
-    The temporary name is per process and thread (the controller's threads write the same
-    files). A failed write names the file it was for (disk full at which file) and leaves no
-    temporary behind."""
+    `sync=False` skips the fsync, for a file rewritten every few seconds that is only a view
+    (progress.json) or written as the process ends (exit.json). The temporary name is per
+    process and thread (the controller's threads write the same files). A failed write names
+    the file it was for (disk full at which file) and leaves no temporary behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         if not exc.filename:   # a failed write() names no file

@@ -137,7 +137,7 @@ def write_exit(path: Path | None, pid: int, rc: int, state: str, failure: Failur
         return
     try:
         write_json_atomic(path, {"pid": pid, "rc": rc, "state": state, "at": time.time(),
-                                 "failure": failure.as_dict() if failure else None, **(extra or {})})
+                                 "failure": failure.as_dict() if failure else None, **(extra or {})}, sync=False)
     except OSError as exc:
         log.error("cannot write %s: %s", path, exc)
 

@@ -71,7 +71,7 @@ class Progress:
 
     def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
         data = self.build(disp, state)
-        write_json_atomic(self.path, data)
+        write_json_atomic(self.path, data, sync=False)
         return data
 
     @staticmethod

@@ -370,7 +370,7 @@ class _Run:
             try:
                 write_manifest(self.out, manifest)
                 # last: a watcher that sees the final state finds the manifest already there
-                write_json_atomic(self.progress.path, final)
+                write_json_atomic(self.progress.path, final, sync=False)
                 break
             except OSError as exc:
                 if attempt == 0 and self.reserve is not None:
