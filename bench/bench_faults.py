@@ -390,6 +390,31 @@ def _node_pids(workdir: Path, *, runners: bool = True, servers: bool = True) -> 
     return out
 
 
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _open_attempt(ctl: Any, node: str, index: int) -> int | None:
+    """The position of `node`'s attempt on chunk `index` that has not ended, or None."""
+    attempts = ctl.assign.chunks[index].attempts
+    return next((i for i in range(len(attempts) - 1, -1, -1)
+                 if attempts[i].node == node and attempts[i].outcome is None), None)
+
+
+def _chunk_complete(out: Path) -> bool:
+    """Has the runner of this (local) chunk output written its complete manifest?"""
+    from fleet.generation.manifest import MANIFEST_FILE
+
+    try:
+        return bool(json.loads((out / MANIFEST_FILE).read_text()).get("complete"))
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class NodeFault:
     kind: str
@@ -397,7 +422,8 @@ class NodeFault:
     t: float
     chunk: int | None = None
     pids: list[int] = field(default_factory=list)
-    lost_s: float | None = None       # injection → the controller marks the node lost / its chunk released
+    attempt: int | None = None        # the node's attempt on `chunk` still open when the loss was injected
+    lost_s: float | None = None       # injection → the controller ended that attempt: the chunk back in the queue
     back_s: float | None = None       # node-freeze: the node resumed → the controller sees it rejoin
     resumed_at: float | None = None
 
@@ -428,12 +454,18 @@ def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, row
                controller: dict[str, Any] | None = None, log: Any = print) -> NodeSoak:
     """One job over the nodes of `cfg` (the Prefect-free multi-node controller, one thread per node) with
     one node lost per entry of `kinds`, one at a time, each while that node runs a chunk it has committed
-    shards of:
+    shards of and has not finished (the node is frozen first and its chunk checked: still open, no complete
+    manifest; else it is let go and another chunk is picked later):
 
     - node-freeze: SIGSTOP of the node's runner and servers (a hung machine: no progress, no answer);
       once the controller has marked it lost, SIGCONT (the machine is back): it must rejoin.
-    - node-kill: SIGKILL of the node's runner and servers (a reboot); the next runner there relaunches
+    - node-kill: SIGKILL of the node's runner and servers (a reboot); the chunk fails back to the queue
+      (the node still answers, so it may claim that chunk again itself); the next runner there relaunches
       its servers.
+
+    A loss counts as handled (`lost_s`) when the controller has ended the node's attempt that the loss cut
+    short (lost or failed): a state that stays, not "the chunk is on another node", which a killed node
+    that claims its chunk back at once makes true only for an instant.
 
     After the job: the merge (`Controller.finalize`), `checks.account` (every input id exactly once),
     errors exactly the rows over the context, rejects exactly the malformed lines."""
@@ -476,8 +508,12 @@ def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, row
             f = open_fault
             if f is not None:
                 st = ctl.assign.nodes.get(f.node, {})
-                if f.lost_s is None and f.chunk is not None and ctl.assign.chunks[f.chunk].node != f.node:
-                    f.lost_s = now - f.t                   # its chunk went back to the queue (or elsewhere)
+                if f.lost_s is None and f.chunk is not None and f.attempt is not None \
+                        and ctl.assign.chunks[f.chunk].attempts[f.attempt].outcome in ("lost", "failed"):
+                    # the attempt the loss cut short was ended: its chunk went back to the queue. (A state that
+                    # stays, unlike "the chunk is not on this node": a killed node that still answers claims
+                    # the first pending chunk again at once, often that one, between two looks of this loop.)
+                    f.lost_s = now - f.t
                 if f.kind == "node-freeze" and f.lost_s is not None and st.get("state") == "lost" \
                         and f.resumed_at is None:
                     for pid in f.pids:
@@ -495,16 +531,20 @@ def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, row
                 for name in sorted(nodes, key=lambda _: rng.random()):
                     idx = nodes[name].chunk
                     g = ctl.gathered(name, ctl.chunk(idx)) / "shards" if idx is not None else None
-                    if g is not None and len(list(g.glob("part-*.parquet"))) >= 1:
-                        kind = plan.pop(0)
+                    if idx is not None and g is not None and len(list(g.glob("part-*.parquet"))) >= 1:
+                        kind = plan[0]
                         wd = Path(cfg.node(name).workdir)
                         f = NodeFault(kind, name, time.monotonic(), chunk=idx, pids=_node_pids(wd))
-                        sig = signal.SIGSTOP if kind == "node-freeze" else signal.SIGKILL
-                        for pid in f.pids:
-                            try:
-                                os.kill(pid, sig)
-                            except OSError:
-                                pass
+                        # freeze the node first (a kill too), then make sure its chunk is still unfinished:
+                        # a runner that ended the chunk before the signal leaves nothing to hand over
+                        _signal(f.pids, signal.SIGSTOP)
+                        f.attempt = _open_attempt(ctl, name, idx)
+                        if f.attempt is None or _chunk_complete(Path(ctl.chunk_output(name, ctl.chunk(idx)))):
+                            _signal(f.pids, signal.SIGCONT)   # it finished first: another chunk, later
+                            continue
+                        plan.pop(0)
+                        if kind == "node-kill":
+                            _signal(f.pids, signal.SIGKILL)
                         log(f"  t={f.t - t0:6.1f}s {kind} {name} (chunk {idx}, {len(f.pids)} processes)")
                         res.faults.append(f)
                         open_fault = f
@@ -520,7 +560,7 @@ def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, row
         res.problems.append(f"{len(plan)} node loss(es) not injected before the job ended")
     for f in res.faults:
         if f.lost_s is None:
-            res.problems.append(f"{f.kind} of {f.node}: its chunk was never handed to another node")
+            res.problems.append(f"{f.kind} of {f.node}: its unfinished chunk {f.chunk} never went back to the queue")
         if f.kind == "node-freeze" and f.back_s is None:
             res.problems.append(f"node-freeze of {f.node}: the node never rejoined")
     res.chunks = len(ctl.plan.chunks) if ctl.plan else 0

@@ -52,8 +52,10 @@ def test_fault_soak_small_every_row_exactly_once(tmp_path: Path) -> None:
 
 def test_fault_soak_node_loss_small_every_row_exactly_once(tmp_path: Path) -> None:
     """Faults (issue 14): a node lost mid-job twice — frozen (runner and servers SIGSTOPped: no progress,
-    no answer) then back, and killed (runner and servers SIGKILLed: a reboot). Each time its running chunk
-    goes to the other node, starting from the shards already gathered; the frozen node rejoins. After the
+    no answer) then back, and killed (runner and servers SIGKILLed: a reboot), each while its chunk is
+    unfinished. Each time that chunk goes back to the queue: the frozen node's to the other node, starting
+    from the shards already gathered; the killed node, which still answers, may take its own back (its
+    failed attempt resumes from its committed shards). The frozen node rejoins. After the
     job: every input id exactly once in the merge, errors exactly the rows over the context, rejects
     exactly the malformed lines."""
     from conftest import port_block
