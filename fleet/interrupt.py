@@ -9,16 +9,20 @@ not need any of that: servers and the generation runner are detached by design a
 So the first SIGINT does only what must happen before the process goes, each step bounded in
 time, then `os._exit`:
 1. silence the other threads (their output goes to /dev/null from now on),
-2. run the registered cleanups in order — release the per-node lock (tasks/locks.py), mark the
-   flow run Crashed, stop the embedded Prefect server (flows/api.py) — each with a deadline,
+2. run the registered cleanups — release the per-node lock (tasks/locks.py) and mark the flow
+   run Crashed together (both only talk to the API: on a busy machine each may need most of the
+   budget), then stop the embedded Prefect server (flows/api.py) — all within one deadline,
 3. print one paragraph: what still runs, how to re-attach, how to stop,
 4. exit 130.
-A second SIGINT exits at once. The cleanups are registered by the code that creates what they
-clean (`on_interrupt`), so this module knows nothing of Prefect.
+A second SIGINT exits at once. The main thread may finish its work while the cleanups run (a
+bring-up that completes a moment after the Ctrl-C): its exit waits for them, so a Ctrl-C always
+ends with the paragraph and 130, never with a silent 0. The cleanups are registered by the code
+that creates what they clean (`on_interrupt`), so this module knows nothing of Prefect.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -27,17 +31,19 @@ import time
 from collections.abc import Callable
 
 EXIT_INTERRUPTED = 130
-CLEANUP_DEADLINE_S = 3.0  # all cleanups together; the whole exit stays well under 5 s
+CLEANUP_DEADLINE_S = 4.0  # all cleanups together; the whole exit stays within ~5 s
 
 _cleanups: list[tuple[int, str, Callable[[], None]]] = []
 _lock = threading.Lock()
 _paragraph: Callable[[], str] = lambda: ""
 _started = threading.Event()
+_begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given back
 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
     """Run `fn` (bounded, best effort) when the user presses Ctrl-C; returns an unregister function.
-    Lower `order` runs first (the embedded API server goes last: the others talk to it)."""
+    Lower `order` runs first; cleanups of the same order run at the same time (the embedded API
+    server goes last: the others talk to it)."""
     entry = (order, name, fn)
     with _lock:
         _cleanups.append(entry)
@@ -60,19 +66,23 @@ def install(paragraph: Callable[[], str]) -> None:
 
     Python runs signal handlers only in the main thread, and only when it is running Python
     code: a main thread blocked waiting for a task future (the flow waiting for a launch) and a
-    signal delivered to another thread meant 20 s before anything happened. So the handler does
-    nothing itself; the C-level handler writes the signal number to a wakeup fd at once, from
-    whatever thread got it, and a watcher thread acts on it."""
+    signal delivered to another thread meant 20 s before anything happened. So nothing relies on
+    the Python-level handler; the C-level handler writes the signal number to a wakeup fd at once, from
+    whatever thread got it, and a watcher thread acts on it. The Python-level handler starts the
+    same shutdown from the main thread (whichever comes first; the watcher alone counts Ctrl-Cs),
+    so a main thread about to end the process cannot outrun a watcher not yet scheduled."""
     global _paragraph
     _paragraph = paragraph
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: _begin())
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    atexit.register(_hold_exit)
     threading.Thread(target=_watch, args=(r,), name="fleet-sigint", daemon=True).start()
 
 
 def _watch(fd: int) -> None:
+    seen = 0  # one byte per SIGINT: the count is exact, whoever started the shutdown
     while True:
         try:
             data = os.read(fd, 64)
@@ -82,15 +92,33 @@ def _watch(fd: int) -> None:
             return
         for signum in data:
             if signum == signal.SIGINT:
-                _on_sigint()
+                seen += 1
+                if seen > 1:
+                    os._exit(EXIT_INTERRUPTED)  # second Ctrl-C: now
+                _begin()
 
 
-def _on_sigint() -> None:
-    if _started.is_set():
-        os._exit(EXIT_INTERRUPTED)  # second Ctrl-C: now
+def _begin() -> None:
+    """Start the shutdown once (from the watcher or the main thread's handler, whichever is first)."""
+    if not _begun.acquire(blocking=False):
+        return
     _started.set()
+    atexit.register(_hold_exit)  # again, so that it runs first (before the embedded server's stop)
     # the cleanups run in their own thread, so the watcher still sees a second Ctrl-C
-    threading.Thread(target=_shutdown, name="fleet-interrupt", daemon=True).start()
+    try:
+        threading.Thread(target=_shutdown, name="fleet-interrupt", daemon=True).start()
+    except RuntimeError:  # no new threads while the interpreter shuts down: do it here
+        _shutdown()
+
+
+def _hold_exit() -> None:
+    """atexit: the main thread finished its work (or failed) after a Ctrl-C, while the cleanups
+    still run: the process must not end with the command's own status, silently — wait for the
+    shutdown, which ends it with the paragraph and 130 (bounded, should that thread be gone)."""
+    if not _started.is_set():
+        return
+    time.sleep(CLEANUP_DEADLINE_S + 5.0)
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _silence() -> int:
@@ -105,10 +133,14 @@ def _silence() -> int:
     return err
 
 
-def _run_bounded(fn: Callable[[], None], timeout: float) -> None:
-    t = threading.Thread(target=fn, daemon=True)
-    t.start()
-    t.join(max(0.0, timeout))
+def _run_bounded(fns: list[Callable[[], None]], timeout: float) -> None:
+    """Run `fns` at the same time; return when all are done or `timeout` has passed."""
+    end = time.monotonic() + max(0.0, timeout)
+    threads = [threading.Thread(target=fn, daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
 
 
 def _shutdown() -> None:
@@ -118,10 +150,11 @@ def _shutdown() -> None:
     except OSError:
         err = 2
     with _lock:
-        cleanups = sorted(_cleanups, key=lambda e: e[0])
-    for _order, _name, fn in cleanups:
-        # each gets at least a moment: the last one (stopping the embedded server) is a signal
-        _run_bounded(fn, max(0.3, CLEANUP_DEADLINE_S - (time.monotonic() - t0)))
+        cleanups = list(_cleanups)
+    for order in sorted({e[0] for e in cleanups}):
+        # each group gets at least a moment: the last one (stopping the embedded server) is a signal
+        _run_bounded([fn for o, _name, fn in cleanups if o == order],
+                     max(0.3, CLEANUP_DEADLINE_S - (time.monotonic() - t0)))
     try:
         text = _paragraph().strip()
     except Exception:  # the paragraph must never stand between the user and the exit

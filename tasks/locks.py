@@ -279,8 +279,9 @@ class _Held:
         self._done = False
         self._beat = threading.Thread(target=self._beat_loop, name="fleet-lock-heartbeat", daemon=True)
         self._beat.start()
-        # Ctrl-C ends the command with os._exit (fleet/interrupt.py): give the slot back first.
-        self._unregister = on_interrupt(f"release {', '.join(names)}", self.release, order=10)
+        # Ctrl-C ends the command with os._exit (fleet/interrupt.py): give the slot back first,
+        # at the same time as the flow run is marked Crashed (flows/api.py, also order 50).
+        self._unregister = on_interrupt(f"release {', '.join(names)}", self.release, order=50)
 
     def _beat_loop(self) -> None:
         from prefect.client.orchestration import get_client

@@ -285,6 +285,42 @@ def test_first_ctrl_c_bounds_cleanups_silences_threads_and_prints_one_paragraph(
     assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
 
 
+WORK_ENDS = r"""
+import sys, time
+from pathlib import Path
+from fleet import interrupt
+
+marker, done = Path(sys.argv[1]), Path(sys.argv[1] + ".done")
+def hanging_cleanup():  # an API that answers slowly: the cleanups take their whole budget
+    marker.write_text("cleanup started")
+    time.sleep(60)
+interrupt.on_interrupt("slow", hanging_cleanup)
+interrupt.install(lambda: "the paragraph")
+print("ready", flush=True)
+while not marker.exists():  # the command's work goes on after the Ctrl-C ...
+    time.sleep(0.01)
+done.write_text("work done")  # ... and ends (status 0) while the cleanups still run
+sys.exit(0)
+"""
+
+
+def test_ctrl_c_ends_with_130_and_the_paragraph_when_the_work_ends_during_the_cleanups(tmp_path: Path) -> None:
+    """Protects against a Ctrl-C that ends in a silent exit 0: the main thread went on with the
+    command (a bring-up finishing a moment after the Ctrl-C) and ended the process with its own
+    status while the cleanups still ran — no paragraph, the flow run not marked Crashed
+    (seen under load in test_deployments: exit 0 with or without the paragraph)."""
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", WORK_ENDS, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert Path(str(marker) + ".done").exists()  # the work did end while the cleanups ran
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip() == "fleet: interrupted. the paragraph"
+
+
 def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_path: Path) -> None:
     """`fleet generate` used to take minutes after Ctrl-C. Now: out in seconds, the paragraph
     says how to re-attach and how to stop the job, and the detached runner keeps generating."""
