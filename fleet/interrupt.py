@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
 CLEANUP_DEADLINE_S = 4.0  # all cleanups together; the whole exit stays within ~5 s
@@ -111,14 +112,21 @@ def _begin() -> None:
         _shutdown()
 
 
+def park() -> NoReturn:
+    """Stop the calling thread here for good: a Ctrl-C came and the shutdown ends the process.
+    For work that ends after the Ctrl-C: it must not report success over the interrupt (a flow
+    run set Completed after it was marked Crashed). Call it only from plain Python code, holding
+    no lock the cleanups need (bounded, should the shutdown thread be gone)."""
+    time.sleep(CLEANUP_DEADLINE_S + 5.0)
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _hold_exit() -> None:
     """atexit: the main thread finished its work (or failed) after a Ctrl-C, while the cleanups
     still run: the process must not end with the command's own status, silently — wait for the
-    shutdown, which ends it with the paragraph and 130 (bounded, should that thread be gone)."""
-    if not _started.is_set():
-        return
-    time.sleep(CLEANUP_DEADLINE_S + 5.0)
-    os._exit(EXIT_INTERRUPTED)
+    shutdown, which ends it with the paragraph and 130."""
+    if _started.is_set():
+        park()
 
 
 def _silence() -> int:

@@ -345,7 +345,7 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
-    from fleet.interrupt import interrupted
+    from fleet.interrupt import interrupted, park
 
     logger = get_run_logger()
     names = lock_names(cfg)
@@ -404,7 +404,14 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
         logger.info("%s: holding %s", purpose, ", ".join(names))
         yield names
     finally:
-        held.release()
+        try:
+            held.release()
+        finally:
+            if interrupted():
+                # The work ended after a Ctrl-C (a bring-up that finished, or failed, while the
+                # cleanups ran): stop here, or the flow run would end Completed (or Failed) over
+                # the Crashed the cleanups set. The shutdown ends the process.
+                park()
 
 
 class NodeBusy(TransientError):
