@@ -104,15 +104,21 @@ def crash(log: Log, n: int) -> NoReturn:
     os._exit(1)
 
 
+# the traceback's first frames, the same for both out-of-memory kinds (SGLang's scheduler start)
+_SCHEDULER_INIT = (
+    "Scheduler hit an exception: Traceback (most recent call last):\n"
+    f'  File "{_SGL}/managers/scheduler.py", line 2729, in run_scheduler_process\n'
+    "    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)\n"
+    f'  File "{_SGL}/model_executor/model_runner.py", line 306, in __init__\n'
+    "    self.initialize(min_per_gpu_memory)\n"
+)
+
+
 def oom_lines(log: Log, kind: str) -> None:
     if kind == "weights":
         log.info(
-            "Scheduler hit an exception: Traceback (most recent call last):\n"
-            f'  File "{_SGL}/managers/scheduler.py", line 2729, in run_scheduler_process\n'
-            "    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)\n"
-            f'  File "{_SGL}/model_executor/model_runner.py", line 306, in __init__\n'
-            "    self.initialize(min_per_gpu_memory)\n"
-            f'  File "{_SGL}/model_executor/model_runner.py", line 389, in initialize\n'
+            _SCHEDULER_INIT
+            + f'  File "{_SGL}/model_executor/model_runner.py", line 389, in initialize\n'
             "    self.load_model()\n"
             f'  File "{_SGL}/model_loader/loader.py", line 585, in load_model\n'
             "    model = _initialize_model(model_config, self.load_config)\n"
@@ -127,12 +133,8 @@ def oom_lines(log: Log, kind: str) -> None:
         )
     else:
         log.info(
-            "Scheduler hit an exception: Traceback (most recent call last):\n"
-            f'  File "{_SGL}/managers/scheduler.py", line 2729, in run_scheduler_process\n'
-            "    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)\n"
-            f'  File "{_SGL}/model_executor/model_runner.py", line 306, in __init__\n'
-            "    self.initialize(min_per_gpu_memory)\n"
-            f'  File "{_SGL}/model_executor/model_runner.py", line 421, in initialize\n'
+            _SCHEDULER_INIT
+            + f'  File "{_SGL}/model_executor/model_runner.py", line 421, in initialize\n'
             "    self.init_memory_pool(min_per_gpu_memory, server_args.max_running_requests, "
             "server_args.max_total_tokens)\n"
             f'  File "{_SGL}/model_executor/model_runner.py", line 1577, in init_memory_pool\n'
