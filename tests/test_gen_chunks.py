@@ -210,3 +210,48 @@ def test_claim_cuts_a_chunk_to_the_wanted_size_and_keeps_every_line(tmp_path: Pa
     rows = lines * 2 // 3   # the rest (a third) is more than a quarter of rows: cut, unless below min_rest
     assert st.claim("b", another=True, rows=rows, min_rest=lines - rows) == nxt
     assert load_plan(pdir).chunks[nxt].lines == lines                          # taken whole: not cut
+
+
+def test_the_next_chunk_starts_a_runner_start_before_the_current_one_ends() -> None:
+    """`_draining`: the next chunk's runner is started once what is left of the running chunk is in flight
+    or would be sent within PRESTART_LEAD_S at its rate, so the servers stay busy across runner starts."""
+    from fleet.generation.multinode import PRESTART_LEAD_S, _draining
+
+    rate = 10.0
+    lead = int(rate * PRESTART_LEAD_S)
+    assert not _draining({"state": "running", "rows_total": 1000, "rows_done": 1000 - lead - 9, "in_flight": 8,
+                          "rows_per_s": rate})
+    assert _draining({"state": "running", "rows_total": 1000, "rows_done": 1000 - lead - 8, "in_flight": 8,
+                      "rows_per_s": rate})
+    assert _draining({"state": "running", "rows_total": 1000, "rows_done": 992, "in_flight": 8})  # no rate yet
+    assert not _draining({"state": "done", "rows_total": 1000, "rows_done": 1000})   # ended: run_chunk's turn
+    assert not _draining({"state": "running", "rows_done": 5})                       # total not known yet
+
+
+def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_path: Path) -> None:
+    """The early start of a slow node's next chunk is refused while a faster node would end that chunk
+    sooner; `_prestart` then says so (False: asked again at the next poll) and claims nothing. Asked
+    only once, the slow node's next chunk waited for its runner's exit and a whole runner start."""
+    from fleet.config import FleetConfig
+    from fleet.generation.multinode import Controller, NodeWork
+    from fleet.node import LocalNode
+
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": n, "workdir": str(tmp_path / n), "servers": 1} for n in ("fast", "slow")],
+                      generation={"chunk_rows": 100})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"),
+                     {n: NodeWork(n, []) for n in ("fast", "slow")})
+    ctl.prepare(str(lines_file(tmp_path / "in.jsonl", 1000)))
+    assert ctl.assign is not None
+    for idx, node, secs in ((0, "fast", 5.0), (1, "slow", 10.0)):   # measured: fast 20 rows/s, slow 10
+        att, _ = ctl.assign.start(idx, node, f"/o/{node}/{idx}")
+        ctl.assign.finish(idx, node, "done", fetched=True)
+        att.ended_at = att.started_at + secs
+    before = ctl.assign.pending()
+    # fast is free now: it ends a 100-row chunk in 5 s, slow in 10 s -> slow leaves it
+    assert ctl._prestart(LocalNode("slow"), "slow") is False
+    assert ctl.assign.pending() == before and not ctl.assign.running_on("slow")
+    # nothing left to claim: decided, the caller stops asking
+    for i in before:
+        ctl.assign.start(i, "fast", f"/o/fast/{i}")
+    assert ctl._prestart(LocalNode("slow"), "slow") is True

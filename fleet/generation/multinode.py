@@ -386,8 +386,7 @@ class Controller:
                 self._gather_partial(node, index, out, dest)
                 raise NodeLost(why)
             if prog is not None and not prestarted and _draining(prog):
-                prestarted = True
-                self._prestart(node, name)
+                prestarted = self._prestart(node, name)
             if now - last_fetch > self.fetch_every_s:
                 last_fetch = now
                 self._gather_partial(node, index, out, dest)
@@ -429,20 +428,26 @@ class Controller:
         tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
         raise ChunkFailed(f"runner of chunk {index} ended: {detail}; log tail: {tail[-300:]!r}")
 
-    def _prestart(self, node: Node, name: str) -> None:
+    def _prestart(self, node: Node, name: str) -> bool:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in
         flight): the servers stay busy across the runner's exit and the next one's start. The next
-        `run_chunk` of this node re-attaches to it like a new controller would."""
+        `run_chunk` of this node re-attaches to it like a new controller would.
+
+        False while a faster node would end the next chunk sooner: the caller asks again at its next
+        poll (that node may take it meanwhile, or this one's drain makes it the sooner one). Asked only
+        once, a slow node's next chunk waited for its runner's exit and a whole runner start (the
+        bench's slow node, chunks 8 and 10). True once decided: started, nothing left, or a failed
+        start (the chunk stays claimed; the node's next `run_chunk` starts it the usual way)."""
         from fleet.generation.remote import start_job
 
         assert self.assign is not None
         rows, go = self.next_size(name)
         if not go:
-            return
+            return False
         nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows,
                                 min_rest=self.min_rest())
         if nxt is None:
-            return
+            return True
         chunk = self.chunk(nxt)
         out = self.chunk_output(name, chunk)
         try:
@@ -454,6 +459,7 @@ class Controller:
             self.say(logging.INFO, f"chunk {nxt} started on {name} while the previous one drains, runner pid {h.pid}")
         except Exception as exc:  # it stays claimed: the node's next run_chunk starts it the usual way
             log.warning("could not start chunk %d early on %s: %s", nxt, name, exc)
+        return True
 
     def _gather_partial(self, node: Node, index: int, out: str, dest: Path) -> None:
         assert self.assign is not None
