@@ -26,6 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError
+from fleet.interrupt import interrupted, park
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
@@ -354,6 +355,12 @@ def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, nod
         with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
             rows, failures, specs = bringup(cfg)
         _write_summary(cfg, rows, failures, t0)
-        return generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors)
+        result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors)
+        if interrupted():
+            # The job phase holds no node lock (whose release parks the bring-up): a job that ended
+            # after a Ctrl-C stops here too, so its run is not set Completed over the Crashed the
+            # cleanups set. The shutdown ends the process (130, the paragraph).
+            park()
+        return result
     finally:
         close_all()

@@ -321,6 +321,44 @@ def test_ctrl_c_ends_with_130_and_the_paragraph_when_the_work_ends_during_the_cl
     assert err.strip() == "fleet: interrupted. the paragraph"
 
 
+PARKED = r"""
+import sys, time
+from pathlib import Path
+from fleet import interrupt
+
+marker = Path(sys.argv[1])
+def hanging_cleanup():  # marking the run Crashed, on an API that answers slowly
+    marker.write_text("cleanup started")
+    time.sleep(60)
+interrupt.on_interrupt("slow", hanging_cleanup)
+interrupt.install(lambda: "the paragraph")
+print("ready", flush=True)
+while not marker.exists():  # the job goes on after the Ctrl-C and ends while the cleanups run
+    time.sleep(0.01)
+if interrupt.interrupted():
+    interrupt.park()
+Path(sys.argv[1] + ".reported").write_text("Completed")  # what a flow does next: report its success
+"""
+
+
+def test_work_that_ends_after_a_ctrl_c_parks_and_never_reports_success(tmp_path: Path) -> None:
+    """Protects against a run set Completed over the Crashed that the Ctrl-C cleanups set: work that
+    ends after the Ctrl-C (a generation job finishing in those seconds; flows/fleet.py `_generate`,
+    and the node lock's release for a bring-up) calls `park()`, which never returns: nothing after it
+    runs, and the shutdown ends the process with 130 and the paragraph."""
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", PARKED, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert marker.exists()                                   # the work did go on past the Ctrl-C
+    assert not Path(str(marker) + ".reported").exists()      # ... and stopped at park()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip() == "fleet: interrupted. the paragraph"
+
+
 def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_path: Path) -> None:
     """`fleet generate` used to take minutes after Ctrl-C. Now: out in seconds, the paragraph
     says how to re-attach and how to stop the job, and the detached runner keeps generating."""
