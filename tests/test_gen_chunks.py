@@ -231,7 +231,9 @@ def test_the_next_chunk_starts_a_runner_start_before_the_current_one_ends() -> N
 def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_path: Path) -> None:
     """The early start of a slow node's next chunk is refused while a faster node would end that chunk
     sooner; `_prestart` then says so (False: asked again at the next poll) and claims nothing. Asked
-    only once, the slow node's next chunk waited for its runner's exit and a whole runner start."""
+    only once, the slow node's next chunk waited for its runner's exit and a whole runner start.
+    A faster node's chunk started early counts to its busy time: seen free the moment it started
+    its next chunk, it took every chunk from the slow node, which idled."""
     from fleet.config import FleetConfig
     from fleet.generation.multinode import Controller, NodeWork
     from fleet.node import LocalNode
@@ -247,11 +249,21 @@ def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_pat
         att, _ = ctl.assign.start(idx, node, f"/o/{node}/{idx}")
         ctl.assign.finish(idx, node, "done", fetched=True)
         att.ended_at = att.started_at + secs
-    before = ctl.assign.pending()
+    pending = ctl.assign.pending()
+    assert ctl.chunk(pending[0]).lines == 100
     # fast is free now: it ends a 100-row chunk in 5 s, slow in 10 s -> slow leaves it
+    assert ctl.next_size("slow")[1] is False
     assert ctl._prestart(LocalNode("slow"), "slow") is False
-    assert ctl.assign.pending() == before and not ctl.assign.running_on("slow")
+    assert ctl.assign.pending() == pending and not ctl.assign.running_on("slow")
+    # fast drains its chunk (10 rows left: 0.5 s) and has started the next one early (100 rows: 5 s):
+    # it would end a third in 10.5 s, slow in 10 s -> slow takes it
+    cur, early = pending[0], pending[1]
+    ctl.assign.start(cur, "fast", f"/o/fast/{cur}")
+    ctl.assign.start(early, "fast", f"/o/fast/{early}")
+    ctl.nodes["fast"].chunk, ctl.nodes["fast"].progress = cur, {"rows_total": 100, "rows_done": 90}
+    assert ctl._free_in("fast", 20.0) == 5.5
+    assert ctl.next_size("slow")[1] is True
     # nothing left to claim: decided, the caller stops asking
-    for i in before:
+    for i in ctl.assign.pending():
         ctl.assign.start(i, "fast", f"/o/fast/{i}")
     assert ctl._prestart(LocalNode("slow"), "slow") is True

@@ -202,12 +202,20 @@ class Controller:
         return live or None
 
     def _free_in(self, name: str, rate: float) -> float:
-        """Seconds until node `name` has no chunk left to work (its running chunk's rows over its rate)."""
+        """Seconds until node `name` has no chunk left to work, at `rate`: what is left of the chunk it
+        watches (its progress) plus every other chunk running on it (one started early while the first
+        drains, or one a new controller has not re-attached to yet) whole. Counting only the watched
+        chunk made a node that had just started its next chunk look free at once, and the slow node
+        then left every chunk to it and idled (the bench's slow node, a runner start per chunk)."""
+        assert self.assign is not None
         w = self.nodes[name]
-        if w.chunk is None or not w.progress:
-            return 0.0
-        total = int(w.progress.get("rows_total") or self.chunk(w.chunk).lines)
-        return max(0, total - int(w.progress.get("rows_done") or 0)) / rate
+        left = 0
+        for i in self.assign.running_on(name):
+            rows = self.chunk(i).lines
+            if i == w.chunk and w.progress:
+                rows = int(w.progress.get("rows_total") or rows) - int(w.progress.get("rows_done") or 0)
+            left += max(0, rows)
+        return left / rate
 
     def min_rest(self) -> int:
         """The shortest rest a cut may leave: MIN_CHUNK_S of work at the slowest measured rate. A shorter
