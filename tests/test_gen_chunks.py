@@ -182,6 +182,18 @@ def test_a_slow_node_leaves_the_last_chunk_to_a_faster_one_that_would_end_it_soo
     assert finishes_first(100, 10.0, [(60.0, 20.0)])                      # fast busy for a minute: 10 s < 65 s
     assert not finishes_first(100, 10.0, [(2.0, 20.0)])                   # fast free in 2 s: 7 s < 10 s
     assert finishes_first(100, 20.0, [(0.0, 10.0)])                       # only faster nodes count
+    # asked early, while its own chunk drains: its rest counts too (3 + 10 s > 2 + 5 + 5 s)
+    assert finishes_first(100, 10.0, [(7.0, 20.0)]) and not finishes_first(100, 10.0, [(7.0, 20.0)], 3.0)
+
+
+def test_a_node_rate_counts_overlapping_chunks_busy_time_once() -> None:
+    """A chunk started early overlaps the one draining: summing their spans counted the overlap twice
+    (a fast node of short chunks measured at half its rate). The busy time is the spans' union."""
+    from fleet.generation.chunks import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 10.0), (8.0, 20.0), (18.0, 25.0)]) == 25.0     # each started 2 s early
+    assert busy_seconds([(30.0, 35.0), (0.0, 10.0), (2.0, 5.0)]) == 15.0      # a gap, one span inside another
 
 
 def test_claim_cuts_a_chunk_to_the_wanted_size_and_keeps_every_line(tmp_path: Path) -> None:

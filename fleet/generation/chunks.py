@@ -59,7 +59,7 @@ from typing import Any
 from fleet.generation.durable import write_json_atomic
 
 __all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
-           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "chunk_rows_for", "finishes_first",
+           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
            "split_chunk", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
 
 PLAN_FILE = "plan.json"
@@ -116,14 +116,25 @@ def chunk_rows_for(rate: float | None, rates: dict[str, float], rows_left: int, 
     return max(1, min(rows_left, math.ceil(max(want, rate * min_s))))
 
 
-def finishes_first(rows: int, rate: float | None, others: list[tuple[float, float]]) -> bool:
-    """Should a node of `rate` rows/s take a chunk of `rows`? Not when a faster node, free in `free_s`
-    (`others`: (free_s, rate) of the other live nodes), would end it sooner: a slow node that takes the
-    last chunk is what makes a job's tail long. Unknown rates: take it."""
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans: the time a node had at least one chunk running."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def finishes_first(rows: int, rate: float | None, others: list[tuple[float, float]], free_s: float = 0.0) -> bool:
+    """Should a node of `rate` rows/s, free in `free_s` (the rest of the chunk it drains, when it asks
+    early), take a chunk of `rows`? Not when a faster node (`others`: (free_s, rate) of the other live
+    nodes) would end it sooner: a slow node that takes the last chunk is what makes a job's tail
+    long. Unknown rates: take it."""
     if not rate or rate <= 0:
         return True
-    mine = rows / rate
-    return all(mine <= free_s + rows / r for free_s, r in others if r > rate)
+    mine = free_s + rows / rate
+    return all(mine <= busy + rows / r for busy, r in others if r > rate)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.chunks import (
-    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, chunk_rows_for, finishes_first, merge, split_input,
+    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, busy_seconds, chunk_rows_for, finishes_first, merge, split_input,
 )
 from fleet.generation.durable import write_json_atomic
 from fleet.generation.manifest import MANIFEST_FILE
@@ -185,16 +185,20 @@ class Controller:
                 "state": work.state}
 
     def node_rate(self, name: str) -> float | None:
-        """The node's measured rate (input lines/s): over the chunks it finished (state.json, so a new
-        controller knows it too), else its running chunk's runner's own rate; None before either."""
+        """The node's measured rate (input lines/s): the lines of the chunks it finished over the time it
+        had one of them running (state.json, so a new controller knows it too), else its running chunk's
+        runner's own rate; None before either. Busy time is the union of the attempts' spans: a chunk
+        started early overlaps the one draining, and summing spans counted that overlap twice (a fast
+        node of 250-row chunks measured at half its rate, and the slow node then took the last chunk)."""
         assert self.assign is not None and self.plan is not None
-        rows, secs = 0, 0.0
+        rows, spans = 0, []
         with self.assign._lock:
             for i, c in self.assign.chunks.items():
                 for a in c.attempts:
                     if a.node == name and a.outcome == "done" and a.ended_at:
                         rows += self.plan.chunks[i].lines
-                        secs += a.ended_at - a.started_at
+                        spans.append((a.started_at, a.ended_at))
+        secs = busy_seconds(spans)
         if rows and secs > 0:
             return rows / secs
         w = self.nodes.get(name)
@@ -238,7 +242,7 @@ class Controller:
         nxt = self.chunk(pending[0]).lines
         take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
         others = [(self._free_in(n, r), r) for n, r in rates.items() if n != name]
-        return rows, finishes_first(take, rate, others)
+        return rows, finishes_first(take, rate, others, self._free_in(name, rate) if rate else 0.0)
 
     def _probe(self, name: str) -> bool:
         try:
