@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
-from conftest import free_port
+from conftest import free_port, processes
 from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
@@ -217,16 +217,7 @@ def sim_toml(tmp_path: Path, n: int = 3) -> tuple[Path, dict[str, Any]]:
 
 
 def processes_mentioning(text: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in argv and LocalNode().is_alive(int(entry)):
-                out.append(int(entry))
-    return out
+    return [p.pid for p in processes() if text in " ".join(p.argv) and LocalNode().is_alive(p.pid)]
 
 
 def test_the_yaml_declares_four_deployments(deployed: PrefectServer) -> None:
