@@ -309,16 +309,22 @@ def test_ctrl_c_ends_with_130_and_the_paragraph_when_the_work_ends_during_the_cl
     command (a bring-up finishing a moment after the Ctrl-C) and ended the process with its own
     status while the cleanups still ran — no paragraph, the flow run not marked Crashed
     (seen under load in test_deployments: exit 0 with or without the paragraph)."""
+    marker, rc, err = ctrl_c_once(tmp_path, WORK_ENDS)
+    assert Path(str(marker) + ".done").exists()  # the work did end while the cleanups ran
+    assert rc == 130, (rc, err)
+    assert err.strip() == "fleet: interrupted. the paragraph"
+
+
+def ctrl_c_once(tmp_path: Path, script: str) -> tuple[Path, int, str]:
+    """Run `script` (it prints "ready" once its handler is in), press Ctrl-C once: (marker, exit status, stderr)."""
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", WORK_ENDS, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert Path(str(marker) + ".done").exists()  # the work did end while the cleanups ran
-    assert proc.returncode == 130, (proc.returncode, err)
-    assert err.strip() == "fleet: interrupted. the paragraph"
+    _out, err = proc.communicate(timeout=60)
+    return marker, proc.returncode, err
 
 
 PARKED = r"""
@@ -346,16 +352,10 @@ def test_work_that_ends_after_a_ctrl_c_parks_and_never_reports_success(tmp_path:
     ends after the Ctrl-C (a generation job finishing in those seconds; flows/fleet.py `_generate`,
     and the node lock's release for a bring-up) calls `park()`, which never returns: nothing after it
     runs, and the shutdown ends the process with 130 and the paragraph."""
-    marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", PARKED, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    marker, rc, err = ctrl_c_once(tmp_path, PARKED)
     assert marker.exists()                                   # the work did go on past the Ctrl-C
     assert not Path(str(marker) + ".reported").exists()      # ... and stopped at park()
-    assert proc.returncode == 130, (proc.returncode, err)
+    assert rc == 130, (rc, err)
     assert err.strip() == "fleet: interrupted. the paragraph"
 
 
