@@ -21,7 +21,7 @@ import os
 import sqlite3
 import sys
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,46 @@ class Artifact:
     data: Any
     created: str
     run_name: str | None = None
+
+
+@dataclass(frozen=True)
+class State:
+    type: str  # Prefect's StateType: RUNNING, FAILED, ...
+    name: str
+    at: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a run: a flow-run retry (the UI's Retry, `prefect flow-run retry`, the flow's own
+    retries) keeps the run and its id, so its artifacts and states hold every try; each RUNNING
+    state starts one."""
+
+    number: int
+    started: str
+    ended: State | None  # the first state after it that is not RUNNING; None while it runs
+    artifacts: list[Artifact]
+
+
+def _instant(ts: Any) -> datetime:
+    """Prefect's timestamps as the API (ISO, 'Z') and SQLite ('YYYY-MM-DD HH:MM:SS.ffffff', UTC) give them."""
+    d = datetime.fromisoformat(str(ts).replace("Z", "+00:00").replace(" ", "T", 1))
+    return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
+
+
+def attempts_of(states: list[State], arts: list[Artifact]) -> list[Attempt]:
+    """The run's tries, the LAST FIRST, each with the artifacts created while it was the latest."""
+    starts = [st for st in states if st.type == "RUNNING"] or [State("RUNNING", "", "", "")]
+    out: list[Attempt] = []
+    for i, st in enumerate(starts):
+        after = [x for x in states if st.at and _instant(x.at) > _instant(st.at)]
+        nxt = starts[i + 1].at if i + 1 < len(starts) else None
+        mine = [a for a in arts if (not st.at or i == 0 or _instant(a.created) >= _instant(st.at))
+                and (nxt is None or _instant(a.created) < _instant(nxt))]
+        ended = next((x for x in after if x.type != "RUNNING"), None)
+        out.append(Attempt(i + 1, st.at, ended, mine))
+    return out[::-1]
 
 
 class ReportError(FleetError):
@@ -104,6 +144,11 @@ class SqliteSource:
                                "ORDER BY created", [run_id]).fetchall()
         return [Artifact(r[0], r[1] or "", r[2] or "", _decode(r[3]), r[4]) for r in rows]
 
+    def states(self, run_id: str) -> list[State]:
+        rows = self.db.execute("SELECT type, name, timestamp, message FROM flow_run_state WHERE flow_run_id = ? "
+                               "ORDER BY timestamp", [run_id]).fetchall()
+        return [State(str(r[0]), r[1] or "", str(r[2]), r[3] or "") for r in rows]
+
     def latest(self, key: str) -> Artifact | None:
         rows = self.db.execute("SELECT a.key, a.type, a.description, a.data, a.created, r.name FROM artifact a "
                                "LEFT JOIN flow_run r ON r.id = a.flow_run_id WHERE a.key = ? "
@@ -156,6 +201,18 @@ class ApiSource:
         rows = self._post("artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}, "sort": "CREATED_DESC"})[::-1]
         return [Artifact(a.get("key"), a.get("type") or "", a.get("description") or "", _decode(a.get("data")),
                          a.get("created") or "") for a in rows]
+
+    def states(self, run_id: str) -> list[State]:
+        import httpx
+
+        try:
+            r = self.http.get("flow_run_states/", params={"flow_run_id": run_id})
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return []  # attempts unlabelled rather than no report
+        found = [State(str(d.get("type")), d.get("name") or "", str(d.get("timestamp")), d.get("message") or "")
+                 for d in r.json()]
+        return sorted(found, key=lambda st: _instant(st.at))
 
     def latest(self, key: str) -> Artifact | None:
         rows = self._post("artifacts/filter", {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC",
@@ -330,13 +387,27 @@ def _report(config: str | None, run: str, key: str | None, list_runs: bool, full
         if not arts:
             raise ReportError(f"run {found.name} has no artifact {key!r}", remedy="`fleet report --run "
                                                                                   f"{found.name}` lists them")
-    # the summary (tables) first, in full; markdown per task in full only when asked for
-    for a in sorted(arts, key=lambda a: a.type != "table"):
-        console.print()
-        render_artifact(console, a, full or bool(key))
+    tries = attempts_of(src.states(found.id), arts)
+    for t in tries:
+        if len(tries) > 1:
+            console.print()
+            from rich.markup import escape
+
+            console.print(f"[bold]── {escape(_attempt_title(t, len(tries)))}[/bold]")
+        # the summary (tables) first, in full; markdown per task in full only when asked for
+        for a in sorted(t.artifacts, key=lambda a: a.type != "table"):
+            console.print()
+            render_artifact(console, a, full or bool(key))
     if not key and any(a.type == "markdown" for a in arts) and not full:
         console.print(f"\n(per-task details: `fleet report --run {found.name} KEY`, or --full for all)")
     return 0
+
+
+def _attempt_title(t: Attempt, count: int) -> str:
+    """`attempt 2 of 2 (latest) · started … · Completed`: a retried run's tries are told apart."""
+    end = f"{t.ended.name}" + (f": {t.ended.message[:300]}" if t.ended.message else "") if t.ended else "running"
+    return (f"attempt {t.number} of {count}" + (" (latest)" if t.number == count else "")
+            + f" · started {_when(t.started)} · {end}")
 
 
 def _pick_run(src: SqliteSource | ApiSource, names: list[str] | None, run: str) -> Run:
@@ -359,7 +430,7 @@ def _when(ts: Any) -> str:
     if not ts:
         return "-"
     try:
-        return datetime.fromisoformat(str(ts).replace("Z", "+00:00")).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        return _instant(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S")
     except ValueError:
         return str(ts)
 

@@ -116,3 +116,48 @@ def test_report_never_imports_prefect(recorded: dict[str, Any]) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     assert "bringup-rep" in res.stdout
+
+
+@pytest.fixture(scope="module")
+def retried() -> dict[str, Any]:
+    """One run `bringup-retried` whose first attempt fails with a summary of its own and whose
+    retry (Prefect keeps the run and its id) completes with another."""
+    from prefect import flow
+    from prefect.artifacts import create_table_artifact
+
+    tries: list[int] = []
+
+    @flow(name="fleet", flow_run_name="bringup-retried", retries=1, retry_delay_seconds=0)
+    def flaky() -> str:
+        tries.append(1)
+        n = len(tries)
+        create_table_artifact(key="retried-summary", table=[{"server": "0", "state": f"attempt-{n}-table"}],
+                              description=f"try {n}")
+        if n == 1:
+            raise RuntimeError("server 0 failed: first-try-cause")
+        return "ok"
+
+    state = flaky(return_state=True)
+    assert state.is_completed() and len(tries) == 2
+    return {"run_id": str(state.state_details.flow_run_id)}
+
+
+@pytest.mark.parametrize("source", ["api", "sqlite"])
+def test_report_of_a_retried_run_labels_each_attempt_latest_first(monkeypatch: pytest.MonkeyPatch,
+                                                                 retried: dict[str, Any], source: str) -> None:
+    """A retried run kept both tries' artifacts under one run: the report showed the first try's
+    failing summary beside the new one with no label. Each try is labelled, the latest first,
+    with the state that ended it."""
+    text = run_report(monkeypatch, source, None, "bringup-retried", None, False, False)
+    second, first = text.find("attempt 2 of 2 (latest)"), text.find("attempt 1 of 2")
+    assert 0 <= second < first, text
+    assert second < text.find("attempt-2-table") < first < text.find("attempt-1-table"), text
+    assert "first-try-cause" in text[first:text.find("attempt-1-table")], text
+    assert text.count("attempt-1-table") == 1 and text.count("attempt-2-table") == 1
+
+
+def test_report_of_a_run_tried_once_has_no_attempt_labels(monkeypatch: pytest.MonkeyPatch,
+                                                          recorded: dict[str, Any]) -> None:
+    """A run tried once reads as before: no attempt rule."""
+    text = run_report(monkeypatch, "sqlite", None, "bringup-rep", None, False, False)
+    assert "attempt " not in text and "rep-summary" in text
