@@ -58,8 +58,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def print_rows(rows: Sequence[Mapping[str, Any]], columns: list[str]) -> None:
-    """A table of `columns` (rich, at its natural width: never wrapped at 80 columns on a pipe)."""
-    from fleet.tables import table
+    """A table of `columns` (rich, at its natural width: never wrapped at 80 columns on a pipe).
+    On a terminal a long cell (a log path, an error) ends in "…" to keep rows on the screen; on a
+    pipe or in a file every cell is whole, for grep and for the record."""
+    from fleet.tables import MAX_CELL, table
 
     def cell(v: object) -> str:
         if v is None:
@@ -70,7 +72,8 @@ def print_rows(rows: Sequence[Mapping[str, Any]], columns: list[str]) -> None:
             return ",".join(str(x) for x in v) or "-"
         return str(v)
 
-    print(table(columns, [[cell(r.get(c)) for c in columns] for r in rows]))
+    print(table(columns, [[cell(r.get(c)) for c in columns] for r in rows],
+                max_cell=MAX_CELL if sys.stdout.isatty() else None))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

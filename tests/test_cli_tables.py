@@ -29,7 +29,20 @@ def test_print_rows_is_not_wrapped_at_80_columns_on_a_pipe(capsys: pytest.Captur
     assert lines[0].split() == columns
     assert lines[1].split() == ["local", "0", "0", "31000", "4000", "up", "12.35", "0.03", "500000", "64", "-", "-"]
     assert all(line == line.rstrip() for line in lines)
-    assert lines[2].endswith("…") and len(lines[2]) > 80   # a long cell is capped, never wrapped
+    assert lines[2].endswith("x" * 100) and "…" not in lines[2]   # whole on a pipe, never wrapped
+
+
+def test_print_rows_caps_a_long_cell_on_a_terminal_only(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleet status | grep` and a saved `fleet up > log` cut the error column with "…" (seen with
+    an error whose remedy was lost): on a pipe every cell is whole; a terminal keeps rows short."""
+    rows = [{"server": 0, "error": "y" * 100 + " remedy-at-the-end"}]
+    print_rows(rows, ["server", "error"])
+    assert "remedy-at-the-end" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    print_rows(rows, ["server", "error"])
+    out = capsys.readouterr().out
+    assert "…" in out and "remedy-at-the-end" not in out
 
 
 def test_preflight_render_tables() -> None:
