@@ -227,6 +227,12 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
     return Completed(message=summary, data=table)
 
 
+# What an operator does about an unhealthy server: the bring-up adopts the healthy ones and
+# relaunches the rest (a revalidation only looks; it never relaunches).
+REVALIDATE_REMEDY = ("run the bring-up to relaunch them (`fleet up -c FILE`, or the fleet's bringup deployment); "
+                     "each server's log excerpt is in `fleet report --run revalidate-{name}`")
+
+
 def revalidate_action(cfg: FleetConfig) -> Any:
     """Health, smoke and log verdict of every recorded server; Failed naming every unhealthy one."""
     from tasks.revalidate import revalidate
@@ -237,7 +243,8 @@ def revalidate_action(cfg: FleetConfig) -> Any:
         return Completed(message=" | ".join(sorted(set(found.torn_down))), data=found.rows)
     if found.failures:
         return failed(f"{len(found.failures)} server(s) unhealthy, {found.healthy} healthy: "
-                      + " | ".join(found.failures), found.rows)
+                      + " | ".join(found.failures) + f" — remedy: {REVALIDATE_REMEDY.format(name=cfg.name)}",
+                      found.rows)
     return Completed(message=f"{found.healthy} server(s) healthy in {time.monotonic() - t0:.1f} s", data=found.rows)
 
 

@@ -138,6 +138,8 @@ def test_revalidate_names_every_unhealthy_server_and_relaunches_nothing(tmp_path
     assert msg.startswith("2 server(s) unhealthy, 1 healthy")
     assert f"local server 1 (port {cfg.servers.port_for(1)}): process {killed} is not running" in msg
     assert f"local server 2 (port {cfg.servers.port_for(2)})" in msg and "during the smoke" in msg
+    assert msg.endswith("remedy: run the bring-up to relaunch them (`fleet up -c FILE`, or the fleet's bringup "
+                        f"deployment); each server's log excerpt is in `fleet report --run revalidate-{cfg.name}`")
     rows = rows_of(bad)
     assert rows[0]["state"] == "healthy" and rows[1]["process"] == "dead"
     assert rows[2]["state"] == "unhealthy" and rows[2]["log_verdict"] == "failed"  # the crash's log line
