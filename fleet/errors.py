@@ -61,6 +61,7 @@ class FleetError(Exception):
         path: str | None = None,
     ) -> None:
         self.reason = message
+        self.logged = False  # a stage logged it in full already: the orchestrator need not repeat it
         self.path = path  # the file the error is about (a full disk names it)
         self.host = host
         self.command = command

@@ -96,10 +96,37 @@ class _QuietExpectedFailures(logging.Filter):
 
 _FILTER = _QuietExpectedFailures()
 
+# What prefect.task_engine logs for a task that raised (checked on Prefect 3.9.1): the exception's
+# repr with its traceback, then the final state, whose message is str(exception) inside a repr.
+_TASK_RAISED = "Task run failed with exception"
+_TASK_FINISHED = "Finished in state Failed('Task run encountered an exception "
+
+
+class _QuietLoggedTaskErrors(logging.Filter):
+    """A failed launch logged the engine's traceback three times: fleet's own line, then Prefect's
+    `Task run failed with exception: ServerFailed('…')` with a Python traceback, then `Finished in
+    state Failed('…')`, both as one escaped string. Prefect's report of an error fleet already
+    logged is dropped; its final state line keeps only the error's first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FleetError) and exc.logged and str(record.msg).startswith(_TASK_RAISED):
+            return False
+        msg = record.getMessage()
+        if msg.startswith(_TASK_FINISHED) and "\\n" in msg:
+            record.msg, record.args = msg.split("\\n", 1)[0] + " …' (the error is logged above)", None
+        return True
+
+
+_TASK_FILTER = _QuietLoggedTaskErrors()
+
 
 def quiet_expected_failures() -> None:
-    """Install the filter on the loggers the engine reports a run's end through (idempotent)."""
+    """Install the filters on the loggers the engine reports a run's end through (idempotent)."""
     for name in _FLOW_RUN_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
+    task_logger = logging.getLogger("prefect.task_runs")
+    if _TASK_FILTER not in task_logger.filters:
+        task_logger.addFilter(_TASK_FILTER)

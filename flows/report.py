@@ -388,14 +388,14 @@ def _report(config: str | None, run: str, key: str | None, list_runs: bool, full
             raise ReportError(f"run {found.name} has no artifact {key!r}", remedy="`fleet report --run "
                                                                                   f"{found.name}` lists them")
     tries = attempts_of(src.states(found.id), arts)
-    for t in tries:
+    for attempt in tries:
         if len(tries) > 1:
             console.print()
             from rich.markup import escape
 
-            console.print(f"[bold]── {escape(_attempt_title(t, len(tries)))}[/bold]")
+            console.print(f"[bold]── {escape(_attempt_title(attempt, len(tries)))}[/bold]")
         # the summary (tables) first, in full; markdown per task in full only when asked for
-        for a in sorted(t.artifacts, key=lambda a: a.type != "table"):
+        for a in sorted(attempt.artifacts, key=lambda a: a.type != "table"):
             console.print()
             render_artifact(console, a, full or bool(key))
     if not key and any(a.type == "markdown" for a in arts) and not full:

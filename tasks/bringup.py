@@ -40,6 +40,7 @@ def _audited(cfg: FleetConfig, key_parts: tuple[object, ...], title: str,
         seconds = time.monotonic() - t0
         write_stage(cfg, key_parts, title, ok=False, seconds=seconds, error=str(exc))
         logger.error("%s failed after %.1f s: %s", title, seconds, exc)
+        exc.logged = True
         raise
     seconds = time.monotonic() - t0
     write_stage(cfg, key_parts, title, ok=True, seconds=seconds,

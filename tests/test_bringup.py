@@ -5,11 +5,13 @@ Real parts: the Prefect test server, the sim server processes, the real sshd fix
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,32 @@ def run(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
     rows = run_data(state)
     assert isinstance(rows, list), rows
     return state.is_completed(), rows, state.message or ""
+
+
+@contextlib.contextmanager
+def run_logs() -> Iterator[list[str]]:
+    """Every record the flow and task runs log (what the run's log page shows), as text."""
+    import logging
+
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()  # configured later, Prefect's setup would drop the handler added here
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(self.format(record))
+
+    handler = Keep()
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the message and any traceback
+    loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
 
 
 @pytest.fixture
@@ -157,11 +185,16 @@ def test_one_server_crashing_at_start_fails_fast_peers_stay_up(tmp_path: Path, t
     """A server that logs an OOM and exits fails within seconds with the log line; its peers are up;
     a re-run (fault fixed) relaunches only it."""
     base = port_block(3)
-    cfg = sim_config(tmp_path, base, servers={"extra_args_by_index": {1: ["--oom-at-start"], 2: ["--startup-s", "30"]}})
     cfg = sim_config(tmp_path, base, servers={"ready_timeout_s": 600, "extra_args_by_index": {1: ["--oom-at-start"]}})
     teardown_after(cfg)
     t0 = time.monotonic()
-    ok, rows, msg = run(cfg)
+    with run_logs() as logs:
+        ok, rows, msg = run(cfg)
+    # The engine's lines reach the run's log once, readable: Prefect's own report of the same error
+    # (its repr and a Python traceback, then the state's repr) logged them twice more, escaped.
+    told = [text for text in logs if "raise RuntimeError(" in text]  # a line of the engine's traceback
+    assert len(told) == 1 and told[0].startswith("launch local server 1 failed after"), logs
+    assert not any("\\n" in text for text in logs if "Not enough memory" in text), logs  # no escaped copy
     assert not ok
     r = by_server(rows)
     assert r[0]["state"] == "up" and r[2]["state"] == "up"
