@@ -82,7 +82,8 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(f"prefect server exited {proc.returncode}: {(home / 'server.log').read_text()[-2000:]}")
         return http_ok(base + "/api/health")
 
-    wait_for(healthy, 90, "prefect server /api/health")
+    # 90 s was passed at load 12 (eight test runs beside it); a server that dies fails at once above
+    wait_for(healthy, 300, "prefect server /api/health")
     return proc, base
 
 
@@ -223,6 +224,17 @@ class Browser:
         except TimeoutError as exc:
             seen = self.js("document.body ? document.body.innerText : ''") or ""
             raise TimeoutError(f"{exc}; the page shows: {seen[:1500]!r}") from None
+
+    def visible_text(self) -> str:
+        """The text an operator sees without scrolling: text nodes inside the window, in document order."""
+        return self.js(
+            "(() => { const out = []; const w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);"
+            " let n; while ((n = w.nextNode())) { const t = n.textContent.trim(); if (!t) continue;"
+            " const r = document.createRange(); r.selectNodeContents(n); const b = r.getBoundingClientRect();"
+            " const s = getComputedStyle(n.parentElement);"
+            " if (b.width > 0 && b.height > 0 && b.bottom > 0 && b.top < innerHeight && b.right > 0"
+            " && b.left < innerWidth && s.visibility !== 'hidden' && s.opacity !== '0') out.push(t); }"
+            " return out.join('\\n'); })()") or ""
 
     def click_text(self, text: str) -> None:
         clicked = wait_for(lambda: self.js(

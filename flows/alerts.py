@@ -11,9 +11,30 @@ events do, so the notification templates read `flow_run`, `flow` and `deployment
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 FAILED_EVENT = "fleet.flow-run.failed"
+
+# The cause as a tag: Prefect's UI shows a run's tags in the runs list and at the top of the run
+# page, but its state message nowhere without scrolling to the last log line (checked with Chromium
+# on Prefect 3.9.1). A tag is one short line: which server and the cause's first words; the whole
+# message stays the state message and the last log line.
+CAUSE_TAG_CHARS = 64  # longer, the runs list folds the tag into "+1"
+_REPEATS = [re.compile(r"^\d+ server\(s\) [^:]*: "),  # "1 server(s) up; 1 failed: ": the tag says failed
+            re.compile(r"\[[^\]]*\] server \d+ on port \d+: "),  # "[host] server 1 on port 31001: " after the label
+            re.compile(r"fatal log line after [\d.]+ s: ")]
+
+
+def cause_tag(message: str) -> str:
+    """`failed: <which server, why>` from a run's failure message, short enough to read at a glance."""
+    text = message
+    for pattern in _REPEATS:
+        text = pattern.sub("", text)
+    text = " ".join(text.split())
+    if len(text) > CAUSE_TAG_CHARS:
+        text = text[:CAUSE_TAG_CHARS - 1].rstrip() + "…"
+    return f"failed: {text}"
 
 
 def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
@@ -35,3 +56,34 @@ def announce_failure(flow: Any, flow_run: Any, state: Any) -> None:
         import logging
 
         logging.getLogger("fleet.alerts").warning("could not emit %s", FAILED_EVENT, exc_info=True)
+    tag_cause(flow_run, state.message or "")
+
+
+def tag_cause(flow_run: Any, message: str) -> None:
+    """Add the cause tag to the run (a retried run's earlier cause tags are replaced; never raises)."""
+    if not message:
+        return
+    try:
+        from prefect.client.orchestration import get_client
+
+        kept = [t for t in (flow_run.tags or []) if not t.startswith("failed: ")]
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, tags=[*kept, cause_tag(message)])
+    except Exception:  # noqa: BLE001 - a tag must never turn a Failed run into a crash
+        import logging
+
+        logging.getLogger("fleet.alerts").warning("could not tag the run with its cause", exc_info=True)
+
+
+def clear_cause(flow: Any, flow_run: Any, state: Any) -> None:
+    """on_completion hook: a retried run that now completed drops the cause tag of its failed try."""
+    if any(t.startswith("failed: ") for t in (flow_run.tags or [])):
+        try:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                client.update_flow_run(flow_run.id, tags=[t for t in flow_run.tags if not t.startswith("failed: ")])
+        except Exception:  # noqa: BLE001 - never turn a Completed run into a crash
+            import logging
+
+            logging.getLogger("fleet.alerts").warning("could not drop the cause tag", exc_info=True)

@@ -31,7 +31,7 @@ from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
 from fleet.venv import VenvResult
-from flows.alerts import announce_failure
+from flows.alerts import announce_failure, clear_cause
 from flows.outcome import failed, outcome, quiet_expected_failures
 from flows.params import resolve_config, run_name
 from tasks.audit import write_not_run, write_table
@@ -298,7 +298,7 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
 
 
 @flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
-      flow_run_name=run_name, on_failure=[announce_failure])
+      flow_run_name=run_name, on_failure=[announce_failure], on_completion=[clear_cause])
 def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup", free_ramdisk: bool = False,
           node_wait_s: float = 3600.0, input: str | None = None, output: str | None = None,
           retry_errors: bool = False) -> Any:

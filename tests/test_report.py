@@ -161,3 +161,18 @@ def test_report_of_a_run_tried_once_has_no_attempt_labels(monkeypatch: pytest.Mo
     """A run tried once reads as before: no attempt rule."""
     text = run_report(monkeypatch, "sqlite", None, "bringup-rep", None, False, False)
     assert "attempt " not in text and "rep-summary" in text
+
+
+def test_cause_tag_names_the_server_and_the_cause_in_one_short_line() -> None:
+    """The tag the UI shows at a glance: the message without the repeated `[host] server N on port P:`
+    and the log line's timing, one line, capped."""
+    from flows.alerts import CAUSE_TAG_CHARS, cause_tag
+
+    msg = ("1 server(s) up; 1 failed: local server 1 (port 31001): [localhost] server 1 on port 31001: fatal log "
+           "line after 1.4 s: kv-no-memory: RuntimeError: Not enough memory. Please try to increase "
+           "--mem-fraction-static.\n  stderr: tail — read /x/servers/b-1.log on the node; fix the cause and re-run")
+    tag = cause_tag(msg)
+    assert tag.startswith("failed: local server 1 (port 31001): kv-no-memory: RuntimeError"), tag
+    assert "\n" not in tag and "[localhost]" not in tag and tag.endswith("…")
+    assert len(tag) == len("failed: ") + CAUSE_TAG_CHARS
+    assert cause_tag("generation: disk full") == "failed: generation: disk full"

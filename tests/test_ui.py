@@ -122,6 +122,17 @@ def test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy(server,
                       f"local server 1 (port {port1})", "Not enough memory", timeout=120)
     page = browser.js("document.body.innerText")
     assert "Engine execution exited" not in page and "cannot be resolved into an exception" not in page
+    # At a glance: without scrolling, the run page and the runs list name the server and the cause
+    # (Prefect shows tags there; the state message only in the last log line, far below).
+    cause = f"failed: local server 1 (port {port1}): kv-no-memory"
+    assert cause in browser.visible_text(), browser.visible_text()
+    browser.shot(tmp_path / "run-page.png", settle_s=0)
+    browser.goto(f"{base}/runs")
+    browser.wait_text("bringup-ui", "Failed", timeout=60)
+    browser.shot(tmp_path / "runs-list.png")
+    assert cause in browser.visible_text(), browser.visible_text()
+    browser.goto(f"{base}/runs/flow-run/{run['id']}")
+    browser.wait_text("bringup-ui", "Finished in state Failed('1 server(s) up", timeout=60)
     line = next(ln for ln in page.splitlines() if "Finished in state Failed('1 server(s) up" in ln)
     assert f"local server 1 (port {port1})" in line and "Not enough memory" in line, line  # server, error
     assert "fix the cause" in line, line  # the remedy, on screen
