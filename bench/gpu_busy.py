@@ -457,30 +457,44 @@ def bring_up(cfg: Any, gpus: int) -> tuple[list[Any], list[dict[str, Any]]]:
     return specs, up
 
 
+def neighbour_ratio(passes: list[dict[str, Any]], i: int, metric: str) -> float | None:
+    """Pass i over the mean of the nearest plain (P) pass of the same size before it and after it."""
+    size = passes[i]["size"]
+    before = [p for p in passes[:i] if p["kind"] == "P" and p["size"] == size][-1:]
+    after = [p for p in passes[i + 1:] if p["kind"] == "P" and p["size"] == size][:1]
+    near = [p[metric] for p in before + after]
+    return round(passes[i][metric] / statistics.fmean(near), 3) if near else None
+
+
 def table(passes: list[dict[str, Any]]) -> str:
-    lines = ["| pass | kind | wall s | start s | end s | span s | tok/s wall | tok/s span | mean in flight | "
-             "slot gap p50 / p99 / max ms | idle slot share | pool waits | new conns | client CPU s | "
-             "engine CPU / wall | GPU util % |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| pass | kind | rows | wall s | start s | end s | span s | tok/s wall | tok/s span | "
+             "÷ neighbouring P (wall / span) | mean in flight | slot gap p50 / p99 / max ms | idle slot share | "
+             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | GPU util % |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, p in enumerate(passes):
         g = p["gap_ms"]
-        lines.append(f"| {i} | {p['kind']} | {p['wall_s']} | {p['start_s']} | {p['end_s']} | {p['span_s']} | "
-                     f"{p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | {p['mean_in_flight']} | "
+        rw, rs = neighbour_ratio(passes, i, "tok_s_wall"), neighbour_ratio(passes, i, "tok_s_span")
+        per_k = round(1000 * p["engine_threads_cpu_s"][0] / p["tokens"], 3) if p["engine_threads_cpu_s"] else None
+        lines.append(f"| {i} | {p['kind']} | {p['rows']} | {p['wall_s']} | {p['start_s']} | {p['end_s']} | "
+                     f"{p['span_s']} | {p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | "
+                     f"{'' if p['kind'] == 'P' else f'{rw} / {rs}'} | {p['mean_in_flight']} | "
                      f"{g['p50']} / {g['p99']} / {g['max']} | {p['idle_share']} | {p['pool_waits']} | "
-                     f"{p['new_conns']} | {p['client_cpu_s']} | {p['engine_cpu_share']} | {p['gpu_util']} |")
-    for metric in ("tok_s_wall", "tok_s_span"):
-        by: dict[str, list[float]] = {}
-        for p in passes:
-            by.setdefault(p["kind"], []).append(p[metric])
-        if by.get("P"):
-            q = statistics.fmean(by["P"])
-            parts = [f"{k} {statistics.fmean(v):.0f} ({k} / P {statistics.fmean(v) / q:.3f}, worst {k} / best P "
-                     f"{min(v) / max(by['P']):.3f})" for k, v in sorted(by.items()) if k != "P"]
-            lines.append(f"\n{metric}: P {q:.0f}; " + "; ".join(parts))
+                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {p['gpu_util']} |")
+    for size in ("short", "long"):
+        for metric in ("tok_s_wall", "tok_s_span"):
+            by: dict[str, list[float]] = {}
+            for p in passes:
+                if p["size"] == size:
+                    by.setdefault(p["kind"], []).append(p[metric])
+            if by.get("P"):
+                q = statistics.fmean(by["P"])
+                parts = [f"{k} {statistics.fmean(v):.0f} ({k} / P {statistics.fmean(v) / q:.3f})"
+                         for k, v in sorted(by.items()) if k != "P"]
+                lines.append(f"\n{size} passes, {metric}: P {q:.0f}; " + "; ".join(parts))
     shapes: dict[str, set[str]] = {}
     for p in passes:
-        for s in p["shapes"]:
-            shapes.setdefault(p["kind"], set()).add(s)
+        for sh in p["shapes"]:
+            shapes.setdefault(p["kind"], set()).add(sh)
     lines.append("\nrequest shapes (body without messages): " +
                  "; ".join(f"{k}: {sorted(v)}" for k, v in sorted(shapes.items())))
     return "\n".join(lines)
@@ -493,6 +507,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seconds-per-pass", type=float, default=35.0)
+    ap.add_argument("--long-seconds-per-pass", type=float, default=120.0,
+                    help="the size of the passes marked + in --order (e.g. R+,P+)")
     ap.add_argument("--rows", type=int, default=0, help="rows per pass (default: sized from a probe)")
     ap.add_argument("--order", default="R,P,B,R,P,B")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
@@ -552,24 +568,38 @@ def main() -> int:
                                "engine_pids": engine_pids, "engine_tree": tree, "gpu_log": gpu_log,
                                "rows": probe_rows}
         probe = one_pass("W", ctx, -1)
-        n = args.rows or max(2 * k, int(probe["tok_s_wall"] * args.seconds_per_pass / args.max_tokens))
-        inp = Path("/tmp/gpu-busy-prompts.jsonl")
-        prompts(n, inp)
-        ctx.update(inp=inp, rows=[json.loads(ln) for ln in inp.read_text().splitlines()])
+        # sized from the probe as bench/gpu_bench.py sizes its passes ("35-s", "120-s"), rounded to
+        # whole waves of k rows: a pass that ends on a partial wave adds noise to its tok/s
+        sizes = {"": args.seconds_per_pass, "+": args.long_seconds_per_pass}
+        inputs = {}
+        for tag, secs in sizes.items():
+            n = args.rows or max(2 * k, k * round(probe["tok_s_wall"] * secs / args.max_tokens / k))
+            inp = Path(f"/tmp/gpu-busy-prompts{'-long' if tag else ''}.jsonl")
+            prompts(n, inp)
+            inputs[tag] = (inp, [json.loads(ln) for ln in inp.read_text().splitlines()], n)
+        ctx.update(inp=inputs[""][0], rows=inputs[""][1])
         warm = one_pass("W", ctx, -2)   # discarded: the engine speeds up over its first minute
-        res.update(probe=probe, warmup=warm, rows_per_pass=n)
-        print("probe", probe["tok_s_wall"], "warm-up", warm["tok_s_wall"], "rows per pass", n, flush=True)
-        passes = []
-        for i, kind in enumerate(args.order.split(",")):
+        res.update(probe=probe, warmup=warm, rows_per_pass={t: v[2] for t, v in inputs.items()})
+        print("probe", probe["tok_s_wall"], "warm-up", warm["tok_s_wall"], "rows per pass", res["rows_per_pass"],
+              flush=True)
+        passes: list[dict[str, Any]] = []
+        res["passes"] = passes
+        for i, item in enumerate(args.order.split(",")):
             if time.monotonic() - t_start > args.budget_s:
                 print("budget reached: passes stop here", flush=True)
                 break
+            kind, tag = item.rstrip("+"), "+" if item.endswith("+") else ""
+            ctx.update(inp=inputs[tag][0], rows=inputs[tag][1])
             p = one_pass(kind, ctx, i)
+            p["size"] = "long" if tag else "short"
+            p["rows"] = inputs[tag][2]
             passes.append(p)
-            print(kind, {x: p[x] for x in ("wall_s", "start_s", "end_s", "tok_s_wall", "tok_s_span", "mean_in_flight",
-                                           "gap_ms", "idle_share", "pool_waits", "new_conns", "client_cpu_s",
-                                           "engine_cpu_share", "engine_threads_cpu_s", "engine_ctx_switches",
-                                           "machine", "gpu_util", "waves_done_at_s", "others")}, flush=True)
+            (out / "busy.json").write_text(json.dumps(res, indent=1, default=str))   # what a killed call keeps
+            print(kind, p["size"], {x: p[x] for x in ("wall_s", "start_s", "end_s", "tok_s_wall", "tok_s_span",
+                                                      "mean_in_flight", "gap_ms", "idle_share", "pool_waits",
+                                                      "new_conns", "client_cpu_s", "engine_cpu_share",
+                                                      "engine_threads_cpu_s", "machine", "gpu_util",
+                                                      "waves_done_at_s", "others")}, flush=True)
         res["passes"] = passes
     finally:
         (out / "busy.json").write_text(json.dumps(res, indent=1, default=str))
