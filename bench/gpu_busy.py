@@ -347,8 +347,21 @@ def summarize(rec: Recorder, t_call: float, t_ret: float, k_total: int) -> dict[
     ends = sorted(r[2] for r in reqs)
     # the engine answers in waves (every row runs to max_tokens): when each k-th row was done
     waves = [round(ends[i] - first, 2) for i in range(k_total - 1, len(ends), k_total)]
+    # the engine answers a wave's rows in one step when they run in lockstep: completions in
+    # bursts; rows out of step finish (and are refilled) in many small groups
+    def bursts(ts: list[float]) -> list[int]:
+        sizes, n = [], 1
+        for a, b in zip(ts, ts[1:]):
+            if b - a > 0.05:
+                sizes.append(n)
+                n = 0
+            n += 1
+        return sizes + [n]
+
     # slot-seconds idle while rows were still waiting: the gaps (each slot's own), over K x span
     return {
+        "answer_bursts": bursts(ends), "send_bursts": bursts(sorted(r[1] for r in reqs)),
+        "raw": [(round(r[1] - first, 4), round(r[2] - first, 4)) for r in reqs],
         "requests": len(reqs), "slots": len(by_slot), "tokens": tokens,
         "wall_s": round(t_ret - t_call, 2), "start_s": round(first - t_call, 3), "end_s": round(t_ret - last, 3),
         "span_s": round(span, 2), "tok_s_wall": round(tokens / (t_ret - t_call), 1),
@@ -469,8 +482,9 @@ def neighbour_ratio(passes: list[dict[str, Any]], i: int, metric: str) -> float 
 def table(passes: list[dict[str, Any]]) -> str:
     lines = ["| pass | kind | rows | wall s | start s | end s | span s | tok/s wall | tok/s span | "
              "÷ neighbouring P (wall / span) | mean in flight | slot gap p50 / p99 / max ms | idle slot share | "
-             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | GPU util % |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | GPU util % | "
+             "answer bursts (n / largest) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, p in enumerate(passes):
         g = p["gap_ms"]
         rw, rs = neighbour_ratio(passes, i, "tok_s_wall"), neighbour_ratio(passes, i, "tok_s_span")
@@ -479,7 +493,8 @@ def table(passes: list[dict[str, Any]]) -> str:
                      f"{p['span_s']} | {p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | "
                      f"{'' if p['kind'] == 'P' else f'{rw} / {rs}'} | {p['mean_in_flight']} | "
                      f"{g['p50']} / {g['p99']} / {g['max']} | {p['idle_share']} | {p['pool_waits']} | "
-                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {p['gpu_util']} |")
+                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {p['gpu_util']} | "
+                     f"{len(p['answer_bursts'])} / {max(p['answer_bursts'])} |")
     for size in ("short", "long"):
         for metric in ("tok_s_wall", "tok_s_span"):
             by: dict[str, list[float]] = {}
@@ -599,7 +614,9 @@ def main() -> int:
                                                       "mean_in_flight", "gap_ms", "idle_share", "pool_waits",
                                                       "new_conns", "client_cpu_s", "engine_cpu_share",
                                                       "engine_threads_cpu_s", "machine", "gpu_util",
-                                                      "waves_done_at_s", "others")}, flush=True)
+                                                      "waves_done_at_s", "others")},
+                  "answer bursts", len(p["answer_bursts"]), max(p["answer_bursts"]), "send bursts",
+                  len(p["send_bursts"]), max(p["send_bursts"]), flush=True)
         res["passes"] = passes
     finally:
         (out / "busy.json").write_text(json.dumps(res, indent=1, default=str))
