@@ -482,18 +482,21 @@ def neighbour_ratio(passes: list[dict[str, Any]], i: int, metric: str) -> float 
 def table(passes: list[dict[str, Any]]) -> str:
     lines = ["| pass | kind | rows | wall s | start s | end s | span s | tok/s wall | tok/s span | "
              "÷ neighbouring P (wall / span) | mean in flight | slot gap p50 / p99 / max ms | idle slot share | "
-             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | GPU util % | "
-             "answer bursts (n / largest) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | engine thread busy / span | "
+             "GPU util % | answer bursts (n / largest) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, p in enumerate(passes):
         g = p["gap_ms"]
         rw, rs = neighbour_ratio(passes, i, "tok_s_wall"), neighbour_ratio(passes, i, "tok_s_span")
         per_k = round(1000 * p["engine_threads_cpu_s"][0] / p["tokens"], 3) if p["engine_threads_cpu_s"] else None
+        # the engine (transformers serve) is one CPU-bound thread: tok/s = its busy share / its CPU per token,
+        # so this share says whether the client kept it busy whatever that cost was in this pass
+        busy = round(p["engine_threads_cpu_s"][0] / p["span_s"], 2) if p["engine_threads_cpu_s"] else None
         lines.append(f"| {i} | {p['kind']} | {p['rows']} | {p['wall_s']} | {p['start_s']} | {p['end_s']} | "
                      f"{p['span_s']} | {p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | "
                      f"{'' if p['kind'] == 'P' else f'{rw} / {rs}'} | {p['mean_in_flight']} | "
                      f"{g['p50']} / {g['p99']} / {g['max']} | {p['idle_share']} | {p['pool_waits']} | "
-                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {p['gpu_util']} | "
+                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {busy} | {p['gpu_util']} | "
                      f"{len(p['answer_bursts'])} / {max(p['answer_bursts'])} |")
     for size in ("short", "long"):
         for metric in ("tok_s_wall", "tok_s_span"):
