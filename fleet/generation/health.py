@@ -42,6 +42,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import aiohttp
+
 from fleet.backoff import backoff_delay
 from fleet.config import GenerationConfig
 from fleet.generation import probes
@@ -122,7 +124,8 @@ class ServerHealth:
         try:
             reason = await probes.usable(srv.ep, session)
             if reason is None:
-                srv.info = await probes.server_info(srv.ep, session)
+                srv.stats_missing = set()   # (re)admitted: perhaps another engine on that port now
+                srv.info = await probes.server_info(srv.ep, session, srv.stats_missing)
         finally:
             await session.close()
         if reason is not None:
@@ -290,15 +293,31 @@ class ServerHealth:
             self.rows.charge_and_retry(job)
 
     async def poll_stats(self) -> None:
-        """Speculative accept length (and liveness of the numbers) every stats_poll_s."""
-        while True:
-            for srv in self.servers:
-                if srv.state == "up" and srv.session is not None:
+        """Speculative accept length (and liveness of the numbers) every stats_poll_s.
+
+        On a connection of its own per server, never one of the rows': their pool is exactly
+        as wide as the server's concurrency, so a probe waiting there takes the next connection
+        a row frees and that row's next request waits behind the probe (issue 27: 7-12 such
+        waits per pass on `transformers serve`). A path answered 404 is not asked again, and a
+        server with none of them left (transformers serve) is not asked at all.
+        """
+        sessions: dict[str, aiohttp.ClientSession] = {}
+        try:
+            while True:
+                for srv in self.servers:
+                    if srv.state != "up" or srv.stats_missing >= probes.STATS_PATHS:
+                        continue
+                    session = sessions.get(srv.name)
+                    if session is None:
+                        session = sessions[srv.name] = new_session(1, api_key=srv.ep.api_key)
                     try:
-                        srv.accept_len = await probes.accept_len(srv.ep, srv.session, srv.accept_len)
+                        srv.accept_len = await probes.accept_len(srv.ep, session, srv.accept_len, srv.stats_missing)
                     except Exception:  # stats are best effort
                         pass
-            await asyncio.sleep(self.stats_poll_s)
+                await asyncio.sleep(self.stats_poll_s)
+        finally:
+            for session in sessions.values():
+                await session.close()
 
     def note_done(self, srv: ServerState, latency_s: float) -> None:
         """A request finished on `srv`: the watchdog's clock and the row-time estimate."""

@@ -9,7 +9,7 @@ rather than raises (a server that cannot be reached is an answer too):
 | `usable` | /health, then /v1/models with our key | admission: healthy and takes our key |
 | `server_info` | /server_info (or /get_server_info) | the server's max running requests, speculative stats |
 | `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
-| `accept_len` | speculative accept length (server info, else /metrics) | the progress file |
+| `accept_len` | speculative accept length (server info, else /metrics; a 404 is not asked again) | the progress file |
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import aiohttp
 from fleet.generation.jsonl import dumps, loads
 from fleet.generation.serverstate import Endpoint
 
-__all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
+__all__ = ["STATS_PATHS", "accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
 
 _ACCEPT_METRIC = re.compile(r"^sglang:spec_accept_length(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
@@ -40,16 +40,24 @@ def max_running(info: dict[str, Any]) -> int | None:
     return None
 
 
-async def server_info(ep: Endpoint, session: aiohttp.ClientSession) -> dict[str, Any]:
-    """SGLang's server info ({} when there is none: vLLM, transformers, or no answer)."""
+async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
+                      missing: set[str] | None = None) -> dict[str, Any]:
+    """SGLang's server info ({} when there is none: vLLM, transformers, or no answer).
+
+    A path that answers 404 is added to `missing` and, given again, not asked again."""
     for path in ("/server_info", "/get_server_info"):
+        if missing is not None and path in missing:
+            continue
         try:
             async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.read()   # always read: a body left unread closes the connection
                 if r.status == 200:
-                    doc = loads(await r.read())
+                    doc = loads(body)
                     return doc if isinstance(doc, dict) else {}
                 if r.status != 404:
                     return {}
+                if missing is not None:
+                    missing.add(path)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return {}
     return {}
@@ -117,18 +125,31 @@ async def generation_probe(ep: Endpoint, t: float) -> tuple[bool, str]:
         await session.close()
 
 
-async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float | None) -> float | None:
-    """The speculative accept length, or `last` (the one known before) when the server does not say."""
-    info = await server_info(ep, session)
+STATS_PATHS = frozenset({"/server_info", "/get_server_info", "/metrics"})
+
+
+async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float | None,
+                     missing: set[str] | None = None) -> float | None:
+    """The speculative accept length, or `last` (the one known before) when the server does not say.
+
+    Paths that answer 404 go into `missing` and are not asked again (transformers serve has
+    none of them, vLLM no server info): once `missing` holds all of `STATS_PATHS` there is
+    nothing left to ask."""
+    info = await server_info(ep, session, missing)
     for st in info.get("internal_states") or []:
         if isinstance(st, dict) and isinstance(st.get("avg_spec_accept_length"), int | float):
             return round(float(st["avg_spec_accept_length"]), 3)
+    if missing is not None and "/metrics" in missing:
+        return last
     try:
         async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            body = await r.read()
             if r.status == 200:
-                m = _ACCEPT_METRIC.search((await r.read()).decode("utf-8", "replace"))
+                m = _ACCEPT_METRIC.search(body.decode("utf-8", "replace"))
                 if m:
                     return round(float(m.group(1)), 3)
+            elif r.status == 404 and missing is not None:
+                missing.add("/metrics")
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
         pass
     return last

@@ -106,6 +106,7 @@ class ServerState:
         self.downs = 0
         self.info: dict[str, Any] = {}
         self.accept_len: float | None = None
+        self.stats_missing: set[str] = set()   # stats paths it answered 404: not asked again (probes.accept_len)
         # counters
         self.requests = 0                # completed rows
         self.failures = 0                # failed attempts of any kind

@@ -47,6 +47,7 @@ class App:
             "/v1/chat/completions": ("POST", gen.chat),
             "/v1/completions": ("POST", gen.completions),
             "/generate": ("POST", gen.generate),
+            "/sim/lockstep": ("GET", self.lockstep),
         }
 
     # -- plumbing -----------------------------------------------------------------------
@@ -65,6 +66,8 @@ class App:
         return error_resp(500, f"{type(exc).__name__}: {exc}", "InternalServerError")
 
     def handle(self, req: Request, conn: HttpConnection) -> Answer:
+        if self.engine.lockstep is not None:
+            self.engine.lockstep.request(conn, req.path == "/v1/chat/completions")
         route = self.routes.get(req.path)
         if route is None:
             return json_resp(404, {"detail": "Not Found"})
@@ -79,6 +82,10 @@ class App:
         return fn(req, conn)
 
     # -- probes and info ----------------------------------------------------------------
+
+    def lockstep(self, req: Request, conn: HttpConnection) -> Resp:
+        ls = self.engine.lockstep
+        return json_resp(200, ls.counts()) if ls is not None else json_resp(404, {"detail": "no --lockstep-rows"})
 
     def health(self, req: Request, conn: HttpConnection) -> Resp:
         return Resp(200 if self.engine.ready else 503, b"", TEXT)

@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 from fleet.sim.determinism import SALT_SPEC, unit
+from fleet.sim.lockstep import Lockstep
 from fleet.sim.log import Log
 
 # Numbers printed in the startup log and /server_info, shaped like one H200 running an 8B model.
@@ -77,6 +78,7 @@ class Engine:
         self.new_tokens = 0
         self.last_gen_throughput = 0.0
         self.spec_accept = 2.5 + unit(args.seed, SALT_SPEC) if args.speculative_algorithm else 0.0
+        self.lockstep = Lockstep(int(args.max_running_requests), args.lockstep_rows) if args.lockstep_rows else None
 
     # -- slots ------------------------------------------------------------------------
 

@@ -152,6 +152,12 @@ class Generation:
             return self._run_admitted(plan, wait, build)
         return self._run_queued(plan, build)
 
+    async def _run_lockstep(self, conn: HttpConnection, build: Callable[[], Resp]) -> Resp:
+        """--lockstep-rows: answered when it is its turn (fleet.sim.lockstep), not after a decode time."""
+        assert self.engine.lockstep is not None
+        await self.engine.lockstep.hold(conn)
+        return build()
+
     async def _run_admitted(self, plan: Plan, wait: float, build: Callable[[], Resp]) -> Resp:
         e = self.engine
         done = False
@@ -232,6 +238,8 @@ class Generation:
         created = int(time.time())
         if body.get("stream"):
             return self._chat_stream(req, conn, body, plan, cid, created, model, n_reason)
+        if self.engine.lockstep is not None:
+            return self._run_lockstep(conn, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking))
         return self._run(plan, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking))
 
     @staticmethod

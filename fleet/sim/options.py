@@ -55,6 +55,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
       help="share 0..1 of chat answers that end in one word repeated (degenerate repetition)")
     a("--max-output-tokens-default", type=int, default=64,
       help="max tokens when a request gives none")
+    a("--lockstep-rows", type=int, default=None, metavar="N",
+      help="a test of how soon a client refills a slot: answer chat generations one at a time, only while "
+           "--max-running-requests are held, until N have arrived (fleet/sim/lockstep.py; GET /sim/lockstep)")
     a("--log-interval-s", type=float, default=1.0,
       help="seconds between 'Decode batch' lines while running")
     return p
@@ -78,5 +81,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--startup-s and --first-request-delay-s must be >= 0")
     if args.max_output_tokens_default < 1:
         p.error("--max-output-tokens-default must be >= 1")
+    if args.lockstep_rows is not None and args.lockstep_rows < 1:
+        p.error("--lockstep-rows must be >= 1")
     if args.log_interval_s <= 0:
         p.error("--log-interval-s must be > 0")
