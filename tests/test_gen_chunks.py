@@ -119,6 +119,19 @@ def test_a_larger_or_absent_limit_cuts_the_rest_of_the_input_into_new_chunks(tmp
     assert split_input(inp, pdir, ["a", "b"], limit=1000).chunks == whole.chunks    # the input ended: done
 
 
+def test_an_input_that_ended_at_its_limit_gets_no_chunk_of_blank_lines(tmp_path: Path) -> None:
+    """Fault guarded: an input of exactly N rows and trailing blank lines, cut to `--limit N`, then run
+    without a limit, would get a last chunk of blank lines only (a runner that fails "no valid row").
+    Now the plan records that it holds every row and cuts nothing more."""
+    inp = lines_file(tmp_path / "in.jsonl", 100)
+    with inp.open("a") as f:
+        f.write("\n\n")
+    pdir = tmp_path / "plan"
+    first = split_input(inp, pdir, ["a", "b"], chunk_rows=40, limit=100)
+    whole = split_input(inp, pdir, ["a", "b"])
+    assert whole.chunks == first.chunks and whole.whole_input and whole.rows == 100
+
+
 def test_assignments_pull_lose_rejoin_and_survive_a_new_controller(tmp_path: Path) -> None:
     """Pull order, a lost node's running chunk going back to the queue (its attempt kept), rejoin, and the
     state read back by a new controller (the old one killed): it re-attaches to the same running attempt."""

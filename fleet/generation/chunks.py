@@ -270,7 +270,7 @@ def grow_plan(plan: Plan, src: Path, pdir: Path, limit: int | None) -> Plan:
     fmt, total, rows = _count(src, limit)
     if total < plan.total_lines:    # a plan from before `limit` was recorded, asked for fewer rows
         return plan
-    if total > plan.total_lines:
+    if total > plan.total_lines and (plan.rows is None or rows > plan.rows):   # not only blank lines after
         plan.chunks += _cut(src, pdir, fmt, first_line=plan.total_lines + 1, index=len(plan.chunks),
                             lines=total - plan.total_lines, nodes=len(plan.nodes), chunk_rows=plan.chunk_rows)
         plan.total_lines = total
