@@ -170,9 +170,14 @@ def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], st
     if code == EXIT_USAGE:
         reason = f"cannot stage {source} on {node.name}: {why or 'bad source'}"
         in_place = "same directory" in why or "already in the RAM disk" in why
-        remedy = ("set model.stage=false to serve the model from where it is" if in_place else
-                  f"set model.source to an existing model directory as seen from {node.name} "
-                  "(paths are on the node, not where the flow runs)")
+        if "not a directory of this user" in why:   # RAMDISK/fleet-<uid> made by someone else
+            reason = f"cannot stage {source} on {node.name}: {why}"
+            remedy = (f"ask whoever made it (or root) to remove it, or set nodes.ramdisk to another RAM disk "
+                      f"on {node.name}: fleet never writes into another user's directory")
+        else:
+            remedy = ("set model.stage=false to serve the model from where it is" if in_place else
+                      f"set model.source to an existing model directory as seen from {node.name} "
+                      "(paths are on the node, not where the flow runs)")
     elif code == EXIT_NOSPACE:
         reason = f"RAM disk {ramdisk} on {node.name} ran out of space while staging {source}: {why}"
         remedy = (f"free {ramdisk} (old models: ls -la {ramdisk}), use a node with more RAM, or set "

@@ -440,3 +440,7 @@ def test_two_uids_stage_one_model_name_into_their_own_copies(shared_shm) -> None
     planted = as_uid(victim, PY, str(script), "--src", str(models["other"]), "--ramdisk", str(shm), "--fleet", "demo")
     assert planted.returncode == 2 and "is not a directory of this user" in planted.stderr, planted.stderr
     assert list((shm / f"fleet-{victim}").iterdir()) == []
+    from fleet.staging import _failed
+
+    err = _failed(LocalNode(), 2, argv=[], stderr=planted.stderr, source="/m", dst="/d", ramdisk=str(shm))
+    assert "nodes.ramdisk" in err.remedy and "model.source" not in err.remedy
