@@ -199,6 +199,9 @@ def test_a_changed_source_is_a_new_copy_and_the_old_one_is_never_written(node, m
     st = (model / "config.json").stat()
     os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # mtime only
     (model / "tokenizer" / "sub" / "vocab.txt").write_text("a\nb\nc\nd\n")  # size
+    # the room check counts the files to be linked as staged: a second copy needs room for the changes only
+    plan = json.loads(run_script("--src", str(model), "--ramdisk", str(ramdisk), "--fleet", "t", "--plan-only").stdout)
+    assert plan["bytes_total"] - plan["already_staged_bytes"] == 2 * (model / "config.json").stat().st_size + 2 * 8
     res = stage(node, model, ramdisk, tmp_path)
     new = Path(res.dst)
     assert new != old and new.parent == old.parent and copies(ramdisk) == sorted([old, new])

@@ -739,16 +739,14 @@ def _linkable(sib: str, rel: str, f: SrcFile, entry: dict[str, Any] | None) -> b
     return stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == entry.get("dst_mtime_ns")
 
 
-def seed(src: str, dst: str) -> int:
-    """Start a new copy from this fleet's other finished copies of the same source (its siblings):
-    each of their files that is the source's file as it is now is hard-linked in and entered in an
-    incomplete manifest, so only changed files are copied. One inode, no RAM twice, and neither copy
-    is written in place: every copy writes NAME.fleet-part and renames. Returns the files linked."""
-    if os.path.exists(os.path.join(dst, MANIFEST)):
-        return 0
-    files = walk_source(src)[0]
+def in_siblings(src: str, dst: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """For a new copy (no manifest yet): {rel: (file, its manifest entry)} of this fleet's other
+    finished copies of the same source (dst's siblings) whose file is the source's file as it is now."""
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
     parent = os.path.dirname(dst)
-    entries: dict[str, dict[str, Any]] = {}
+    if os.path.exists(os.path.join(dst, MANIFEST)) or not os.path.isdir(parent):
+        return found
+    files = walk_source(src)[0]
     for name in sorted(os.listdir(parent)):
         sib = os.path.join(parent, name)
         if sib == dst or os.path.islink(sib) or not os.path.isdir(sib):
@@ -757,15 +755,25 @@ def seed(src: str, dst: str) -> int:
         if prev_manifest.get("complete") is not True:
             continue
         for rel, f in files.items():
-            if rel in entries or not _linkable(sib, rel, f, prev.get(rel)):
-                continue
-            target = os.path.join(dst, rel)
-            try:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.link(os.path.join(sib, rel), target)
-            except OSError:
-                continue
-            entries[rel] = dict(prev[rel])
+            if rel not in found and _linkable(sib, rel, f, prev.get(rel)):
+                found[rel] = (os.path.join(sib, rel), prev[rel])
+    return found
+
+
+def seed(src: str, dst: str) -> int:
+    """Start a new copy from this fleet's other finished copies of the same source (`in_siblings`):
+    those files are hard-linked in and entered in an incomplete manifest, so only changed files are
+    copied. One inode, no RAM twice, and neither copy is written in place: every copy writes
+    NAME.fleet-part and renames. Returns the files linked."""
+    entries: dict[str, dict[str, Any]] = {}
+    for rel, (path, entry) in in_siblings(src, dst).items():
+        target = os.path.join(dst, rel)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.link(path, target)
+        except OSError:
+            continue
+        entries[rel] = dict(entry)
     if entries:
         stager = Stager(src, dst, 1, False, None)
         stager.entries = entries
@@ -867,7 +875,10 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
     shown_src = os.path.abspath(args.src)
     t0 = time.monotonic()
     if args.plan_only:
-        return plan_report(plan(src, dst), shown_src, dst)
+        report = plan_report(plan(src, dst), shown_src, dst)
+        if args.ramdisk:   # what `seed` will link costs no room
+            report["already_staged_bytes"] += sum(int(e["size"]) for _, e in in_siblings(src, dst).values())
+        return report
 
     lock_dst(dst)
     if args.ramdisk:
