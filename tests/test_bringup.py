@@ -5,7 +5,6 @@ Real parts: the Prefect test server, the sim server processes, the real sshd fix
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -99,6 +98,8 @@ def test_two_fleets_whose_models_share_a_directory_name_keep_their_own_live_copi
     both staged, both live, neither copy overwritten; a re-run adopts the running servers (the launch
     record names the copy); freeing one fleet's RAM disk keeps a copy its live server uses and never
     touches the other fleet's."""
+    import os
+
     from fleet.node import LocalNode
     from fleet.servers import read_record, server_paths, stop_servers
     from fleet.staging import free_ramdisk
