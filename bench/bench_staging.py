@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.node.local import LocalNode  # noqa: E402
-from fleet.staging import stage_model  # noqa: E402
+from fleet.staging import fleet_root, stage_model  # noqa: E402
 
 GiB = 2**30
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
@@ -120,7 +120,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="fleet-bench-work-"))
     shm = Path(args.ramdisk)
     cp_dst = shm / "fleet-bench-cp"
-    stage_dst = shm / src.name
+    stage_dst = Path(fleet_root(str(shm), "bench", os.getuid()))   # every copy the bench stages is under it
     node = LocalNode()
     streams = [int(s) for s in args.streams.split(",") if s.strip()]
     methods = ["cp -r"] + [f"stage_model streams={s}" for s in streams]
@@ -147,8 +147,8 @@ def main() -> int:
                 if method == "cp -r":
                     subprocess.run(["cp", "-r", str(src), str(cp_dst)], check=True)
                 else:
-                    res = stage_model(node, source=str(src), ramdisk=str(shm), workdir=str(work), python=PY,
-                                      streams=int(method.split("=")[1]), margin_bytes=0)
+                    res = stage_model(node, source=str(src), ramdisk=str(shm), fleet="bench", workdir=str(work),
+                                      python=PY, streams=int(method.split("=")[1]), margin_bytes=0)
                     assert res.bytes_copied == size, res
                     copy_rate = res.mb_per_s
                 wall = time.monotonic() - t0
@@ -157,8 +157,8 @@ def main() -> int:
                 print(f"round {rnd + 1} {method:24s} {wall:6.2f} s {size / 1e6 / wall:8.0f} MB/s", file=sys.stderr)
                 if method != "cp -r":
                     t1 = time.monotonic()
-                    again = stage_model(node, source=str(src), ramdisk=str(shm), workdir=str(work), python=PY,
-                                        streams=int(method.split("=")[1]), margin_bytes=0)
+                    again = stage_model(node, source=str(src), ramdisk=str(shm), fleet="bench", workdir=str(work),
+                                        python=PY, streams=int(method.split("=")[1]), margin_bytes=0)
                     assert again.adopted
                     noop.append(time.monotonic() - t1)
     finally:

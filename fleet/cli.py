@@ -143,7 +143,7 @@ def cmd_down(args: argparse.Namespace) -> int:
                 torndown.mark(node, node_cfg, cfg.name, by="fleet down", stopped=sum(1 for r in stopped if r.stopped))
             if args.free_ramdisk:
                 freed.append({"node": node_cfg.name, **free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
-                                                                    ramdisk=node_cfg.ramdisk)})
+                                                                    ramdisk=node_cfg.ramdisk, fleet=cfg.name)})
     if rows:
         print_rows([{"server": r.index, **r.as_dict()} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
     else:

@@ -235,6 +235,7 @@ def split_sections(text: str) -> dict[str, str]:
 # One round trip: an SSH session to a node with a slow login shell costs seconds each.
 # Paths arrive as positional arguments and are only ever used quoted ("$p"): a path with a
 # space, a '*' or a leading '-' is one path, never split, globbed or read as an option.
+UID_MARK = "@uid"   # in a path handed to _GATHER: the node's uid (`id -u`)
 _GATHER = r"""
 du_path=$1; shift
 echo "@@nvidia-smi"
@@ -248,8 +249,10 @@ echo "@@nproc"; nproc 2>/dev/null || getconf _NPROCESSORS_ONLN
 echo "@@meminfo"; cat /proc/meminfo
 echo "@@mounts"; cat /proc/mounts
 echo "@@tcp"; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null
+uid=$(id -u)
 while [ "$#" -ge 2 ]; do
   role=$1; p=$2; shift 2
+  case $p in *"/fleet-@uid/"*) p="${p%%/fleet-@uid/*}/fleet-$uid/${p#*/fleet-@uid/}" ;; esac
   d=$p; while [ ! -e "$d" ] && [ "$d" != "/" ] && [ "$d" != "." ]; do d=$(dirname -- "$d"); done
   echo "@@path $role"
   printf '%s\n' "$p"
@@ -293,8 +296,9 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
     if cfg.model.source:
         roles["model_source"] = cfg.model.source
         if cfg.model.stage:
-            from fleet.staging import staged_path
-            roles["staging_target"] = staged_path(cfg.model.source, node_cfg.ramdisk)
+            from fleet.staging import fleet_root
+            # this fleet's copies (the script names each by its source's state); `@uid` is the node's uid
+            roles["staging_target"] = fleet_root(node_cfg.ramdisk, cfg.name, UID_MARK)
     argv = ["sh", "-c", _GATHER, "fleet-preflight", cfg.model.source or "",
             *[item for role, path in roles.items() for item in (role, path)]]
     try:
@@ -405,7 +409,7 @@ def evaluate(report: NodeReport, cfg: FleetConfig, node_cfg: NodeConfig) -> list
         need = (src.size_bytes or 0) if src else 0
         already = 0
         if target is not None and target.exists:
-            already = need  # an earlier copy: staging only tops it up; its own check is exact
+            already = need  # this fleet has a copy (of this source, most often): staging's own check is exact
         margin = int(cfg.model.stage_margin_gb * 1e9)
         avail = ram.avail_bytes if ram else None
         room = avail is not None and avail + already >= need + margin

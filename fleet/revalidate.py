@@ -28,7 +28,6 @@ from fleet.errors import ServerFailed
 from fleet.node import Node
 from fleet.servers import excerpt, record_smoke, records, server_paths
 from fleet.smoke import ServerWatch, smoke
-from fleet.staging import staged_path
 
 HEAD_BYTES = 256_000     # startup facts (KV cache, ready line) are at the start of the log
 TAIL_BYTES = 1_000_000   # a crash is at the end; a multi-day log is never read whole
@@ -74,10 +73,18 @@ class ServerCheck:
         return f"{self.node} server {self.index}" + (f" (port {self.port})" if self.port else "")
 
 
+def _model_path_before_records(cfg: FleetConfig, node_cfg: NodeConfig) -> str:
+    """What a server launched before its record named the model path serves: the source, or the copy
+    fleet then staged to RAMDISK/<source directory name>."""
+    source = cfg.model.source
+    if not (cfg.model.stage and source):
+        return source
+    return posixpath.join(node_cfg.ramdisk.rstrip("/") or "/", posixpath.basename(source.rstrip("/")))
+
+
 def spec_from_record(cfg: FleetConfig, node_cfg: NodeConfig, rec: dict[str, Any]) -> ServerSpec:
     """The ServerSpec a launch record stands for, enough to address and smoke the server."""
-    source = cfg.model.source
-    model_path = staged_path(source, node_cfg.ramdisk) if cfg.model.stage and source else source
+    model_path = rec.get("model_path") or _model_path_before_records(cfg, node_cfg)
     return ServerSpec(
         node=node_cfg.name, index=int(rec.get("index", 0)), gpus=tuple(rec.get("gpus") or ()),
         host=rec.get("host") or cfg.servers.host, port=int(rec.get("port") or 0), model_path=model_path,

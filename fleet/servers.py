@@ -176,7 +176,7 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
         "fleet": cfg.name, "node": spec.node, "index": spec.index, "port": spec.port, "host": spec.host,
         "gpus": list(spec.gpus), "pid": det.pid, "hash": key, "engine": cfg.engine.kind,
         "command": redact(argv, secrets), "env": profile.shown_env(cfg, env), "started_at": time.time(),
-        "log": paths.log, "model": spec.served_name,
+        "log": paths.log, "model": spec.served_name, "model_path": spec.model_path,
     }, indent=2))
     return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), det.pid, False, replaced, shown,
                         paths.log, time.monotonic() - t0)

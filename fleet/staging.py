@@ -9,11 +9,18 @@ flow. This module only drives it through the `Node` seam:
     upload the script (when changed) -> plan (sizes, what is already staged)
     -> room check against `df` BEFORE anything is copied -> copy -> parse its JSON report
 
-Idempotent: a finished, unchanged copy is adopted (nothing copied; see
-`StageResult.adopted`), a changed source file is copied again alone, and a copy that was
-killed half-way is resumed and finished, never served: the manifest
-DST/.fleet-stage.json says ``"complete": true`` only once every file is in place
-(`is_staged`).
+Where: RAMDISK/fleet-<uid>/<fleet>/<source directory name>-<key> (the script's `destination`):
+one user's, one fleet's, one state of the source's (the key digests its real path and every
+file's path, size and mtime). So another user's or another fleet's model of the same directory
+name never re-copies over the files live servers map, and a changed source is a new copy beside
+the old one (the servers move to it when the bring-up replaces them, their launch spec naming the
+new path). Only its owner removes a copy (`free_ramdisk`: this user's copies of this fleet, each
+only when no live process uses it).
+
+Idempotent: a finished copy of the same source state is adopted (nothing copied; see
+`StageResult.adopted`), and a copy that was killed half-way is resumed and finished, never
+served: the manifest DST/.fleet-stage.json says ``"complete": true`` only once every file is in
+place (`is_staged`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from fleet.errors import CommandFailed, ConfigError, PreflightFailed
 from fleet.node.base import Node, describe
 from fleet.remote.stage import ERROR_MARK, EXIT_IO, EXIT_NOSPACE, EXIT_USAGE, LOG_PREFIX, MANIFEST
 
-__all__ = ["StageResult", "stage_model", "staged_path", "is_staged", "read_manifest", "stage_argv",
+__all__ = ["StageResult", "stage_model", "fleet_root", "is_staged", "read_manifest", "stage_argv",
            "STAGE_SCRIPT", "MANIFEST_NAME"]
 
 log = logging.getLogger("fleet.staging")
@@ -64,19 +71,22 @@ class StageResult:
     ignored: tuple[str, ...] = field(default_factory=tuple)  # not staged: "path (reason)", e.g. broken symlinks
 
 
-def staged_path(source: str, ramdisk: str) -> str:
-    """Where `source` is staged: RAMDISK/<last path component of source>."""
+def fleet_root(ramdisk: str, fleet: str, uid: int | str) -> str:
+    """This user's and this fleet's staging directory: RAMDISK/fleet-<uid>/<fleet> (copies are under it)."""
+    return posixpath.join(ramdisk.rstrip("/") or "/", f"fleet-{uid}", fleet)
+
+
+def _check_source(source: str) -> None:
     name = posixpath.basename(source.rstrip("/"))
     if not name or name in (".", ".."):
         raise ConfigError(f"model.source {source!r} has no directory name to stage under",
                           remedy="set model.source to the model directory itself, e.g. /data/models/Qwen3-8B")
-    return posixpath.join(ramdisk.rstrip("/") or "/", name)
 
 
-def stage_argv(python: str, script: str, *, source: str, dst: str, streams: int = 8,
+def stage_argv(python: str, script: str, *, source: str, ramdisk: str, fleet: str, streams: int = 8,
                verify: bool = False, plan_only: bool = False) -> list[str]:
-    """The command that runs the stage script on the node."""
-    argv = [python, script, "--src", source, "--dst", dst, "--streams", str(streams)]
+    """The command that runs the stage script on the node (it names the copy: see the module docstring)."""
+    argv = [python, script, "--src", source, "--ramdisk", ramdisk, "--fleet", fleet, "--streams", str(streams)]
     if verify:
         argv.append("--verify")
     if plan_only:
@@ -159,9 +169,15 @@ def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], st
     why = _error_line(stderr)
     if code == EXIT_USAGE:
         reason = f"cannot stage {source} on {node.name}: {why or 'bad source'}"
-        remedy = ("set model.stage=false to serve the model from where it is" if "same directory" in why else
-                  f"set model.source to an existing model directory as seen from {node.name} "
-                  "(paths are on the node, not where the flow runs)")
+        in_place = "same directory" in why or "already in the RAM disk" in why
+        if "not a directory of this user" in why:   # RAMDISK/fleet-<uid> made by someone else
+            reason = f"cannot stage {source} on {node.name}: {why}"
+            remedy = (f"ask whoever made it (or root) to remove it, or set nodes.ramdisk to another RAM disk "
+                      f"on {node.name}: fleet never writes into another user's directory")
+        else:
+            remedy = ("set model.stage=false to serve the model from where it is" if in_place else
+                      f"set model.source to an existing model directory as seen from {node.name} "
+                      "(paths are on the node, not where the flow runs)")
     elif code == EXIT_NOSPACE:
         reason = f"RAM disk {ramdisk} on {node.name} ran out of space while staging {source}: {why}"
         remedy = (f"free {ramdisk} (old models: ls -la {ramdisk}), use a node with more RAM, or set "
@@ -176,23 +192,27 @@ def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], st
     return CommandFailed(reason, host=node.host, command=argv, exit_code=code, stderr=stderr, remedy=remedy)
 
 
-def stage_model(node: Node, *, source: str, ramdisk: str, workdir: str, python: str = "python3",
+def stage_model(node: Node, *, source: str, ramdisk: str, fleet: str, workdir: str, python: str = "python3",
                 streams: int = 8, verify: bool = False, margin_bytes: int = 4 * GiB,
                 timeout: float = 6 * 3600) -> StageResult:
-    """Copy the model directory `source` into `ramdisk` on `node` once; adopt a finished copy.
+    """Copy the model directory `source` into this fleet's part of `ramdisk` on `node` once; adopt a
+    finished copy of the same source state. `StageResult.dst` is where (serve the model from there).
 
     Raises PreflightFailed before copying anything when the RAM disk cannot hold what is
     left to copy plus `margin_bytes`; CommandFailed (with a remedy) when the copy fails;
     CommandTimeout past `timeout` (transient: a retry resumes where the copy stopped).
     """
     t0 = time.monotonic()
-    dst = staged_path(source, ramdisk)
+    _check_source(source)
     script = ensure_script(node, workdir)
-    plan = _plan(node, stage_argv(python, script, source=source, dst=dst, streams=streams, plan_only=True),
-                 source=source, dst=dst, ramdisk=ramdisk, timeout=timeout)
+    where = fleet_root(ramdisk, fleet, "<uid>")
+    argv = stage_argv(python, script, source=source, ramdisk=ramdisk, fleet=fleet, streams=streams, plan_only=True)
+    plan = _plan(node, argv, source=source, dst=where, ramdisk=ramdisk, timeout=timeout)
     _check_room(node, plan, source=source, ramdisk=ramdisk, margin_bytes=margin_bytes)
-    report = _copy(node, stage_argv(python, script, source=source, dst=dst, streams=streams, verify=verify),
-                   source=source, dst=dst, ramdisk=ramdisk, timeout=timeout)
+    report = _copy(node, stage_argv(python, script, source=source, ramdisk=ramdisk, fleet=fleet, streams=streams,
+                                    verify=verify),
+                   source=source, dst=str(plan.get("dst") or where), ramdisk=ramdisk, timeout=timeout)
+    dst = str(report["dst"])
     result = _result(node, report, source=source, dst=dst, seconds=round(time.monotonic() - t0, 3))
     log.info("[%s] staged %s -> %s: %d/%d files copied, %.2f GiB at %.0f MB/s, %.1f s%s", node.name, source,
              dst, result.copied_files, result.files, result.bytes_copied / GiB, result.mb_per_s, result.seconds,
@@ -278,9 +298,10 @@ def _result(node: Node, report: dict[str, Any], *, source: str, dst: str, second
 
 
 # -- freeing the copy ---------------------------------------------------------------------
-# Only a directory fleet staged is removed (its staging manifest is there), and only when no
-# live process names it on its command line (another fleet's server may share the copy).
-# Idempotent: a copy already gone is reported as such.
+# Only this user's copies of this fleet (RAMDISK/fleet-<uid>/<fleet>/*), only a directory fleet
+# staged (its staging manifest is there), and only when no live process names it on its command
+# line (this fleet's servers still running on it). Idempotent: a copy already gone is reported
+# as such.
 
 # sh -c USERS fleet-users HEAD TAIL: pids whose argv names the directory HEAD+TAIL (or a file in it).
 # The path goes in as two halves joined in the shell, so no process of the scan itself (the
@@ -325,8 +346,34 @@ def unstage(node: Node, dst: str) -> dict[str, Any]:
     return out
 
 
-def free_ramdisk(node: Node, *, source: str | None, stage: bool, ramdisk: str) -> dict[str, Any]:
-    """Free this node's staged copy of the model when the config stages one (`unstage`'s answer)."""
+# sh -c COPIES fleet-copies RAMDISK FLEET: this user's fleet root, then each copy in it.
+_COPIES = r"""
+root="$1/fleet-$(id -u)/$2"
+printf '%s\n' "$root"
+for d in "$root"/*; do [ -d "$d" ] && [ ! -L "$d" ] && printf '%s\n' "$d"; done
+exit 0
+"""
+
+
+def free_ramdisk(node: Node, *, source: str | None, stage: bool, ramdisk: str, fleet: str) -> dict[str, Any]:
+    """Free this user's copies of this fleet's model on the node (`unstage` each): one answer, with
+    `path` the fleet's staging directory and `action` "freed" only when every copy was."""
     if not stage or not source:
         return {"path": None, "action": "nothing staged (model.stage off or no source)"}
-    return unstage(node, staged_path(source, ramdisk))
+    t0 = time.monotonic()
+    lines = node.run(["sh", "-c", _COPIES, "fleet-copies", ramdisk.rstrip("/") or "/", fleet],
+                     timeout=60).stdout.splitlines()
+    root, copies = (lines[0] if lines else fleet_root(ramdisk, fleet, "<uid>")), lines[1:]
+    done = [unstage(node, d) for d in copies]
+    freed = [d for d in done if d["action"] == "freed"]
+    if not done:
+        action = "already gone"
+    elif len(freed) == len(done):
+        action = "freed"
+    else:
+        action = "; ".join(f"{posixpath.basename(d['path'])}: {d['action']}" for d in done)
+    if done and len(freed) == len(done):
+        # empty now: leave no trace (the user's directory too, unless another fleet of theirs is in it)
+        node.run(["rmdir", "--", root, posixpath.dirname(root)], check=False, timeout=30)
+    total = sum(d["bytes"] or 0 for d in freed) if freed else None
+    return {"path": root, "action": action, "bytes": total, "seconds": round(time.monotonic() - t0, 3)}

@@ -55,6 +55,10 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),
                     ", ".join(sorted(nodes)), plan.total_lines, len(plan.chunks),
                     ", ".join(str(c.lines) for c in plan.chunks[:6]) + (" …" if len(plan.chunks) > 6 else ""), pdir)
+        asked = cfg.generation.limit
+        if asked is not None and (plan.limit is None or plan.limit > asked) and (plan.rows or 0) > asked:
+            logger.warning("this job's chunks were cut to %s rows (limit %s) and never change once cut: it "
+                           "goes on to all of them, not only the first %d", plan.rows, plan.limit, asked)
         already_done = ctl.assign.all_done()
         futs = {node_worker.submit(ctl, name): name for name in sorted(nodes)}
 

@@ -90,7 +90,7 @@ def stage(cfg: FleetConfig, node_name: str, provisioned: Provisioned) -> ModelPl
         node_cfg = cfg.node(node_name)
         if not cfg.model.stage or not cfg.model.source:
             return ModelPlace(cfg.model.source), None
-        res = stage_model(node_for(cfg, node_name), source=cfg.model.source, ramdisk=node_cfg.ramdisk,
+        res = stage_model(node_for(cfg, node_name), source=cfg.model.source, ramdisk=node_cfg.ramdisk, fleet=cfg.name,
                           workdir=node_cfg.workdir, streams=cfg.model.copy_streams, verify=cfg.model.verify,
                           margin_bytes=int(cfg.model.stage_margin_gb * 1e9))
         return ModelPlace(res.dst, res), None

@@ -16,5 +16,5 @@ from tasks.policy import TASK_OPTS
 def free_ramdisk(cfg: FleetConfig, node_name: str) -> TeardownRow:
     node_cfg = cfg.node(node_name)
     res = free_ramdisk_on(node_for(cfg, node_name), source=cfg.model.source, stage=cfg.model.stage,
-                          ramdisk=node_cfg.ramdisk)
+                          ramdisk=node_cfg.ramdisk, fleet=cfg.name)
     return TeardownRow.of_ramdisk(node_name, res)

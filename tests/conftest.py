@@ -26,10 +26,10 @@ os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-r
 # Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
 # attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-# This test process's RAM disk (nodes.ramdisk): a model is staged to <ramdisk>/<its dir name>, and
-# the default /dev/shm is shared by every test process on the machine (parallel workers, other
-# runs): two tests staging their own `sim-model` or `tiny-chat` there at once re-copied each
-# other's files under running servers. Still a tmpfs where the machine has /dev/shm.
+# This test process's RAM disk (nodes.ramdisk). Copies are per user, fleet and source state
+# (<ramdisk>/fleet-<uid>/<fleet>/<name>-<key>), but tests of one uid reuse fleet names ("t") and
+# freeing one test's copies must not race another process's: the default /dev/shm is shared by
+# every test process on the machine. Still a tmpfs where the machine has /dev/shm.
 RAMDISK = tempfile.mkdtemp(prefix="fleet-tests-ram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else _SESSION_TMP)
 
 from fleet.config import NodeConfig  # noqa: E402

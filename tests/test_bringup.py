@@ -118,6 +118,52 @@ def read_artifacts(keys: list[str]) -> dict[str, Any]:
     return asyncio.run(go())
 
 
+def test_two_fleets_whose_models_share_a_directory_name_keep_their_own_live_copies(tmp_path: Path,
+                                                                                    teardown_after) -> None:
+    """Fault: staging went to <ramdisk>/<model directory name>, so a second fleet whose model directory
+    had the same name (another source or revision) re-copied its files over the copy the first fleet's
+    servers were serving. Now each fleet stages into its own RAMDISK/fleet-<uid>/<fleet>/<name>-<key>:
+    both staged, both live, neither copy overwritten; a re-run adopts the running servers (the launch
+    record names the copy); freeing one fleet's RAM disk keeps a copy its live server uses and never
+    touches the other fleet's."""
+    import os
+
+    from fleet.node import LocalNode
+    from fleet.servers import read_record, server_paths, stop_servers
+    from fleet.staging import free_ramdisk
+
+    cfgs = {}
+    for name, fill in (("a", b"A"), ("b", b"B")):
+        cfg = sim_config(tmp_path / name, port_block(1), n=1, name=name)
+        (Path(cfg.model.source) / "weights.bin").write_bytes(fill * 100_000)   # same name, other content
+        teardown_after(cfg)
+        cfgs[name] = cfg
+    node = LocalNode()
+    paths = {}
+    for name, cfg in cfgs.items():
+        ok, rows, msg = run(cfg)
+        assert ok and rows[0]["state"] == "up", msg
+        rec = read_record(node, server_paths(cfg.nodes[0].workdir, name, 0))
+        paths[name] = Path(rec["model_path"])
+        assert paths[name].parent == Path(RAMDISK) / f"fleet-{os.getuid()}" / name, paths[name]
+        assert paths[name].name.startswith("sim-model-")
+    for name, fill in (("a", b"A"), ("b", b"B")):
+        assert (paths[name] / "weights.bin").read_bytes() == fill * 100_000
+    pids = {name: node.read_pid(server_paths(cfg.nodes[0].workdir, name, 0).pid) for name, cfg in cfgs.items()}
+    ok, rows, _ = run(cfgs["a"])   # a re-run: the same copy, so the running server is adopted
+    assert ok and rows[0]["state"] == "adopted" and rows[0]["pid"] == pids["a"], rows
+
+    def free(name: str) -> dict[str, Any]:
+        cfg = cfgs[name]
+        return free_ramdisk(node, source=cfg.model.source, stage=True, ramdisk=cfg.nodes[0].ramdisk, fleet=name)
+
+    assert free("a")["action"].endswith(f"kept: in use by pid {pids['a']}") and paths["a"].exists()
+    stop_servers(node, cfgs["a"], cfgs["a"].nodes[0])
+    freed = free("a")
+    assert freed["action"] == "freed" and freed["bytes"] and not paths["a"].exists()
+    assert (paths["b"] / "weights.bin").read_bytes() == b"B" * 100_000 and node.is_alive(pids["b"] or 0)
+
+
 def test_all_healthy_local_with_artifacts(tmp_path: Path, teardown_after) -> None:
     cfg = sim_config(tmp_path, port_block(3))
     teardown_after(cfg)

@@ -80,6 +80,58 @@ def test_split_gz_with_limit_and_parquet(tmp_path: Path) -> None:
     assert pa.concat_tables(parts).equals(table) and plan.fmt == "parquet"
 
 
+@pytest.mark.parametrize("kind", ["jsonl.gz", "parquet"])
+def test_a_larger_or_absent_limit_cuts_the_rest_of_the_input_into_new_chunks(tmp_path: Path, kind: str) -> None:
+    """Fault: a multi-node job cut to `--limit 100` kept its plan for a later `--limit 200` or a call
+    without one: every chunk done, "nothing to do", 100 of 300 rows. Now the lines after the last chunk
+    are cut into new chunks (each line in exactly one chunk), a smaller limit changes nothing, and the
+    plan records what it holds so a plan of the whole input is not counted again."""
+    if kind == "parquet":
+        table = pa.table({"id": [f"p{i}" for i in range(300)], "prompt": [f"x{i}" for i in range(300)]})
+        inp = tmp_path / "in.parquet"
+        pq.write_table(table, inp, row_group_size=64)
+
+        def rows(plan_chunks: list) -> list[str]:
+            return [i for c in plan_chunks for i in pq.read_table(pdir / c.file).column("id").to_pylist()]
+        want = table.column("id").to_pylist()
+    else:
+        raw = lines_file(tmp_path / "in.jsonl", 300, blank_every=50).read_bytes()
+        inp = tmp_path / "in.jsonl.gz"
+        inp.write_bytes(gzip.compress(raw))
+
+        def rows(plan_chunks: list) -> list[str]:
+            return [json.loads(ln)["id"] for c in plan_chunks for ln in (pdir / c.file).read_bytes().splitlines()
+                    if ln.strip()]
+        want = [f"r{i}" for i in range(300)]
+    pdir = tmp_path / "plan"
+    first = split_input(inp, pdir, ["a", "b"], chunk_rows=40, limit=100)
+    assert rows(first.chunks) == want[:100] and not first.whole_input
+    n_first = len(first.chunks)
+    assert split_input(inp, pdir, ["a", "b"], limit=50).chunks == first.chunks      # covered: nothing new
+    grown = split_input(inp, pdir, ["a", "b"], limit=200)
+    assert grown.chunks[:n_first] == first.chunks                                   # cut chunks never change
+    assert rows(grown.chunks) == want[:200] and grown.limit == 200 and grown.rows == 200
+    whole = split_input(inp, pdir, ["a", "b"])
+    assert rows(whole.chunks) == want and whole.whole_input
+    assert load_plan(pdir).chunks == whole.chunks and load_plan(pdir).total_lines == whole.total_lines
+    if kind != "parquet":
+        assert b"".join((pdir / c.file).read_bytes() for c in whole.chunks) == raw  # byte for byte, blanks too
+    assert split_input(inp, pdir, ["a", "b"], limit=1000).chunks == whole.chunks    # the input ended: done
+
+
+def test_an_input_that_ended_at_its_limit_gets_no_chunk_of_blank_lines(tmp_path: Path) -> None:
+    """Fault guarded: an input of exactly N rows and trailing blank lines, cut to `--limit N`, then run
+    without a limit, would get a last chunk of blank lines only (a runner that fails "no valid row").
+    Now the plan records that it holds every row and cuts nothing more."""
+    inp = lines_file(tmp_path / "in.jsonl", 100)
+    with inp.open("a") as f:
+        f.write("\n\n")
+    pdir = tmp_path / "plan"
+    first = split_input(inp, pdir, ["a", "b"], chunk_rows=40, limit=100)
+    whole = split_input(inp, pdir, ["a", "b"])
+    assert whole.chunks == first.chunks and whole.whole_input and whole.rows == 100
+
+
 def test_assignments_pull_lose_rejoin_and_survive_a_new_controller(tmp_path: Path) -> None:
     """Pull order, a lost node's running chunk going back to the queue (its attempt kept), rejoin, and the
     state read back by a new controller (the old one killed): it re-attaches to the same running attempt."""

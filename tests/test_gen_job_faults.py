@@ -24,6 +24,7 @@ import pytest
 from conftest import wait_until
 from fleet.config import FleetConfig
 from fleet.errors import InputError, JobConflict
+from fleet.generation.validate import ExistingJob
 from fleet.generation.checks import account
 from fleet.generation.runner import run_local
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
@@ -416,6 +417,45 @@ def test_finished_job_rerun_says_nothing_to_do_and_starts_nothing(tmp_path: Path
     assert rc == 0, text
     assert f"nothing to do: 40 rows already done in {out}" in text and "generated" not in text
     assert not (tmp_path / "work" / "servers").exists()
+
+
+def _finished(rows: int, limit: int | None, rows_in_input: int | None = 300, *, old: bool = False) -> ExistingJob:
+    inp: dict[str, Any] = {"fingerprint": "a" * 64, "rows": rows}
+    if not old:
+        inp.update(rows_in_input=rows_in_input, limit=limit)
+    manifest = {"complete": True, "state": "done", "input": inp, "counts": {"completed": rows},
+                "config": {"generation": {"limit": limit}}}
+    return ExistingJob("local", "/o", store_job={"input_fingerprint": "a" * 64}, manifest=manifest)
+
+
+@pytest.mark.parametrize("done_limit,rows,asked,verdict", [
+    (100, 100, None, "resume"), (100, 100, 200, "resume"), (100, 100, 100, "done"), (100, 100, 50, "done"),
+    (None, 300, None, "done"), (None, 300, 50, "done"), (500, 300, None, "done"), (300, 300, None, "done")])
+def test_a_finished_job_is_done_only_for_the_rows_this_call_asks_for(done_limit: int | None, rows: int,
+                                                                     asked: int | None, verdict: str) -> None:
+    """Fault: the directory's done count was never compared to this call's --limit: a job finished under
+    `--limit 100` was "nothing to do" for `--limit 200` and for no limit. Now it goes on (resume) unless
+    its rows cover what this call asks for (its limit, or every row of the input: 300 here)."""
+    from fleet.generation.validate import decide
+
+    cfg = FleetConfig(name="t")
+    cfg.generation.limit = asked
+    plan = decide(_finished(rows, done_limit), cfg, input_fp=lambda: "a" * 64, input_path="/in.jsonl",
+                  retry_errors=False)
+    assert plan.verdict == verdict, plan.message
+    assert ("nothing to do" in plan.message) == (verdict == "done"), plan.message
+
+
+def test_a_manifest_from_before_the_input_count_still_goes_on_under_a_larger_limit() -> None:
+    """Fault guarded for directories finished before the manifest recorded the input's row count and
+    limit: the limit is read from the recorded config; an input that ended before its limit is whole."""
+    from fleet.generation.validate import covers
+
+    assert not covers(_finished(100, 100, old=True).manifest or {}, None)
+    assert not covers(_finished(100, 100, old=True).manifest or {}, 200)
+    assert covers(_finished(100, 100, old=True).manifest or {}, 80)
+    assert covers(_finished(70, 100, old=True).manifest or {}, None)      # 70 rows < limit 100: the whole input
+    assert covers(_finished(300, None, old=True).manifest or {}, None)
 
 
 def test_different_input_or_parameters_into_a_finished_job_are_refused(tmp_path: Path, sims, capsys) -> None:

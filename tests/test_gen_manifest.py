@@ -41,7 +41,10 @@ def test_manifest_of_one_clean_run() -> None:
     """A done run: complete, counts accounted, servers with their kept facts and counters, cost priced."""
     m = build_manifest(_facts())
     assert m["state"] == "done" and m["complete"] is True and m["error"] is None
-    assert m["input"] == {"path": "/data/in.jsonl", "fingerprint": "ab" * 32, "rows": 102}
+    assert m["input"] == {"path": "/data/in.jsonl", "fingerprint": "ab" * 32, "rows": 102, "rows_in_input": None,
+                          "limit": None}
+    # what a later call's --limit is compared with (fleet/generation/validate.py `covers`)
+    assert build_manifest(_facts(rows_in_input=300, limit=102))["input"]["rows_in_input"] == 300
     assert m["accounted"] == 90 + 6 + 4 + 2
     assert m["servers"][0] == {"name": "gpu1/0", "url": "http://127.0.0.1:30000", "model": "m", "gpus": 2,
                                "info": {"version": "0.4", "tp_size": 2}, "requests": 60, "completed": 55}

@@ -150,6 +150,64 @@ def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everyth
     assert len(ids) == len(set(ids)) == 300
 
 
+def test_the_flows_generate_action_goes_on_under_a_larger_limit(tmp_path: Path, stop_everything) -> None:
+    """Fault: a job finished under `limit = 100` answered a later run with `limit = 200` "nothing to do:
+    100 rows already done" (Completed), 100 of 300 rows done. Now the flow's generate action goes on to
+    200, each id once; a smaller limit after that is "nothing to do" naming the 200 rows."""
+    from flows.fleet import fleet
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, generation={"max_tokens": 16, "limit": 100})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 300)
+    out = tmp_path / "out"
+
+    def generate(limit: int) -> tuple[str, dict]:
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.generation.limit = limit
+        state = fleet(config=run_cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+        res = state.result(raise_on_failure=False)
+        assert state.is_completed(), (state.message, res)
+        return str(state.message), res
+
+    message, _ = generate(100)
+    assert sorted(shard_ids(out)) == sorted(f"r{i}" for i in range(100)), message
+    message, res = generate(200)
+    assert "nothing to do" not in message and "generated 100 row(s) in this run" in message, message
+    ids = shard_ids(out)
+    assert len(ids) == len(set(ids)) and set(ids) == {f"r{i}" for i in range(200)}
+    message, res = generate(150)
+    assert message.startswith(f"nothing to do: 200 rows already done in {out}"), message
+    assert sorted(shard_ids(out)) == sorted(ids)
+
+
+def test_fleet_generate_without_limit_goes_on_after_a_limited_job(tmp_path: Path, stop_everything, capsys) -> None:
+    """Fault: `fleet generate --limit 100` then the same command without `--limit` printed "nothing to do:
+    100 rows already done", exit 0, with 100 of 300 rows done: a user believed the set complete. Now the
+    second command generates the other 200 (each id once) and only a third says "nothing to do: 300".
+    (The generating command runs as a process: Prefect's log handler must not bind to a captured stream.)"""
+    from fleet.demo import to_toml
+    from flows.cli import main
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, generation={"max_tokens": 16})
+    stop_everything(cfg)
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    inp = prompts(tmp_path / "in.jsonl", 300)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp), "--output", str(out)]
+    for extra, want in ((["--limit", "100"], 100), ([], 300)):
+        r = subprocess.run(argv + extra, capture_output=True, text=True, timeout=400)
+        text = r.stdout + r.stderr
+        assert r.returncode == 0, text[-4000:]
+        assert "nothing to do" not in text, text[-4000:]
+        ids = shard_ids(out)
+        assert len(ids) == len(set(ids)) == want, text[-4000:]
+    assert "going on with the job" in text and "this run asks for every row" in text, text[-4000:]
+    assert "generated 200 row(s) in this run" in text, text[-4000:]
+    assert main(["generate", "-c", str(path), "--input", str(inp), "--output", str(out)]) == 0
+    assert f"nothing to do: 300 rows already done in {out}" in capsys.readouterr().out
+
+
 @pytest.mark.transformers
 def test_generate_with_real_transformers_servers_readable_by_pandas(tmp_path: Path, stop_everything) -> None:
     """A small real job: two `transformers serve` on CPU, the tiny local model, the output read by pandas."""

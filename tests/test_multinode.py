@@ -106,6 +106,36 @@ def test_two_nodes_one_job_split_merge_fetch_export(tmp_path: Path, state_home: 
     assert len((tmp_path / "fetched" / "export.jsonl").read_text().splitlines()) == 600
 
 
+def test_a_job_over_two_nodes_goes_on_under_a_larger_or_no_limit(tmp_path: Path, state_home: Path,
+                                                                  stop_everything) -> None:
+    """Fault: a job over several nodes cut to `limit = 100` kept its 100-row plan for a later run with
+    `limit = 200` or none: every chunk done, "nothing to do: 100 rows already done", 100 of 300 rows. Now
+    each larger call cuts the rest of the input into new chunks and the merged output ends with every id
+    exactly once; only a run that asks for nothing more is "nothing to do"."""
+    from flows.fleet import fleet
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 50})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 300)
+
+    def generate(limit: int | None) -> tuple[str, list[str]]:
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.generation.limit = limit
+        state = fleet(config=run_cfg, action="generate", input=str(inp), output=str(tmp_path / "out"),
+                      return_state=True)
+        res = state.result(raise_on_failure=False)
+        assert state.is_completed(), (state.message, res)
+        return str(state.message), ids_of(Path(res["output"]))
+
+    for limit, want in ((100, 100), (200, 200), (None, 300)):
+        message, ids = generate(limit)
+        assert "nothing to do" not in message, (limit, message)
+        assert len(ids) == len(set(ids)) and set(ids) == {f"r{i}" for i in range(want)}, (limit, message)
+    message, ids = generate(None)
+    assert message.startswith("nothing to do: 300 rows already done"), message
+    assert len(ids) == len(set(ids)) == 300
+
+
 def _runner_pids(workdir: Path) -> list[int]:
     from fleet.node import LocalNode
 

@@ -169,15 +169,16 @@ def test_teardown_stops_everything_frees_ramdisk_and_is_idempotent(tmp_path: Pat
     stop_after(cfg)
     assert run(cfg, "bringup").is_completed()
     pids = [pid_of(cfg, i) for i in range(2)]
-    staged = tmp_path / "ram" / "sim-model"
-    assert (staged / ".fleet-stage.json").exists()
+    root = tmp_path / "ram" / f"fleet-{os.getuid()}" / cfg.name   # this user's copies of this fleet
+    (staged,) = root.iterdir()
+    assert (staged / ".fleet-stage.json").exists() and staged.name.startswith("sim-model-")
 
     st = run(cfg, "teardown", free_ramdisk=True)
     assert st.is_completed(), st.message
     rows = rows_of(st)
     assert {rows["server 0"]["action"], rows["server 1"]["action"]} <= {"stopped", "killed"}
-    assert rows[f"ramdisk {staged}"]["action"] == "freed" and rows[f"ramdisk {staged}"]["bytes"] > 50_000
-    assert not staged.exists()
+    assert rows[f"ramdisk {root}"]["action"] == "freed" and rows[f"ramdisk {root}"]["bytes"] > 50_000
+    assert not staged.exists() and not root.exists()
     assert not any(LocalNode().is_alive(p) for p in pids)
     assert "stopped 2 server(s), freed" in st.message
     assert "rv-teardown" in read_artifacts(["rv-teardown"])
@@ -185,7 +186,7 @@ def test_teardown_stops_everything_frees_ramdisk_and_is_idempotent(tmp_path: Pat
     again = run(cfg, "teardown", free_ramdisk=True)
     assert again.is_completed()
     rows = rows_of(again)
-    assert rows["server 0"]["action"] == "none" and rows[f"ramdisk {staged}"]["action"] == "already gone"
+    assert rows["server 0"]["action"] == "none" and rows[f"ramdisk {root}"]["action"] == "already gone"
 
 
 def test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup(tmp_path: Path, stop_after) -> None:

@@ -69,14 +69,14 @@ def test_status_check_revalidates_every_server(tmp_path: Path, sims: Any) -> Non
 def test_down_free_ramdisk_removes_only_what_fleet_staged(tmp_path: Path) -> None:
     """Fault: `fleet down` could not free the RAM-disk copy (only the teardown flow could). With
     --free-ramdisk it removes the staged copy (its staging manifest is there); without, it stays."""
-    from fleet.staging import MANIFEST_NAME, staged_path
+    from fleet.staging import MANIFEST_NAME, fleet_root
 
     work = tmp_path / "work"
     (work / "servers").mkdir(parents=True)
     source = tmp_path / "models" / "m"
     source.mkdir(parents=True)
     ram = tmp_path / "ram"
-    staged = Path(staged_path(str(source), str(ram)))
+    staged = Path(fleet_root(str(ram), "chk", os.getuid())) / "m-0123456789ab"
     staged.mkdir(parents=True)
     (staged / MANIFEST_NAME).write_text("{}")
     (staged / "weights.bin").write_bytes(b"x" * 1000)

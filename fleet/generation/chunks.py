@@ -60,7 +60,7 @@ from fleet.generation.durable import write_json_atomic
 
 __all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
-           "split_chunk", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
+           "split_chunk", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -160,6 +160,15 @@ class Plan:
     fmt: str                          # "jsonl" or "parquet"
     created_at: float = field(default_factory=time.time)
     version: int = PLAN_VERSION
+    # the --limit the chunks were cut to (None: the whole input) and the non-blank rows they hold;
+    # both None in a plan from before they were recorded (`grow_plan` then counts the input)
+    limit: int | None = None
+    rows: int | None = None
+
+    @property
+    def whole_input(self) -> bool:
+        """Its chunks hold every row of the input (cut without a limit, or the input ended before it)."""
+        return self.rows is not None and (self.limit is None or self.rows < self.limit)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,13 +202,15 @@ def _open_lines(path: Path) -> gzip.GzipFile | io.BufferedReader:
     return gzip.open(path, "rb") if gz else open(path, "rb")
 
 
-def _count(path: Path, limit: int | None) -> tuple[str, int]:
-    """(format, lines to take): every line (JSONL) / row (Parquet), up to `limit` non-blank rows."""
+def _count(path: Path, limit: int | None) -> tuple[str, int, int]:
+    """(format, lines to take, non-blank rows among them): every line (JSONL) / row (Parquet), up to
+    `limit` non-blank rows. The lines taken under a larger limit start with those taken under a smaller."""
     if _is_parquet(path):
         import pyarrow.parquet as pq
 
         n = pq.ParquetFile(path).metadata.num_rows
-        return "parquet", n if limit is None else min(n, limit)
+        n = n if limit is None else min(n, limit)
+        return "parquet", n, n
     lines = rows = 0
     with _open_lines(path) as f:
         for line in f:
@@ -208,7 +219,7 @@ def _count(path: Path, limit: int | None) -> tuple[str, int]:
             lines += 1
             if not line.isspace():
                 rows += 1
-    return "jsonl", lines
+    return "jsonl", lines, rows
 
 
 def load_plan(plan_dir: str | Path) -> Plan | None:
@@ -222,9 +233,10 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
                 limit: int | None = None) -> Plan:
     """Cut the input into chunk files under `plan_dir/inputs/` and write `plan.json` (last, atomically).
 
-    An existing plan for the same input (same size and mtime) is returned as it is, whatever the
-    nodes now are: the chunks of a job never change once cut. A plan for another input raises
-    ValueError (one output, one job)."""
+    An existing plan for the same input (same size and mtime) is kept whatever the nodes now are:
+    the chunks of a job never change once cut. When this call asks for more rows than it holds (a
+    larger `limit`, or none, after a job cut to a limit), the lines after its last chunk are cut into
+    new chunks (`grow_plan`). A plan for another input raises ConfigError (one output, one job)."""
     from fleet.errors import ConfigError
 
     src = Path(input_path)
@@ -238,25 +250,48 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
                               f"({old.input_id.get('size')} bytes); the input now is {ident['path']} "
                               f"({ident['size']} bytes)",
                               remedy="give another --output for another input, or run the same input again to resume")
-        return old
-    fmt, total = _count(src, limit)
-    sizes = plan_sizes(total, len(nodes), chunk_rows)
-    inputs = pdir / "inputs"
-    inputs.mkdir(parents=True, exist_ok=True)
+        return grow_plan(old, src, pdir, limit)
+    fmt, total, rows = _count(src, limit)
+    chunks = _cut(src, pdir, fmt, first_line=1, index=0, lines=total, nodes=len(nodes), chunk_rows=chunk_rows)
+    plan = Plan(input=str(src.resolve()), input_id=ident, total_lines=total, chunk_rows=chunk_rows, nodes=list(nodes),
+                chunks=chunks, fmt=fmt, limit=limit, rows=rows)
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    return plan
+
+
+def grow_plan(plan: Plan, src: Path, pdir: Path, limit: int | None) -> Plan:
+    """`plan`, with the input's lines after its last chunk cut into new chunks when a call with `limit`
+    asks for more rows than it holds (each input line is in exactly one chunk: no row twice).
+
+    The new chunk files are written first, plan.json last (atomically): a controller killed between
+    leaves the old plan, and the next call cuts the same lines again."""
+    if plan.whole_input or (limit is not None and plan.limit is not None and limit <= plan.limit):
+        return plan
+    fmt, total, rows = _count(src, limit)
+    if total < plan.total_lines:    # a plan from before `limit` was recorded, asked for fewer rows
+        return plan
+    if total > plan.total_lines and (plan.rows is None or rows > plan.rows):   # not only blank lines after
+        plan.chunks += _cut(src, pdir, fmt, first_line=plan.total_lines + 1, index=len(plan.chunks),
+                            lines=total - plan.total_lines, nodes=len(plan.nodes), chunk_rows=plan.chunk_rows)
+        plan.total_lines = total
+    plan.limit, plan.rows = limit, rows   # what the chunks now hold: the next call need not count
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    return plan
+
+
+def _cut(src: Path, pdir: Path, fmt: str, *, first_line: int, index: int, lines: int, nodes: int,
+         chunk_rows: int | None) -> list[Chunk]:
+    """Write the chunk files of the input's `lines` lines from `first_line` on (chunk numbers from `index`)."""
+    (pdir / "inputs").mkdir(parents=True, exist_ok=True)
     chunks: list[Chunk] = []
-    first = 1
-    for i, n in enumerate(sizes):
+    first = first_line
+    for i, n in enumerate(plan_sizes(lines, nodes, chunk_rows), index):
         chunks.append(Chunk(index=i, first_line=first, lines=n,
                             file=f"inputs/chunk-{i:05d}.{'parquet' if fmt == 'parquet' else 'jsonl'}"))
         first += n
-    if fmt == "parquet":
-        _split_parquet(src, pdir, chunks)
-    else:
-        _split_jsonl(src, pdir, chunks)
-    plan = Plan(input=str(src.resolve()), input_id=ident, total_lines=total, chunk_rows=chunk_rows, nodes=list(nodes),
-                chunks=chunks, fmt=fmt)
-    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
-    return plan
+    if chunks:
+        (_split_parquet if fmt == "parquet" else _split_jsonl)(src, pdir, chunks)
+    return chunks
 
 
 def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chunk:
@@ -297,7 +332,10 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chun
 
 
 def _split_jsonl(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
+    """The chunks' files; they are consecutive, from `chunks[0].first_line` on."""
     with _open_lines(src) as f:
+        for _ in range(chunks[0].first_line - 1):
+            f.readline()
         for c in chunks:
             tmp = pdir / (c.file + ".tmp")
             with open(tmp, "wb") as out:
@@ -317,6 +355,12 @@ def _split_parquet(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
     batches = pf.iter_batches(batch_size=8192)
     pending: list[pa.RecordBatch] = []
     have = 0
+    skip = chunks[0].first_line - 1   # the chunks are consecutive, from chunks[0].first_line on
+    while skip > 0:
+        b = next(batches)
+        if b.num_rows > skip:
+            pending, have = [b.slice(skip)], b.num_rows - skip
+        skip -= min(skip, b.num_rows)
     for c in chunks:
         while have < c.lines:
             b = next(batches)

@@ -68,6 +68,10 @@ class RunFacts:
     started_at: float                   # epoch seconds
     finished_at: float
     wall_s: float                       # the whole run, set-up and manifest included
+    # every row of the input and the run's generation.limit: whether the job covers a later call's
+    # --limit (fleet/generation/validate.py `covers`)
+    rows_in_input: int | None = None
+    limit: int | None = None
     previous_runs: Sequence[dict[str, Any]] = ()   # the `runs` of the manifest already there
     runner: dict[str, Any] = field(default_factory=dict)   # pid, retry_errors, python
 
@@ -141,7 +145,8 @@ def build_manifest(f: RunFacts) -> dict[str, Any]:
     return {
         "state": f.state, "reason": f.reason, "complete": s.complete and f.failure is None,
         "error": f.failure,
-        "input": {"path": f.input_path, "fingerprint": f.input_fingerprint, "rows": f.rows_total},
+        "input": {"path": f.input_path, "fingerprint": f.input_fingerprint, "rows": f.rows_total,
+                  "rows_in_input": f.rows_in_input, "limit": f.limit},
         "output": f.output,
         "counts": counts,
         "accounted": sum(counts.get(k, 0) for k in ("completed", "errors", "rejects", "quality_rejects")),

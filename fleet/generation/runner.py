@@ -115,6 +115,7 @@ class _Run:
         self.reserve: Path | None = None
         self._disp: Dispatcher | None = None
         self._signals = 0
+        self.rows_in_input: int | None = None   # every row of the input, whatever the limit (`_count_rows`)
 
     @classmethod
     async def open(cls, job: JobSpec) -> _Run:
@@ -229,6 +230,7 @@ class _Run:
 
         try:
             n = await asyncio.to_thread(count_rows, self.job.input)
+            self.rows_in_input = n
             self.progress.rows_total = n if self.gen.limit is None else min(n, self.gen.limit)
         except Exception as exc:   # the feeder meets the same corruption, after the rows before it
             log.warning("counting the input's rows failed: %s", exc)
@@ -337,7 +339,8 @@ class _Run:
         return RunFacts(
             state=state, reason=reason, failure=self.failure.as_dict() if self.failure is not None else None,
             summary=summary, input_path=str(self.job.input), input_fingerprint=self.fingerprint,
-            rows_total=self.progress.rows_total, output=str(self.out), counts=counts,
+            rows_total=self.progress.rows_total, rows_in_input=self.rows_in_input, limit=self.gen.limit,
+            output=str(self.out), counts=counts,
             config=self.cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
             config_fingerprint=self.cfg.fingerprint(), price_per_gpu_hour=self.gen.price_per_gpu_hour,
             servers=[ServerFacts(ep.name, ep.url, ep.model, ep.gpus, srv.info)

@@ -15,8 +15,10 @@ after the bring-up:
   that holds no fleet job (`--output ~` would scatter shards into a home directory).
 - **the job already there** (`decide`): one output directory is one job. A live runner is
   re-attached to only when the input (SHA-256), the generation parameters and the mode are the
-  same; a finished job re-run is "nothing to do"; a different input or different parameters
-  into a directory that holds results is refused (`JobConflict`), each with its remedy.
+  same; a finished job re-run is "nothing to do" when it holds every row this call asks for (a job
+  finished under `--limit 100` goes on under `--limit 200` or without one: `covers`); a different
+  input or different parameters into a directory that holds results is refused (`JobConflict`),
+  each with its remedy.
 
 What defines a job (`job_params`): the `[generation]` section minus the operational knobs
 (concurrency, timeouts, attempts, shard size, price, limit: `OPERATIONAL`), plus the model's source and
@@ -32,7 +34,7 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fleet.errors import InputError, JobConflict
 
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     from fleet.node import Node
 
 __all__ = ["SNIFF_ROWS", "OPERATIONAL", "InputCheck", "OutputCheck", "ExistingJob", "JobPlan", "check_input",
-           "check_output", "job_params", "params_diff", "read_existing", "decide", "plan_job", "fingerprint"]
+           "check_output", "covers", "job_params", "params_diff", "read_existing", "decide", "plan_job", "fingerprint"]
 
 SNIFF_ROWS = 10_000   # rows read at most to find the first valid one
 MIN_FREE_BYTES = 1 << 20
@@ -351,7 +353,8 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                               remedy="give this job its own --output, or set the parameters back (one directory "
                                      "holds one dataset: rows made with two settings would be mixed silently)")
     m = ex.manifest or {}
-    if m.get("complete") and m.get("state") == "done" and not retry_errors and recorded_fp is not None:
+    finished = m.get("complete") and m.get("state") == "done" and not retry_errors and recorded_fp is not None
+    if finished and covers(m, cfg.generation.limit):
         counts = m.get("counts") or {}
         done = {k: int(counts.get(k) or 0) for k in ("completed", "errors", "rejects")}
         n = sum(done.values())
@@ -359,9 +362,41 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                        f"nothing to do: {n:,} rows already done in {out} on node {ex.node} "
                        f"({done['completed']:,} completed, {done['errors']:,} errors, {done['rejects']:,} rejects)"
                        + ("; --retry-errors sends the errors again" if done["errors"] else ""), done=done)
+    if finished:
+        inp = m.get("input") or {}
+        limit = cfg.generation.limit
+        return JobPlan(input_path, out, "resume",
+                       f"going on with the job in {out} on node {ex.node}: its first {inp.get('rows') or 0:,} rows "
+                       f"are done (limit {_done_limit(m)}), this run asks for "
+                       + ("every row" if limit is None else f"the first {limit:,}"))
     if ex.store_job is not None or m:
         return JobPlan(input_path, out, "resume", f"resuming the job in {out} on node {ex.node}")
     return JobPlan(input_path, out, "new", f"new job into {out} on node {ex.node}")
+
+
+def _done_limit(manifest: dict[str, Any]) -> int | None:
+    """The generation.limit the finished job ran with (its config, for a manifest from before `input.limit`)."""
+    inp = manifest.get("input") or {}
+    if "limit" in inp:
+        return cast(int | None, inp["limit"])
+    return cast(int | None, ((manifest.get("config") or {}).get("generation") or {}).get("limit"))
+
+
+def covers(manifest: dict[str, Any], limit: int | None) -> bool:
+    """Whether a finished job's rows are every row a call with `limit` (None: the whole input) asks for.
+
+    A job finished under `--limit 100` covers a later `--limit 50`, not a `--limit 200` nor a call
+    without one, unless its input ended before its limit."""
+    done_limit = _done_limit(manifest)
+    if done_limit is None:
+        return True                     # it read the whole input
+    inp = manifest.get("input") or {}
+    rows, total = inp.get("rows"), inp.get("rows_in_input")
+    if isinstance(rows, int) and isinstance(total, int):
+        return rows >= (total if limit is None else min(total, limit))
+    if isinstance(rows, int) and rows < done_limit:
+        return True                     # the input ended before the limit: every row was read
+    return limit is not None and limit <= done_limit
 
 
 def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = False, cwd: str | None = None,

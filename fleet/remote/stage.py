@@ -4,7 +4,15 @@
 fleet uploads this file to the node and runs it with the node's bare ``python3``
 (3.8 or newer); nothing here may import beyond the standard library.
 
-    python3 stage.py --src DIR --dst DIR --streams N [--verify] [--plan-only] [--max-mb-s R]
+    python3 stage.py --src DIR (--dst DIR | --ramdisk DIR --fleet NAME) --streams N [--verify] [--plan-only]
+                     [--max-mb-s R]
+
+With ``--ramdisk R --fleet F`` the destination is this user's and this fleet's own
+``R/fleet-<uid>/F/<source directory name>-<key>`` (`destination`): the key is a digest of the
+source's real path and every file's path, size and mtime, so two fleets or two users never share
+(and never rewrite) one copy, and a changed source is a new copy beside the one live servers may
+still map. ``R/fleet-<uid>`` and ``R/fleet-<uid>/F`` are created mode 0700 and must belong to
+this user (another user's directory there is refused, never written into).
 
 The manifest ``DST/.fleet-stage.json`` is the single source of truth for the copy:
 
@@ -26,8 +34,8 @@ in DST (the partial copy stays marked incomplete); 4 an I/O error while reading 
 progress goes to stderr every ~2 s, each line starting with LOG_PREFIX.
 
 One file on purpose: it is uploaded and run as it is, so it cannot import its own helpers.
-`stage` runs the named steps in order: lock_dst -> plan -> clear_stale -> reverify (--verify)
--> check_room -> copy_todo -> finish_copy.
+`stage` runs the named steps in order: destination -> lock_dst -> seed (--ramdisk) -> plan ->
+clear_stale -> reverify (--verify) -> check_room -> copy_todo -> finish_copy.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -614,11 +623,66 @@ def plan(src: str, dst: str) -> Plan:
                 prev_verified=prev_manifest.get("verified") is True)
 
 
-def check_paths(src: str, dst: str) -> tuple[str, str]:
+def check_source(src: str) -> None:
     if not os.path.exists(src):
         raise StageError("source directory %s does not exist" % src, EXIT_USAGE)
     if not os.path.isdir(src):
         raise StageError("source %s is not a directory" % src, EXIT_USAGE)
+
+
+def source_key(rsrc: str, files: dict[str, SrcFile]) -> str:
+    """12 hex digits of the source's real path and every file's path, size and mtime_ns."""
+    h = hashlib.sha256(rsrc.encode())
+    for rel in sorted(files):
+        f = files[rel]
+        h.update(("\n%s\0%d\0%d" % (rel, f.size, f.mtime_ns)).encode())
+    return h.hexdigest()[:12]
+
+
+def own_dir(path: str, create: bool) -> bool:
+    """`path` is a directory of this user, mode 0700 (made so when `create`); False when absent.
+
+    Another user's directory, or a symlink, is refused: it is not ours to write into."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StageError("cannot create %s: %s" % (path, exc.strerror), EXIT_IO)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise StageError("%s is not a directory of this user (uid %d; it belongs to uid %d): another user's "
+                         "staging area is never written into; remove it or set nodes.ramdisk elsewhere"
+                         % (path, os.getuid(), st.st_uid), EXIT_USAGE)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)   # ours: others may not plant files in it
+    return True
+
+
+def destination(args: argparse.Namespace, create: bool) -> str:
+    """--dst as given, or RAMDISK/fleet-<uid>/FLEET/<source name>-<key> (see the module docstring)."""
+    if args.dst:
+        return str(args.dst)
+    check_source(args.src)
+    rsrc = os.path.realpath(args.src)
+    rram = os.path.realpath(args.ramdisk)
+    if (rsrc + os.sep).startswith(rram + os.sep):
+        raise StageError("source %s is already in the RAM disk %s: the model is already in place; serve it "
+                         "from there without staging" % (rsrc, rram), EXIT_USAGE)
+    files, _dirs, _ignored = walk_source(rsrc)
+    name = os.path.basename(rsrc.rstrip(os.sep)) or "model"
+    root = os.path.join(args.ramdisk, "fleet-%d" % os.getuid())
+    if own_dir(root, create):
+        own_dir(os.path.join(root, args.fleet), create)
+    return os.path.join(root, args.fleet, "%s-%s" % (name, source_key(rsrc, files)))
+
+
+def check_paths(src: str, dst: str) -> tuple[str, str]:
+    check_source(src)
     rsrc = os.path.realpath(src)
     rdst = os.path.realpath(dst)
     if rsrc == rdst:
@@ -662,6 +726,60 @@ def lock_dst(dst: str) -> int:
         log("another fleet-stage holds %s; waiting for it" % os.path.join(dst, LOCK))
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
     return lock_fd
+
+
+def _linkable(sib: str, rel: str, f: SrcFile, entry: dict[str, Any] | None) -> bool:
+    """The sibling copy's file is the source's file as it is now, in place as its manifest says."""
+    if entry is None or entry.get("size") != f.size or entry.get("mtime_ns") != f.mtime_ns:
+        return False
+    try:
+        st = os.lstat(os.path.join(sib, rel))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == entry.get("dst_mtime_ns")
+
+
+def in_siblings(src: str, dst: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """For a new copy (no manifest yet): {rel: (file, its manifest entry)} of this fleet's other
+    finished copies of the same source (dst's siblings) whose file is the source's file as it is now."""
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    parent = os.path.dirname(dst)
+    if os.path.exists(os.path.join(dst, MANIFEST)) or not os.path.isdir(parent):
+        return found
+    files = walk_source(src)[0]
+    for name in sorted(os.listdir(parent)):
+        sib = os.path.join(parent, name)
+        if sib == dst or os.path.islink(sib) or not os.path.isdir(sib):
+            continue
+        prev_manifest, prev = load_manifest(sib, src)
+        if prev_manifest.get("complete") is not True:
+            continue
+        for rel, f in files.items():
+            if rel not in found and _linkable(sib, rel, f, prev.get(rel)):
+                found[rel] = (os.path.join(sib, rel), prev[rel])
+    return found
+
+
+def seed(src: str, dst: str) -> int:
+    """Start a new copy from this fleet's other finished copies of the same source (`in_siblings`):
+    those files are hard-linked in and entered in an incomplete manifest, so only changed files are
+    copied. One inode, no RAM twice, and neither copy is written in place: every copy writes
+    NAME.fleet-part and renames. Returns the files linked."""
+    entries: dict[str, dict[str, Any]] = {}
+    for rel, (path, entry) in in_siblings(src, dst).items():
+        target = os.path.join(dst, rel)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.link(path, target)
+        except OSError:
+            continue
+        entries[rel] = dict(entry)
+    if entries:
+        stager = Stager(src, dst, 1, False, None)
+        stager.entries = entries
+        stager.write_manifest(complete=False)
+        log("linked %d unchanged files from this fleet's earlier copy" % len(entries))
+    return len(entries)
 
 
 def clear_stale(stager: Stager, p: Plan) -> bool:
@@ -753,13 +871,18 @@ def finish_copy(stager: Stager, p: Plan, todo: list[SrcFile], verify: bool) -> N
 
 def stage(args: argparse.Namespace) -> dict[str, Any]:
     # the manifest names the source by its real path: a re-pointed symlink is a new source
-    src, dst = check_paths(args.src, args.dst)
+    src, dst = check_paths(args.src, destination(args, create=not args.plan_only))
     shown_src = os.path.abspath(args.src)
     t0 = time.monotonic()
     if args.plan_only:
-        return plan_report(plan(src, dst), shown_src, dst)
+        report = plan_report(plan(src, dst), shown_src, dst)
+        if args.ramdisk:   # what `seed` will link costs no room
+            report["already_staged_bytes"] += sum(int(e["size"]) for _, e in in_siblings(src, dst).values())
+        return report
 
     lock_dst(dst)
+    if args.ramdisk:
+        seed(src, dst)
     p = plan(src, dst)
     files = p.files
     for item in p.ignored:
@@ -807,12 +930,18 @@ def stage(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="fleet-stage", description="Stage a model directory into a RAM disk.")
     ap.add_argument("--src", required=True, help="model directory to copy (symlinks are followed)")
-    ap.add_argument("--dst", required=True, help="directory in the RAM disk to copy it to")
+    ap.add_argument("--dst", help="directory in the RAM disk to copy it to")
+    ap.add_argument("--ramdisk", help="the RAM disk: copy to RAMDISK/fleet-<uid>/FLEET/<name>-<key> (with --fleet)")
+    ap.add_argument("--fleet", help="the fleet the copy belongs to (a-z, 0-9, -), with --ramdisk")
     ap.add_argument("--streams", type=int, default=8, help="parallel copy streams (threads)")
     ap.add_argument("--verify", action="store_true", help="compare content hashes, not only size and mtime")
     ap.add_argument("--plan-only", action="store_true", help="print sizes and what is already staged; copy nothing")
     ap.add_argument("--max-mb-s", type=float, default=0.0, help="cap on the copy rate in MB/s (0: none)")
     args = ap.parse_args(argv)
+    if bool(args.dst) == bool(args.ramdisk) or bool(args.ramdisk) != bool(args.fleet):
+        ap.error("give --dst, or --ramdisk with --fleet")
+    if args.fleet and not re.match(r"^[a-z0-9][a-z0-9-]*$", args.fleet):
+        ap.error("--fleet must be a-z, 0-9 and -, starting with a letter or digit")
     if not 1 <= args.streams <= 256:
         ap.error("--streams must be between 1 and 256")
     if args.max_mb_s < 0:
