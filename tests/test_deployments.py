@@ -346,7 +346,13 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
 
     deps = {d["name"]: d for d in s.post("/deployments/filter", {}) if d["name"].endswith("-dep-block")}
     assert set(deps) == {f"{a}-dep-block" for a in ("bringup", "revalidate", "generate", "teardown")}
+    from flows.deploy import CHECKOUT
+
     for name, d in deps.items():
+        # run from another directory than the checkout: the code is still found (a worker runs each
+        # flow in a fresh temporary directory; without this pull step every run Crashed there)
+        assert d["entrypoint"] == "flows/fleet.py:fleet"
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(CHECKOUT)}}]
         assert d["parameters"]["config"] == "block:fleet-config/dep-block"
         assert d["parameters"]["action"] == name.removesuffix("-dep-block")
         assert d["work_pool_name"] == "fleet-pool" and "fleet:dep-block" in d["tags"]

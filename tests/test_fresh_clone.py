@@ -116,7 +116,9 @@ class Clone:
         assert m, f"no flow run id in:\n{res.stdout}\n{res.stderr}"
         fr = self.api(f"/flow_runs/{m.group(1)}")
         print(f"\n{line.split()[3]}: {fr['name']} {fr['state']['type']} {fr['state']['message']!r}")
-        assert res.returncode == 0 and fr["state"]["type"] == "COMPLETED", (fr["state"], res.stdout[-3000:])
+        worker = c.tmp / "worker.log"
+        assert res.returncode == 0 and fr["state"]["type"] == "COMPLETED", (
+            fr["state"], res.stdout[-2000:], worker.read_text()[-3000:] if worker.exists() else "")
         return fr
 
 
@@ -166,7 +168,7 @@ def start_server(c: Clone, line: str) -> None:
         except httpx.HTTPError:
             return False
 
-    poll(healthy, timeout=90, what="prefect server /api/health")
+    poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; minutes at load 12
 
 
 @pytest.fixture(scope="module")
@@ -223,17 +225,18 @@ def test_readme_fleet_deploy_block_on_a_fresh_clone(clone: Clone) -> None:
     default one. Now each deployment sets its working directory to the checkout fleet is installed from:
     README's block, as written, brings the fleet up, runs a job (each row exactly once) and tears it down."""
     c = clone
-    deps = {d["name"]: d for d in c.api("/deployments/filter", {}) if d["name"].endswith("-b200")}
-    assert set(deps) == {f"{a}-b200" for a in ACTIONS}
-    for d in deps.values():
-        assert d["entrypoint"] == "flows/fleet.py:fleet" and d["work_pool_name"] == "fleet-pool"
-        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(c.root)}}]
     data = c.tmp / "data"
     data.mkdir()
     prompts(data / "prompts.jsonl", ROWS)
     try:
         fr = c.run(README_DEPLOY[5])
         assert fr["name"] == "bringup-b200" and fr["state"]["message"].startswith("2 server(s) up")
+        deps = {d["name"]: d for d in c.api("/deployments/filter", {}) if d["name"].endswith("-b200")}
+        assert set(deps) == {f"{a}-b200" for a in ACTIONS}
+        for d in deps.values():   # the code the worker ran: the clone's
+            assert d["entrypoint"] == "flows/fleet.py:fleet" and d["work_pool_name"] == "fleet-pool"
+            assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory":
+                                        {"directory": str(c.root)}}]
         fr = c.run(README_DEPLOY[6], **{"/data/": f"{data}/"})
         assert fr["name"] == "generate-b200"
         ids = shard_ids(data / "out")
