@@ -325,6 +325,18 @@ def test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback(
         run_deployment(s, "fleet/teardown", f"config={cfg_path}")
 
 
+def test_generate_deployment_errors_name_parameters_not_cli_options(deployed: PrefectServer, tmp_path: Path) -> None:
+    """Fault: a generate run started from a deployment failed with the CLI's words ("pass an existing
+    --input file"), an option that run does not have. Under a deployment the message names the
+    parameter (`input`); `fleet generate`, which has the option, keeps `--input`."""
+    cfg_path, _ = sim_toml(tmp_path, n=1)
+    rc, fr = run_deployment(deployed, "fleet/generate", f"config={cfg_path}", f"input={tmp_path / 'missing.jsonl'}",
+                            f"output={tmp_path / 'out'}", timeout=90)
+    msg = fr["state"]["message"]
+    assert rc == 1 and fr["state"]["type"] == "FAILED", fr["state"]
+    assert "does not exist" in msg and "pass an existing `input` file" in msg and "--input" not in msg, msg
+
+
 def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet(
         deployed: PrefectServer, tmp_path: Path) -> None:
     """Fault: `config` was a plain parameter per deployment: `prefect deploy --all --param` ignored
