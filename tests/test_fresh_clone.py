@@ -116,7 +116,7 @@ class Clone:
         assert m, f"no flow run id in:\n{res.stdout}\n{res.stderr}"
         fr = self.api(f"/flow_runs/{m.group(1)}")
         print(f"\n{line.split()[3]}: {fr['name']} {fr['state']['type']} {fr['state']['message']!r}")
-        worker = c.tmp / "worker.log"
+        worker = self.tmp / "worker.log"
         assert res.returncode == 0 and fr["state"]["type"] == "COMPLETED", (
             fr["state"], res.stdout[-2000:], worker.read_text()[-3000:] if worker.exists() else "")
         return fr
