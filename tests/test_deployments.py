@@ -106,7 +106,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         except httpx.HTTPError:
             return False
 
-    poll(healthy, timeout=90, what="prefect server /api/health")
+    poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; over 90 s seen at load 13
     try:
         yield PrefectServer(api=api, home=home, env=env)
     finally:

@@ -39,7 +39,9 @@ from conftest import wait_until as poll
 from test_deployments import stop_group
 from test_generate_flow import prompts, shard_ids
 
-pytestmark = pytest.mark.prefect
+# Nine flow runs through a worker or `serve`, each a fresh Python process: ≈ 2–5 min a test at load 12
+# on 2 cores (the module's setup, a server and a worker, counts in its first test), past the default 300 s.
+pytestmark = [pytest.mark.prefect, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent   # the test run's venv (not resolved: a venv's python is a link)
