@@ -106,8 +106,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         except httpx.HTTPError:
             return False
 
-    poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; over 90 s seen at load 13
-    try:
+    try:   # a server that never answers is stopped too (it outlived the failed test run before)
+        poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; over 90 s seen at load 13
         yield PrefectServer(api=api, home=home, env=env)
     finally:
         stop_group(proc)
