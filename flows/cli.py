@@ -73,7 +73,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
           + (f"; work pool {res.pool} created" if res.pool_created else ""))
     for name in res.deployments:
         print(f"  {name}")
-    print(f"start a worker: prefect worker start --pool {res.pool}   (from this directory, in its venv)\n"
+    print(f"each run: {res.checkout}/flows/fleet.py, in that directory (the checkout fleet is installed from)\n"
+          f"start a worker: prefect worker start --pool {res.pool}   (in this venv, from any directory)\n"
           f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
     return 0
 

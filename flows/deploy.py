@@ -11,8 +11,17 @@
    fleet that bring-up brought up, and the runs are named `<action>-<name>`.
 
 Re-running it after editing the TOML updates the block and the deployments (idempotent).
-A process worker (`prefect worker start --pool fleet-pool`) started from this repository's
-venv runs them, in this directory.
+
+Where the flow's code is: a process worker runs each flow run in a fresh temporary
+directory, so a deployment with Prefect's default `path: '.'` and no pull step crashes
+there (FileNotFoundError flows/fleet.py), and an entrypoint taken relative to the directory
+`fleet deploy` ran in points nowhere from the worker's. So each deployment gets the pull step
+`set_working_directory` to the checkout this `fleet` package is installed from (CHECKOUT, the
+directory holding flows/fleet.py; never the CWD) and the entrypoint `flows/fleet.py:fleet`
+relative to it: the same shape as deployments/prefect.yaml, on any process pool (one this
+command created or one made with defaults), whatever directory either command ran in. A
+process worker started from this checkout's venv runs them (`prefect worker start --pool
+fleet-pool`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from typing import Any
 
 from fleet.config import FleetConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+# The checkout (or site-packages) that `flows` is imported from: what the worker must run.
+CHECKOUT = Path(__file__).resolve().parents[1]
+ENTRYPOINT = "flows/fleet.py:fleet"
 ACTIONS = ("bringup", "revalidate", "generate", "teardown")
 JOB_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "fleet", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
@@ -37,6 +48,7 @@ class Deployed:
     deployments: list[str] = field(default_factory=list)   # fleet/<action>-<name>
     pool: str = "fleet-pool"
     pool_created: bool = False
+    checkout: str = str(CHECKOUT)     # the directory each run's working directory is set to
 
 
 def block_ref(cfg: FleetConfig) -> str:
@@ -67,14 +79,23 @@ def ensure_pool(name: str) -> bool:
 
 
 def build(cfg: FleetConfig, *, pool: str | None, revalidate_every_s: float | None) -> list[Any]:
-    """The fleet's four RunnerDeployments (exposed for tests); the same shape as deployments/prefect.yaml."""
+    """The fleet's four RunnerDeployments (exposed for tests); the same shape as deployments/prefect.yaml:
+    entrypoint flows/fleet.py:fleet, pulled by setting the working directory to CHECKOUT."""
+    from prefect.runner.storage import LocalStorage
+
     from flows.serve import DEPLOYMENTS, runner_deployment
 
-    return [runner_deployment(f"{action}-{cfg.name}", block_ref(cfg), DEPLOYMENTS[action][0],
+    out = []
+    for action in ACTIONS:
+        d = runner_deployment(f"{action}-{cfg.name}", block_ref(cfg), DEPLOYMENTS[action][0],
                               revalidate_every_s=revalidate_every_s if action == "revalidate" else None,
                               tags=["fleet", f"fleet:{cfg.name}"], work_pool_name=pool,
                               job_variables={"env": dict(JOB_ENV)} if pool else None)
-            for action in ACTIONS]
+        # to_deployment took the entrypoint relative to the CWD and left path '.', no pull step
+        d.entrypoint = ENTRYPOINT
+        d.storage = LocalStorage(str(CHECKOUT))
+        out.append(d)
+    return out
 
 
 def deploy(cfg: FleetConfig, *, source: str | None = None, pool: str = "fleet-pool",

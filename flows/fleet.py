@@ -33,7 +33,7 @@ from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
 from flows.outcome import failed, outcome, quiet_expected_failures
-from flows.params import resolve_config, run_name
+from flows.params import for_deployment, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
 from tasks.locks import hold_nodes
@@ -325,7 +325,7 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
     if action == "generate":
         if not (input and output):
             return failed("action 'generate' needs the parameters input and output")
-        return _generate(cfg, input, output, retry_errors, node_wait_s, t0)
+        return for_deployment(_generate(cfg, input, output, retry_errors, node_wait_s, t0))
     try:
         # Every action that launches, probes or stops servers holds its nodes; a long-running
         # action (generation) must not: it would block bring-ups and revalidations for days.

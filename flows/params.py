@@ -11,6 +11,7 @@ SSH details kept out of the repo.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,28 @@ def run_name() -> str:
     else:
         name = "fleet"
     return f"{params.get('action', 'bringup')}-{name}"
+
+
+# The generation core speaks to `fleet generate` (`--input`, `--output`, `--retry-errors`); a
+# deployment run is given the flow's parameters instead, so its messages must name those.
+_CLI_OPTION = re.compile(r"(?<![\w-])--(input|output|retry-errors)(?![\w-])")
+
+
+def parameter_words(message: str) -> str:
+    """`message` with the CLI's options named as the flow's parameters: `--input` reads `` `input` ``."""
+    return _CLI_OPTION.sub(lambda m: "`" + m.group(1).replace("-", "_") + "`", message)
+
+
+def for_deployment(state: Any) -> Any:
+    """A generate run's final state, its message in parameter words when a deployment started the run
+    (the UI, `prefect deployment run`, a schedule); as it is for `fleet generate` (the CLI's words)."""
+    from prefect.runtime import deployment
+
+    message = getattr(state, "message", None)
+    if not deployment.id or not message or parameter_words(message) == message:
+        return state
+    from flows.outcome import RunFailed, failed
+
+    if state.is_failed():
+        return failed(parameter_words(message), state.data.data if isinstance(state.data, RunFailed) else None)
+    return state.model_copy(update={"message": parameter_words(message)})

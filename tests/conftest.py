@@ -355,6 +355,7 @@ GROUPED: dict[str, str | None] = {
     "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
     "test_ui.py": "ui",
+    "test_fresh_clone.py": "fresh-clone",   # one clone, Prefect server and worker for its three tests
     "test_tinymodel.py": "tinymodel",
 }
 # The longest tests (seconds with 4 workers on a busy 2-core machine: `./dev.sh test
@@ -362,6 +363,10 @@ GROUPED: dict[str, str | None] = {
 # left running a long one while the others are done. Only the order depends on these numbers; a
 # test missing here runs after them, in pytest's order.
 SLOW_S: dict[str, float] = {
+    # measured at load 12 with -n 0 (not yet with 4 workers): slower than its neighbours, if anything
+    "test_fresh_clone.py::test_readme_fleet_deploy_block_on_a_fresh_clone": 305,
+    "test_fresh_clone.py::test_readme_yaml_recipe_on_a_fresh_clone": 286,
+    "test_fresh_clone.py::test_readme_serve_on_a_fresh_clone": 281,
     "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet": 228,
     "test_multinode_ssh.py::test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes": 153,
     "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 139,

@@ -106,8 +106,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         except httpx.HTTPError:
             return False
 
-    poll(healthy, timeout=90, what="prefect server /api/health")
-    try:
+    try:   # a server that never answers is stopped too (it outlived the failed test run before)
+        poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; over 90 s seen at load 13
         yield PrefectServer(api=api, home=home, env=env)
     finally:
         stop_group(proc)
@@ -325,6 +325,18 @@ def test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback(
         run_deployment(s, "fleet/teardown", f"config={cfg_path}")
 
 
+def test_generate_deployment_errors_name_parameters_not_cli_options(deployed: PrefectServer, tmp_path: Path) -> None:
+    """Fault: a generate run started from a deployment failed with the CLI's words ("pass an existing
+    --input file"), an option that run does not have. Under a deployment the message names the
+    parameter (`input`); `fleet generate`, which has the option, keeps `--input`."""
+    cfg_path, _ = sim_toml(tmp_path, n=1)
+    rc, fr = run_deployment(deployed, "fleet/generate", f"config={cfg_path}", f"input={tmp_path / 'missing.jsonl'}",
+                            f"output={tmp_path / 'out'}", timeout=90)
+    msg = fr["state"]["message"]
+    assert rc == 1 and fr["state"]["type"] == "FAILED", fr["state"]
+    assert "does not exist" in msg and "pass an existing `input` file" in msg and "--input" not in msg, msg
+
+
 def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet(
         deployed: PrefectServer, tmp_path: Path) -> None:
     """Fault: `config` was a plain parameter per deployment: `prefect deploy --all --param` ignored
@@ -346,7 +358,13 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
 
     deps = {d["name"]: d for d in s.post("/deployments/filter", {}) if d["name"].endswith("-dep-block")}
     assert set(deps) == {f"{a}-dep-block" for a in ("bringup", "revalidate", "generate", "teardown")}
+    from flows.deploy import CHECKOUT
+
     for name, d in deps.items():
+        # run from another directory than the checkout: the code is still found (a worker runs each
+        # flow in a fresh temporary directory; without this pull step every run Crashed there)
+        assert d["entrypoint"] == "flows/fleet.py:fleet"
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(CHECKOUT)}}]
         assert d["parameters"]["config"] == "block:fleet-config/dep-block"
         assert d["parameters"]["action"] == name.removesuffix("-dep-block")
         assert d["work_pool_name"] == "fleet-pool" and "fleet:dep-block" in d["tags"]

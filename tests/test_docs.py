@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -39,3 +40,16 @@ def test_every_command_has_help(cmd: str) -> None:
 def test_sim_help_reaches_the_simulator() -> None:
     r = subprocess.run([sys.executable, "-m", "flows.cli", "sim", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--crash-after" in r.stdout
+
+
+def test_readme_lists_every_command() -> None:
+    """Fault: `tiny-model` (and `deploy`) were missing from README's command list; a new command must be
+    listed there too (`fleet demo` is in the README's first lines)."""
+    from fleet.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = (ROOT / "README.md").read_text()
+    listed = text.split("## Using it", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    missing = [cmd for cmd in sub.choices if cmd != "demo" and f".venv/bin/fleet {cmd} " not in listed]
+    assert len(sub.choices) == len(COMMANDS) and not missing, f"not in README's command list: {missing}"
