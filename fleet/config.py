@@ -374,6 +374,7 @@ class GenerationConfig(_Section):
         return v
     max_concurrency_per_server: int = Field(256, ge=1, le=100000, description="Cap on in-flight requests per server.")
     request_timeout_s: float = Field(1800.0, gt=0, description="Timeout of one generation request.")
+    max_response_mib: float = Field(64.0, gt=0, le=4096, description="Cap on one answer's size in MiB (far above any real completion): a bigger answer ends that request as an invalid answer, read no further; a server that keeps sending them is taken out.")
     max_attempts: int = Field(6, ge=1, le=100, description="Attempts per row before it goes to the errors file.")
     stall_s: float | None = Field(None, gt=0, description="A server with rows in flight and no row completed for this long is probed (/health_generate, else a one-token chat) and taken out if the probe fails. Unset: 3 x its recent p99 row time, within [stall_min_s, stall_max_s].")
     stall_min_s: float = Field(30.0, gt=0, description="Floor of the derived stall_s.")

@@ -320,6 +320,11 @@ class _Run:
             self.fail(InputError(f"input {self.job.input} holds no valid row ({stats.rows:,} rows read, "
                                  f"{stats.rejects:,} rejects; see rejects.jsonl)",
                                  remedy="fix the rows, then run the same command again"), stop=False)
+        if self.failure is None and summary.state == "failed":
+            # a failed job always says why and what to do, whatever part of it failed
+            self.failure = Failure("internal", (summary.reason or "the dispatcher failed")[:500],
+                                   "a bug: the traceback is in the runner's log; then run the same command again to "
+                                   "resume: committed rows are kept")
         state = "failed" if self.failure is not None or summary.state == "failed" else summary.state
         reason = self.failure.cause if self.failure is not None else summary.reason
         return state, reason

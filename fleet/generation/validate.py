@@ -48,7 +48,8 @@ MIN_FREE_BYTES = 1 << 20
 # Knobs that change how a job runs, not what it generates: a resume may change them.
 # (`limit`: a first 1,000 rows, then all of them, is one job.) Any other `*_s` key is a timing knob too.
 OPERATIONAL = frozenset({"max_concurrency_per_server", "request_timeout_s", "max_attempts", "shard_rows",
-                         "price_per_gpu_hour", "limit", "stall_s", "stall_min_s", "stall_max_s"})
+                         "price_per_gpu_hour", "limit", "stall_s", "stall_min_s", "stall_max_s",
+                         "max_response_mib"})
 
 
 def _operational(key: str) -> bool:
