@@ -155,17 +155,22 @@ class TooLarge(ValueError):
     """An answer over the size cap."""
 
 
-async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytearray:
-    """The body, read in chunks into one buffer; TooLarge past `max_bytes` (nothing more is read)."""
+async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, read in chunks; TooLarge past `max_bytes` (nothing more is read).
+
+    Chunks joined once: the peak is the body twice for the moment of the join, then once (a growing
+    bytearray reallocates as it grows, and the parser would copy it into bytes again)."""
     announced = resp.content_length
     if announced is not None and announced > max_bytes:
         raise TooLarge(f"answer of {announced:,} bytes announced, over the cap of {max_bytes:,}")
-    buf = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in resp.content.iter_any():
-        if len(buf) + len(chunk) > max_bytes:
+        size += len(chunk)
+        if size > max_bytes:
             raise TooLarge(f"answer over the cap of {max_bytes:,} bytes")
-        buf += chunk
-    return buf
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
@@ -183,7 +188,7 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     started = time.time()
     t0 = time.perf_counter()
     out = Outcome("ok", started_at=started)
-    raw: bytearray | None = None
+    raw: bytes | None = None
     try:
         # no redirects: a chat endpoint that sends us elsewhere is not answering (and could send
         # the prompt and the key to another host)
@@ -205,11 +210,11 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     return out
 
 
-def _judge(raw: bytearray, out: Outcome) -> None:
+def _judge(raw: bytes, out: Outcome) -> None:
     """The Outcome of a full answer: a completion, an invalid body, an abort or an HTTP error."""
     if out.status != 200:
         assert out.status is not None
-        out.kind, out.error = classify_status(out.status), _error_message(bytes(raw[:65536]), out.status)
+        out.kind, out.error = classify_status(out.status), _error_message(raw[:65536], out.status)
         return
     try:
         parse_completion(raw, out)

@@ -54,7 +54,7 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession) -> dict[str,
         try:
             async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status == 200:
-                    doc = loads(bytes(await read_capped(r, PROBE_MAX_BYTES)))
+                    doc = loads(await read_capped(r, PROBE_MAX_BYTES))
                     return doc if isinstance(doc, dict) else {}
                 if r.status != 404:
                     return {}

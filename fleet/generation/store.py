@@ -58,7 +58,14 @@ from fleet.generation.results import (
     shard_paths,
     shard_seq,
 )
-from fleet.generation.schema import COLUMN_SET, CONVERTERS, DICT_COLUMNS, RESULT_COLUMNS, RESULT_SCHEMA
+from fleet.generation.schema import (
+    COLUMN_SET,
+    CONVERTERS,
+    DICT_COLUMNS,
+    RESULT_COLUMNS,
+    RESULT_SCHEMA,
+    STATS_COLUMNS,
+)
 
 __all__ = ["ResultStore"]
 
@@ -313,7 +320,8 @@ class ResultStore:
                 cols = list(zip(*rows))
                 table = pa.Table.from_arrays(
                     [pa.array(col, type=f.type) for col, f in zip(cols, RESULT_SCHEMA)], schema=RESULT_SCHEMA)
-                pq.write_table(table, tmp, compression="zstd", use_dictionary=DICT_COLUMNS)
+                pq.write_table(table, tmp, compression="zstd", use_dictionary=DICT_COLUMNS,
+                               write_statistics=STATS_COLUMNS)
                 fsync(tmp)
                 os.rename(tmp, final)
                 renamed = True
