@@ -186,7 +186,7 @@ _malformed_st = st.one_of(
     st.binary(max_size=64).map(lambda b: Reply("random bytes", body=b)),
     st.integers(0, len(_GOOD_BYTES) - 1).map(lambda n: Reply("cut JSON", body=_GOOD_BYTES[:n])),
     st.sampled_from([b"[]", b"null", b'"ok"', b"7", b'{"object":"error"}', b'{"choices":[{"message":null}]}']).map(
-        lambda b: Reply("not an object of the schema", body=b)),
+        lambda b: Reply("wrong shape (not a completion object)", body=b)),
 )
 _cap = int(CAP_MIB * (1 << 20))
 _big = b'{"choices":[{"message":{"content":"' + b"x" * (_cap + 1024) + b'"}}]}'
@@ -253,17 +253,17 @@ def fuzz_job(work: Path, good_url: str | None, bad: GarbageServer, faults: list[
     from fleet.config import FleetConfig
     from fleet.generation.checks import account
     from fleet.generation.manifest import read_manifest
-    from fleet.generation.runner import run_local
+    from fleet.generation.runner import ServerEntry, run_local
 
     bad.set_script(faults)
     work.mkdir(parents=True)
     inp, out = work / "in.jsonl", work / "out"
     write_rows(inp, rows, marked)
-    cfg = FleetConfig(name="fuzz", engine={"kind": "sim"},
-                      generation={"max_tokens": 8, "max_concurrency_per_server": concurrency,
-                                  "max_response_mib": CAP_MIB},
-                      smoke={"attempts": 1, "first_timeout_s": 2.0, "timeout_s": 2.0})
-    servers = [{"node": "local", "index": 1, "url": bad.url, "model": "sim-model"}]
+    cfg = FleetConfig.model_validate({
+        "name": "fuzz", "engine": {"kind": "sim"},
+        "generation": {"max_tokens": 8, "max_concurrency_per_server": concurrency, "max_response_mib": CAP_MIB},
+        "smoke": {"attempts": 1, "first_timeout_s": 2.0, "timeout_s": 2.0}})
+    servers: list[ServerEntry | dict[str, Any]] = [{"node": "local", "index": 1, "url": bad.url, "model": "sim-model"}]
     if good_url is not None:
         servers.insert(0, {"node": "local", "index": 0, "url": good_url, "model": "sim-model"})
     rc = run_local(cfg, inp, out, servers, flush_interval_s=0.5, progress_interval_s=0.1,

@@ -400,6 +400,7 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_PYTHON": "the interpreter dev.sh builds the venv with",
     "FLEET_WHEELS": "local wheel directories dev.sh installs from",
     "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
+    "FLEET_FUZZ_EXAMPLES": "jobs of the answer fuzz test (tests/test_gen_answers.py)",
     # set by fleet in the servers' own environment (never read as config, but a process
     # started from a server's shell may inherit them)
     "FLEET_ENGINE_API_KEY": "the API key handed to a server",
@@ -466,15 +467,22 @@ class FleetConfig(BaseSettings):
         from fleet.engines import PROFILES
         from fleet.engines.base import owned_flag
 
-        owned = PROFILES[self.engine.kind].owned_flags
+        profile = PROFILES[self.engine.kind]
         lists: list[tuple[str, list[str]]] = [("engine.extra_args", self.engine.extra_args)]
         lists += [(f"servers.extra_args_by_index[{i}]", a) for i, a in sorted(self.servers.extra_args_by_index.items())]
         for where, args in lists:
-            hit = owned_flag(args, owned)
+            hit = owned_flag(args, profile.owned_flags)
             if hit:
                 arg, flag, field_name = hit
                 raise ValueError(f"{where} sets {flag} ({arg!r}), which fleet sets itself for {self.engine.kind}; "
                                  f"use {field_name} instead")
+            hit = owned_flag(args, {f: "" for f in profile.settings_files})
+            if hit:
+                shown = hit[1] if hit[0] == hit[1] else f"{hit[1]} ({hit[0]!r})"
+                raise ValueError(f"{where} passes {shown}: {self.engine.kind} would read its settings "
+                                 f"from a file fleet cannot check, which may set the host, the port or the API key "
+                                 f"fleet sets; give each setting as its own flag in {where} instead (fleet checks "
+                                 f"those)")
         return self
 
     def fingerprint(self) -> str:

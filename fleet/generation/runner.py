@@ -112,6 +112,7 @@ class _Run:
         self.t0 = t0
         self.loop = asyncio.get_running_loop()
         self.failure: Failure | None = None
+        self._failure_exc: BaseException | None = None   # what `failure` was classified from
         self.reserve: Path | None = None
         self._disp: Dispatcher | None = None
         self._signals = 0
@@ -148,6 +149,7 @@ class _Run:
     def fail(self, exc: BaseException, *, stop: bool = True) -> None:
         """Record the job's first failure and stop the dispatcher at once (from any thread)."""
         if self.failure is None:
+            self._failure_exc = exc
             self.failure = classify(exc, self.out, committed=self.store.counts().get("committed"))
             if self.failure.kind == "internal":
                 log.error("job failing: %s", self.failure.cause, exc_info=exc)
@@ -284,6 +286,9 @@ class _Run:
 
         state, reason = self._settle(summary)
         counts = dict(self.store.counts())
+        if self._failure_exc is not None:   # its remedy names the rows kept: the final count, not the first
+            self.failure = classify(self._failure_exc, self.out, committed=counts.get("committed"))
+            reason = self.failure.cause
         wall = time.monotonic() - self.t0
         final = self.progress.build(self.disp, state)
         final["state"] = state
@@ -313,6 +318,11 @@ class _Run:
                 self.store.flush()
             except Exception as exc:
                 self.fail(exc, stop=False)
+        else:   # what is committed now is what every record counts (store.discard_buffer)
+            dropped = self.store.discard_buffer()
+            if dropped:
+                log.warning("%d rows not committed (the output filesystem failed): generated again on resume",
+                            dropped)
         stats = self.stats
         if self.failure is None and summary.state == "done" and stats.requests + stats.skipped == 0:
             from fleet.errors import InputError

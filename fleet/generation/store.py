@@ -399,6 +399,14 @@ class ResultStore:
                 "dropped": self._dropped,  # add_result/add_error calls refused: id already done
             }
 
+    def discard_buffer(self) -> int:
+        """Drop the buffered (uncommitted) rows; how many. After a full disk or a removed directory the
+        job's last word is already counted: a commit at close, once space was freed (the reserve), would
+        keep rows the manifest and the message do not count. They are generated again on resume."""
+        with self._lock:
+            n, self._buffer = len(self._buffer), []
+        return n
+
     def close(self) -> None:
         """Commit what is buffered, close the files, release the directory lock. Idempotent."""
         if self._closed:

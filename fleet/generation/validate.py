@@ -317,10 +317,12 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                                      f"it), or stop it — {_stop_hint(ex)} — then run this command again")
         if recorded_fp is not None:
             same_input = recorded_fp == input_fp()
+            theirs = f"sha256 {recorded_fp[:12]}…"
         else:   # the live runner has not recorded its input yet: compare the paths (when both are the node's)
             same_input = not paths_comparable or live.get("input") in (None, input_path)
+            theirs = str(live.get("input"))
         if not same_input:
-            raise JobConflict(f"{who} for a different input (sha256 {str(recorded_fp)[:12]}…, not {input_path})",
+            raise JobConflict(f"{who} for a different input ({theirs}; this command's is {input_path})",
                               remedy=f"give this input its own --output, or wait for that job / stop it — "
                                      f"{_stop_hint(ex)}")
         live_cfg = live.get("config") or {}
