@@ -251,3 +251,34 @@ def test_a_shard_keeps_no_statistics_of_its_texts(tmp_path: Path) -> None:
     assert stats["id"] and stats["prompt_tokens"] and stats["finish_reason"]
     assert not stats["completion"] and not stats["reasoning_content"]
     assert not any(v for k, v in stats.items() if k.startswith("messages."))
+
+
+def test_a_server_fleet_owns_that_turns_to_garbage_is_relaunched_and_no_row_is_lost(tmp_path: Path) -> None:
+    """Protects the crash path for answers: a server that fleet launched and that starts answering garbage
+    (sim --garbled-after 100: then HTTP 200 with `usage: "lots"`) is taken out like a crashing one and
+    relaunched with its launch spec (the runner's relaunch path, as on a GPU node), again each time it
+    turns. It is the only server, so the job can end only through those relaunches: every id ends
+    exactly once, all done (none in errors or quality rejects), the relaunches counted."""
+    from bench_faults import launch_fleet, sim_config, stop_fleet
+    from conftest import port_block
+    from fleet.generation.checks import account
+    from fleet.generation.manifest import read_manifest
+    from fleet.generation.runner import run_local
+
+    cfg = sim_config(tmp_path / "work", port_block(1), 1, tokens_per_s=400, slots=4, startup_s=0.2, max_tokens=16)
+    cfg = cfg.model_copy(update={"servers": cfg.servers.model_copy(
+        update={"extra_args_by_index": {0: ["--garbled-after", "100"]}})})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                           for i in range(250)))
+    try:
+        entries = launch_fleet(cfg)
+        rc = run_local(cfg, inp, out, list(entries), flush_interval_s=0.5, progress_interval_s=0.2,
+                       dispatch={"backoff_s": 0.05, "recovery_backoff_s": 0.1, "recovery_backoff_max_s": 0.5})
+    finally:
+        stop_fleet(cfg)
+    m = read_manifest(out) or {}
+    assert rc == 0 and account(inp, out)["ok"], m.get("error")
+    assert m["counts"]["completed"] == 250 and m["counts"]["errors"] == 0 and m["counts"]["quality_rejects"] == 0
+    (srv,) = m["servers"]
+    assert srv["restarts"] >= 2 and srv["downs"] >= 2 and srv["invalid"] >= 2, srv
