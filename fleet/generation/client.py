@@ -3,8 +3,8 @@
 Measured on a 2-core machine against instant servers (DESIGN.md, "HTTP client cost"):
 `AsyncOpenAI` + a semaphore ≈ 850 req/s, a raw httpx pool ≈ 410, raw aiohttp ≈ 8,500. So
 the runner speaks HTTP through aiohttp directly, one `ClientSession` per server (its own
-connection pool, `limit` = that server's concurrency), body encoded once, answer decoded
-with orjson when it is importable (Prefect depends on it) and the stdlib otherwise.
+connection pool, `limit` = that server's concurrency), body encoded once (orjson when it is
+importable: Prefect depends on it), answer parsed and validated in one pass (`answer.py`).
 
 `chat()` never raises for anything the server or the network does: it returns an
 `Outcome` whose `kind` tells the dispatcher what to do next:
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
 from fleet.generation.answer import parse_answer
 from fleet.generation.jsonl import dumps, loads
 
