@@ -25,6 +25,12 @@ Prints a table and, unless --no-append, writes it to bench/RESULTS.md under "## 
 
 `soak_job()` is also what tests/test_gen_faults.py runs, small and with short stall settings.
 
+`--garbage` (issue 23): the fuzz of tests/test_gen_answers.py, longer — `--jobs` jobs of `--rows` rows,
+each through a good sim and a stand-in server (bench/garbage.py) whose answers hypothesis draws
+(mistyped, malformed, cut, oversized, slow, dribbled bodies, wrong statuses; `--seed` picks them).
+After each: exit 0, every id exactly once, every row done by the good sim (none in errors or quality
+rejects), the bad server out with its reason.
+
 `--node-loss` (issue 14): jobs over two local nodes through the multi-node controller, each losing
 a node twice (`soak_nodes`: frozen, then back: it must rejoin; killed, like a reboot); after each,
 every input id exactly once in the merge. tests/test_gen_faults.py runs it small too.
@@ -628,6 +634,53 @@ def main_node_loss(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def main_garbage(args: argparse.Namespace) -> int:
+    """--garbage: hypothesis draws a broken server's answers for each job; see the module docstring."""
+    import collections
+    import tempfile
+
+    from hypothesis import HealthCheck, given, seed, settings
+
+    from garbage import GarbageServer, Reply, fuzz_job, script
+    from sims import start_sims
+
+    base = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-garbage-"))
+    procs, urls = start_sims([4000.0], slots=args.slots)
+    bad = GarbageServer()
+    walls: list[float] = []
+    failed: list[str] = []
+    served: collections.Counter[str] = collections.Counter()
+
+    @seed(args.seed)
+    @settings(max_examples=args.jobs, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(faults=script())
+    def one(faults: list[Reply]) -> None:
+        t = time.monotonic()
+        r = fuzz_job(base / f"job-{len(walls) + 1}", urls[0], bad, faults, rows=args.rows)
+        walls.append(time.monotonic() - t)
+        served.update(label.removeprefix("slow ").removeprefix("dribbled ").split(" ")[0].rstrip(",") for label in r.served)
+        ok = (r.rc == 0 and r.account["ok"] and r.errors == 0 and r.quality_rejects == 0
+              and r.bad.get("requests") == 0 and (r.bad.get("downs") or 0) >= 1 and bool(r.bad.get("down_reason")))
+        if not ok:
+            failed.append(f"{[f.label for f in faults]}: rc {r.rc}, counts {r.counts}, bad {r.bad.get('down_reason')}")
+            print(f"  FAILED: {failed[-1]}", flush=True)
+        assert ok
+
+    t0 = time.monotonic()
+    try:
+        one()
+    except AssertionError:
+        pass
+    finally:
+        bad.close()
+        for p in procs:
+            p.kill()
+    print(f"{len(walls)} jobs x {args.rows} rows in {time.monotonic() - t0:.0f} s (median {statistics.median(walls):.2f} s "
+          f"per job, max {max(walls):.2f} s); failed: {len(failed)}; load average {os.getloadavg()[0]:.1f}")
+    print("answers of the bad server by kind: " + ", ".join(f"{k} {v}" for k, v in served.most_common()))
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=4)
@@ -645,9 +698,13 @@ def main() -> int:
     ap.add_argument("--node-loss", action="store_true", help="instead: jobs over two local nodes, each with a "
                     "node frozen then back and a node killed (issue 14); --rows per job")
     ap.add_argument("--node-lost-s", type=float, default=30.0, help="--node-loss: generation.node_lost_s")
+    ap.add_argument("--garbage", action="store_true", help="instead: --jobs jobs of --rows rows through a good sim "
+                    "and a stand-in server answering faults drawn by hypothesis (issue 23; the suite's fuzz, longer)")
     args = ap.parse_args()
     if args.node_loss:
         return main_node_loss(args)
+    if args.garbage:
+        return main_garbage(args)
     import tempfile
 
     from fleet.demo import free_port_block

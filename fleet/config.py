@@ -374,6 +374,7 @@ class GenerationConfig(_Section):
         return v
     max_concurrency_per_server: int = Field(256, ge=1, le=100000, description="Cap on in-flight requests per server.")
     request_timeout_s: float = Field(1800.0, gt=0, description="Timeout of one generation request.")
+    max_response_mib: float = Field(64.0, gt=0, le=4096, description="Cap on one answer's size in MiB (far above any real completion): a bigger answer ends that request as an invalid answer, read no further; a server that keeps sending them is taken out.")
     max_attempts: int = Field(6, ge=1, le=100, description="Attempts per row before it goes to the errors file.")
     stall_s: float | None = Field(None, gt=0, description="A server with rows in flight and no row completed for this long is probed (/health_generate, else a one-token chat) and taken out if the probe fails. Unset: 3 x its recent p99 row time, within [stall_min_s, stall_max_s].")
     stall_min_s: float = Field(30.0, gt=0, description="Floor of the derived stall_s.")
@@ -399,6 +400,7 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_PYTHON": "the interpreter dev.sh builds the venv with",
     "FLEET_WHEELS": "local wheel directories dev.sh installs from",
     "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
+    "FLEET_FUZZ_EXAMPLES": "jobs of the answer fuzz test (tests/test_gen_answers.py)",
     # set by fleet in the servers' own environment (never read as config, but a process
     # started from a server's shell may inherit them)
     "FLEET_ENGINE_API_KEY": "the API key handed to a server",
@@ -465,15 +467,22 @@ class FleetConfig(BaseSettings):
         from fleet.engines import PROFILES
         from fleet.engines.base import owned_flag
 
-        owned = PROFILES[self.engine.kind].owned_flags
+        profile = PROFILES[self.engine.kind]
         lists: list[tuple[str, list[str]]] = [("engine.extra_args", self.engine.extra_args)]
         lists += [(f"servers.extra_args_by_index[{i}]", a) for i, a in sorted(self.servers.extra_args_by_index.items())]
         for where, args in lists:
-            hit = owned_flag(args, owned)
+            hit = owned_flag(args, profile.owned_flags)
             if hit:
                 arg, flag, field_name = hit
                 raise ValueError(f"{where} sets {flag} ({arg!r}), which fleet sets itself for {self.engine.kind}; "
                                  f"use {field_name} instead")
+            hit = owned_flag(args, {f: "" for f in profile.settings_files})
+            if hit:
+                shown = hit[1] if hit[0] == hit[1] else f"{hit[1]} ({hit[0]!r})"
+                raise ValueError(f"{where} passes {shown}: {self.engine.kind} would read its settings "
+                                 f"from a file fleet cannot check, which may set the host, the port or the API key "
+                                 f"fleet sets; give each setting as its own flag in {where} instead (fleet checks "
+                                 f"those)")
         return self
 
     def fingerprint(self) -> str:

@@ -25,6 +25,7 @@ import httpx
 from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
+from fleet.generation.answer import parse_answer
 
 if TYPE_CHECKING:
     from fleet.engines import LogVerdict
@@ -61,25 +62,25 @@ class SmokeResult:
                          for a in self.attempts)
 
 
+SMOKE_MAX_BYTES = 16 << 20   # a smoke answer is a few hundred bytes
+
+
 def backoff_delay(attempt: int, cfg: SmokeConfig, rng: random.Random) -> float:
     """Delay before retry number `attempt` (1-based): base * 2^(n-1), capped, plus up to jitter share."""
     return backoff(attempt, cfg.backoff_s, max_s=cfg.backoff_max_s, jitter=cfg.jitter, rng=rng)
 
 
-def check_answer(body: Any) -> tuple[str, int | None, int | None, str | None]:
-    """(content, prompt_tokens, completion_tokens, finish_reason); raise ValueError when unusable."""
-    try:
-        choice = body["choices"][0]
-        msg = choice.get("message") or {}
-        content = (msg.get("content") or "") + (msg.get("reasoning_content") or "")
-        usage = body.get("usage") or {}
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise ValueError(f"not a chat completion: {str(body)[:200]}") from None
+def check_answer(body: bytes | dict[str, Any]) -> tuple[str, int | None, int | None, str | None]:
+    """(content, prompt_tokens, completion_tokens, finish_reason); raise ValueError when unusable:
+    not a chat completion by the runner's own strict reading (`parse_answer`), empty, or no usage."""
+    a = parse_answer(body)
+    content = a.content + (a.reasoning_content or "")
     if not content.strip():
         raise ValueError("empty content")
-    if not usage.get("completion_tokens") or usage.get("prompt_tokens") is None:
-        raise ValueError(f"no usage counts in the answer: {usage}")
-    return content, usage.get("prompt_tokens"), usage.get("completion_tokens"), choice.get("finish_reason")
+    if not a.completion_tokens or a.prompt_tokens is None:
+        raise ValueError(f"no usage counts in the answer (prompt_tokens {a.prompt_tokens}, "
+                         f"completion_tokens {a.completion_tokens})")
+    return content, a.prompt_tokens, a.completion_tokens, a.finish_reason
 
 
 def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int = 0,
@@ -121,7 +122,7 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
                 r = _post(client, f"{url}/v1/chat/completions", payload, timeout, watch, watch_every_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
-                content, pt, ct, fr = check_answer(r.json())
+                content, pt, ct, fr = check_answer(r.content)
             except (httpx.HTTPError, ValueError) as exc:
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
                 result.attempts.append(Attempt(n, start - t0, time.monotonic() - start, timeout, f"{kind}: {exc}"[:300]))
@@ -144,6 +145,21 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
     )
 
 
+def _post_capped(client: httpx.Client, url: str, payload: dict[str, Any], timeout: float) -> httpx.Response:
+    """POST and read the answer within `timeout` in all (httpx's own timeout is per read: a server
+    dribbling a byte a second would hold it for ever) and up to SMOKE_MAX_BYTES (ValueError past it)."""
+    deadline = time.monotonic() + timeout
+    with client.stream("POST", url, json=payload, timeout=timeout) as r:
+        buf = bytearray()
+        for chunk in r.iter_bytes():
+            buf += chunk
+            if len(buf) > SMOKE_MAX_BYTES:
+                raise ValueError(f"an answer over {SMOKE_MAX_BYTES:,} bytes")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"the answer took over {timeout:g} s", request=r.request)
+        return httpx.Response(r.status_code, content=bytes(buf), request=r.request)
+
+
 def _post(client: httpx.Client, url: str, payload: dict[str, Any], timeout: float,
           watch: Callable[[], None] | None, watch_every_s: float) -> httpx.Response:
     """POST, calling `watch` every `watch_every_s` while the request is in flight (it raises to give up).
@@ -153,13 +169,13 @@ def _post(client: httpx.Client, url: str, payload: dict[str, Any], timeout: floa
     request given up on ends by its own timeout, on its own.
     """
     if watch is None:
-        return client.post(url, json=payload, timeout=timeout)
+        return _post_capped(client, url, payload, timeout)
     responses: list[httpx.Response] = []
     errors: list[BaseException] = []
 
     def send() -> None:
         try:
-            responses.append(client.post(url, json=payload, timeout=timeout))
+            responses.append(_post_capped(client, url, payload, timeout))
         except BaseException as exc:  # handed to the caller's thread
             errors.append(exc)
 

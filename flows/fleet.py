@@ -25,7 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FleetError
+from fleet.errors import FleetError, JobConflict
 from fleet.interrupt import interrupted, park
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
@@ -288,6 +288,8 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
         try:
             fut.result(raise_on_failure=True)
             err = f"task ended {fut.state.name}"
+        except JobConflict as exc:   # a second job into a job's directory: it could not run (exit 2)
+            return failed(f"generation: {exc.one_line()}", {"conflict": True})
         except FleetError as exc:   # cause and remedy on one line: the CLI prints this message
             err = exc.one_line()
         except Exception as exc:

@@ -18,7 +18,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FatalError
+from fleet.errors import FatalError, JobConflict
 from fleet.generation.jobdir import job_dir
 from fleet.generation.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
@@ -102,7 +102,10 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
     if not ok:
         logger.error("generation on %s failed: %s\nremedy: %s\nrunner log (tail):\n%s", node_name, cause, remedy,
                      final.get("log_tail") or "")
-        raise FatalError(f"generation on {node_name} failed: {cause}", host=node.host, remedy=remedy)
+        # a runner refused the directory (another runner holds it): a second job, not a failed one
+        failure = (final.get("exit") or {}).get("failure") or final.get("error") or {}
+        err = JobConflict if failure.get("kind") == "conflict" else FatalError
+        raise err(f"generation on {node_name} failed: {cause}", host=node.host, remedy=remedy)
     return result
 
 

@@ -313,6 +313,7 @@ def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_pat
         att, _ = ctl.assign.start(idx, node, f"/o/{node}/{idx}")
         ctl.assign.finish(idx, node, "done", fetched=True)
         att.ended_at = att.started_at + secs
+        att.mono = [att.mono[0], att.mono[0] + secs] if att.mono else None   # durations: the monotonic clock
     pending = ctl.assign.pending()
     assert ctl.chunk(pending[0]).lines == 100
     # fast is free now: it ends a 100-row chunk in 5 s, slow in 10 s -> slow leaves it

@@ -139,6 +139,7 @@ class EngineProfile(Protocol):
     def request_model(self, spec: ServerSpec) -> str: ...
 
     owned_flags: dict[str, str]
+    settings_files: tuple[str, ...]
 
 
 class BaseProfile:
@@ -152,6 +153,9 @@ class BaseProfile:
     # Flags fleet sets itself, each with the config field that sets it: extra_args may not
     # name them (see `owned_flag`). Every spelling the engine's parser accepts.
     owned_flags: dict[str, str] = {}
+    # Flags that read a file of settings (SGLang's and vLLM's `--config FILE.yaml`): such a file can
+    # set the host, the port or the key behind fleet's back, and fleet cannot check what it holds.
+    settings_files: tuple[str, ...] = ()
 
     # The environment variable that carries servers.api_key into the server (None: the
     # engine has no key). Never argv: /proc/<pid>/cmdline is readable by every local user.

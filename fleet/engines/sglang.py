@@ -144,6 +144,7 @@ class SGLangProfile(BaseProfile):
         "--tp-size": "servers.tensor_parallel", "--tp": "servers.tensor_parallel",
         "--tensor-parallel-size": "servers.tensor_parallel",
     }
+    settings_files: tuple[str, ...] = ("--config",)   # a YAML file of server arguments (launch_server / serve --config)
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         check_gpu_count(cfg, spec, self.name)

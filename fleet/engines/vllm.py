@@ -155,6 +155,7 @@ class VLLMProfile(BaseProfile):
         "--served-model-name": "model.served_name",
         "--tensor-parallel-size": "servers.tensor_parallel", "-tp": "servers.tensor_parallel",
     }
+    settings_files: tuple[str, ...] = ("--config",)   # a YAML file of server arguments (launch_server / serve --config)
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         check_gpu_count(cfg, spec, self.name)

@@ -23,7 +23,8 @@ Data layer (no network, no orchestrator):
 Hot path (the data plane's runner):
 
     work.py     one row's requests in order (all-turns regeneration, gate retries) -> its result row
-    client.py   one chat completion over aiohttp
+    client.py   one chat completion over aiohttp, its answer read up to a size cap
+      answer.py   the strict chat-completion schema: any body -> a typed Answer, or the reason it is none
     dispatch.py one queue, every healthy server pulls from it: the feeder, the workers, each answer's fate
     rowqueue.py the queue (retries first) and the books: each row written exactly once, charged for its own failures
     health.py   each server's health: admission, down / relaunch / readmit, the stall watchdog, the tail rule

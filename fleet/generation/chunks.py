@@ -58,7 +58,7 @@ from typing import Any
 
 from fleet.generation.durable import write_json_atomic
 
-__all__ = ["Chunk", "Plan", "Assignments", "plan_sizes", "split_input", "load_plan", "merge",
+__all__ = ["Chunk", "Plan", "Assignments", "attempt_spans", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
            "split_chunk", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
 
@@ -378,15 +378,38 @@ def _split_parquet(src: Path, pdir: Path, chunks: list[Chunk]) -> None:
 # ---------------------------------------------------------------------------- assignment state
 
 
+def _boot_id() -> str | None:
+    """This machine's boot (Linux): monotonic readings of one boot compare, across processes too."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+BOOT_ID = _boot_id()
+
+
 @dataclass
 class Attempt:
     node: str
     output: str                      # the chunk's output directory on that node
-    started_at: float
+    started_at: float                # wall clock: timestamps for people
     ended_at: float | None = None
     outcome: str | None = None       # done / lost / failed / None while it runs
     detail: str | None = None
     fetched: bool = False            # its output (or its committed shards so far) are gathered locally
+    mono: list[float] | None = None  # [start, end] on the controller's monotonic clock: durations
+    boot: str | None = None          # the boot those readings belong to (None: not comparable)
+
+
+def attempt_spans(attempts: list[Attempt]) -> list[tuple[float, float]]:
+    """(start, end) of each ended attempt, all on one clock: the monotonic one when this boot measured
+    every one of them (a wall-clock step — NTP, `date -s` — cannot move it), else the wall clock
+    (attempts recorded by an older controller, or before a reboot)."""
+    ended = [a for a in attempts if a.ended_at is not None]
+    if BOOT_ID is not None and all(a.boot == BOOT_ID and a.mono and len(a.mono) == 2 for a in ended):
+        return [(a.mono[0], a.mono[1]) for a in ended if a.mono]
+    return [(a.started_at, a.ended_at) for a in ended if a.ended_at is not None]
 
 
 @dataclass
@@ -480,7 +503,7 @@ class Assignments:
             if c.state == "done":
                 raise ValueError(f"chunk {index} is already done")
             c.state, c.node = "running", node
-            a = Attempt(node=node, output=output, started_at=time.time())
+            a = Attempt(node=node, output=output, started_at=time.time(), mono=[time.monotonic()], boot=BOOT_ID)
             c.attempts.append(a)
             self._event("start", chunk=index, node=node)
             self._save()
@@ -493,6 +516,8 @@ class Assignments:
             for a in reversed(c.attempts):
                 if a.node == node and a.outcome is None:
                     a.outcome, a.detail, a.ended_at = outcome, detail, time.time()
+                    if a.mono:
+                        a.mono = [a.mono[0], time.monotonic()]
                     a.fetched = a.fetched or fetched
                     break
             if c.state == "running" and c.node == node:

@@ -3,20 +3,27 @@
 Measured on a 2-core machine against instant servers (DESIGN.md, "HTTP client cost"):
 `AsyncOpenAI` + a semaphore ≈ 850 req/s, a raw httpx pool ≈ 410, raw aiohttp ≈ 8,500. So
 the runner speaks HTTP through aiohttp directly, one `ClientSession` per server (its own
-connection pool, `limit` = that server's concurrency), body encoded once, answer decoded
-with orjson when it is importable (Prefect depends on it) and the stdlib otherwise.
+connection pool, `limit` = that server's concurrency), body encoded once (orjson when it is
+importable: Prefect depends on it), answer parsed and validated in one pass (`answer.py`).
 
 `chat()` never raises for anything the server or the network does: it returns an
 `Outcome` whose `kind` tells the dispatcher what to do next:
 
 | kind | when | dispatcher |
 | --- | --- | --- |
-| ok | HTTP 200 with a usable completion | store the result |
+| ok | HTTP 200 with a completion that passed `parse_completion` | store the result |
 | permanent | other 4xx (400: prompt longer than the context, bad parameter) | errors file at once |
-| transient | HTTP 408/409/425/429/5xx, an unusable 200 body, finish_reason "abort" | retry with backoff |
+| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff |
+| invalid | a 200 body that is not a chat completion (cut, not JSON, wrong types), an answer over `max_bytes`, a status no chat endpoint answers (1xx, another 2xx, 3xx, ≥ 600) | a suspect: the server is out after a few in a row, or when a probe is not answered right either |
 | connection | refused, reset, disconnected, a truncated body | retry; counts toward "server down" |
 | timeout | no answer within the request timeout | retry; counts toward "server down" |
 | unusable | 401/403/404: wrong key, wrong model, wrong URL | the *server* is wrong, not the row: take it out |
+
+Every answer is judged, never trusted: a 200 body goes through `answer.parse_answer` (a strict
+schema; see there), which gives a typed answer or the reason it is none.
+
+The body is read in chunks up to `max_bytes` (`generation.max_response_mib`): a bigger answer
+(or a Content-Length that announces one) ends the request at once, with no more read than the cap.
 """
 
 from __future__ import annotations
@@ -29,18 +36,22 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from fleet.generation.answer import parse_answer
 from fleet.generation.jsonl import dumps, loads
 
 if TYPE_CHECKING:
     from fleet.generation.rows import Request
 
-__all__ = ["Outcome", "TRANSIENT_STATUS", "chat", "classify_status", "new_session"]
+__all__ = ["DEFAULT_MAX_BYTES", "Outcome", "TRANSIENT_STATUS", "TooLarge", "chat", "classify_status", "new_session",
+           "parse_completion", "read_capped"]
 
 # Retried statuses, as the OpenAI SDK and speculators' scripts do: request timeout,
 # conflict, too early, rate limited, and every server-side error.
 TRANSIENT_STATUS = frozenset({408, 409, 425, 429})
 # The server, not the row, is wrong: every other row would fail the same way.
 UNUSABLE_STATUS = frozenset({401, 403, 404})
+
+DEFAULT_MAX_BYTES = 64 << 20   # generation.max_response_mib's default: far above any real answer
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError, OSError)
 
@@ -49,7 +60,7 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 class Outcome:
     """What one chat request came to."""
 
-    kind: str                              # ok | permanent | transient | connection | timeout | unusable
+    kind: str                              # ok | permanent | transient | invalid | connection | timeout | unusable
     status: int | None = None              # HTTP status; None when no answer came
     error: str | None = None               # one line: what went wrong (None when ok)
     completion: str = ""
@@ -69,16 +80,22 @@ class Outcome:
     @property
     def server_fault(self) -> bool:
         """The failure says something about the server's health (not just this request)."""
-        return self.kind in ("connection", "timeout", "unusable")
+        return self.kind in ("connection", "timeout", "unusable", "invalid")
 
 
 def classify_status(status: int) -> str:
-    """The Outcome kind of a non-200 HTTP status."""
-    if status in TRANSIENT_STATUS or status >= 500:
+    """The Outcome kind of a non-200 HTTP status.
+
+    A 4xx speaks of the request (permanent) or of our key/model/URL (unusable); a 5xx is the
+    server's passing trouble (transient). Anything else (1xx, another 2xx, a redirect, a code
+    past 599) is no answer a chat endpoint gives: invalid, the server's fault, not the row's."""
+    if status in TRANSIENT_STATUS or 500 <= status <= 599:
         return "transient"
     if status in UNUSABLE_STATUS:
         return "unusable"
-    return "permanent"
+    if 400 <= status <= 499:
+        return "permanent"
+    return "invalid"
 
 
 def new_session(concurrency: int, *, api_key: str | None = None) -> aiohttp.ClientSession:
@@ -127,30 +144,43 @@ def _error_message(body: bytes, status: int) -> str:
     return f"HTTP {status}: {str(msg if msg else text)[:1000]}"
 
 
-def parse_completion(doc: Any, out: Outcome) -> None:
-    """Fill `out` from a chat.completion body; raise ValueError when it is not one."""
-    try:
-        choice = doc["choices"][0]
-        msg = choice["message"]
-    except (KeyError, IndexError, TypeError):
-        raise ValueError(f"not a chat completion: {str(doc)[:200]}") from None
-    if not isinstance(msg, dict):
-        raise ValueError("not a chat completion: message is not an object")
-    out.completion = msg.get("content") or ""
-    out.reasoning_content = msg.get("reasoning_content") or msg.get("reasoning") or None
-    out.tool_calls = msg.get("tool_calls") or None
-    out.finish_reason = choice.get("finish_reason")
-    usage = doc.get("usage") or {}
-    out.prompt_tokens = usage.get("prompt_tokens")
-    out.completion_tokens = usage.get("completion_tokens")
+def parse_completion(body: bytes | bytearray | str | dict[str, Any], out: Outcome) -> None:
+    """Fill `out` from a chat.completion body (`answer.parse_answer`); ValueError with the reason
+    when it is not one."""
+    a = parse_answer(body)
+    out.completion, out.reasoning_content, out.tool_calls = a.content, a.reasoning_content, a.tool_calls
+    out.finish_reason, out.prompt_tokens, out.completion_tokens = a.finish_reason, a.prompt_tokens, a.completion_tokens
+
+
+class TooLarge(ValueError):
+    """An answer over the size cap."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, read in chunks; TooLarge past `max_bytes` (nothing more is read).
+
+    Chunks joined once: the peak is the body twice for the moment of the join, then once (a growing
+    bytearray reallocates as it grows, and the parser would copy it into bytes again)."""
+    announced = resp.content_length
+    if announced is not None and announced > max_bytes:
+        raise TooLarge(f"answer of {announced:,} bytes announced, over the cap of {max_bytes:,}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"answer over the cap of {max_bytes:,} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
-               api_key: str | None = None, timeout: float = 1800.0) -> Outcome:
+               api_key: str | None = None, timeout: float = 1800.0,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> Outcome:
     """POST one chat completion for `request` to the server at `url` (its base, e.g. http://h:p).
 
     `api_key` is normally set once on the session (`new_session`); pass it here only for a
-    session made without it.
+    session made without it. `max_bytes` caps the answer's size (see the module docstring).
     """
     body = {"model": model, "messages": request.messages}
     if request.params:
@@ -159,28 +189,40 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     started = time.time()
     t0 = time.perf_counter()
     out = Outcome("ok", started_at=started)
+    raw: bytes | None = None
     try:
+        # no redirects: a chat endpoint that sends us elsewhere is not answering (and could send
+        # the prompt and the key to another host)
         async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
-                                timeout=_timeout(timeout)) as resp:
-            raw = await resp.read()
+                                timeout=_timeout(timeout), allow_redirects=False) as resp:
             out.status = resp.status
+            raw = await read_capped(resp, max_bytes)
     except asyncio.TimeoutError:
         out.kind, out.error = "timeout", f"no answer within {timeout:g} s"
+    except TooLarge as exc:
+        out.kind, out.error = "invalid", f"{exc} (generation.max_response_mib)"
     except _CONNECTION_ERRORS as exc:
         out.kind, out.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
     else:
-        if out.status == 200:
-            try:
-                parse_completion(loads(raw), out)
-            except ValueError as exc:  # orjson.JSONDecodeError and json's are ValueErrors
-                out.kind, out.error = "transient", f"unusable answer: {exc}"[:500]
-            else:
-                if out.finish_reason == "abort":
-                    # SGLang answers 200 with finish_reason "abort" when it drops a request
-                    # (shutdown, retraction, a scheduler error): not a completion to keep.
-                    out.kind, out.error = "transient", "the server aborted the request (finish_reason 'abort')"
-        else:
-            out.kind, out.error = classify_status(out.status), _error_message(raw, out.status)
+        assert raw is not None
+        _judge(raw, out)
     out.latency_s = time.perf_counter() - t0
     out.finished_at = started + out.latency_s
     return out
+
+
+def _judge(raw: bytes, out: Outcome) -> None:
+    """The Outcome of a full answer: a completion, an invalid body, an abort or an HTTP error."""
+    if out.status != 200:
+        assert out.status is not None
+        out.kind, out.error = classify_status(out.status), _error_message(raw[:65536], out.status)
+        return
+    try:
+        parse_completion(raw, out)
+    except ValueError as exc:
+        out.kind, out.error = "invalid", f"unusable answer: {exc}"[:500]
+        return
+    if out.finish_reason == "abort":
+        # SGLang answers 200 with finish_reason "abort" when it drops a request
+        # (shutdown, retraction, a scheduler error): not a completion to keep.
+        out.kind, out.error = "transient", "the server aborted the request (finish_reason 'abort')"

@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from fleet.errors import FatalError
+from fleet.errors import FatalError, JobConflict
 
 __all__ = ["lock_dir", "unlock_dir"]
 
@@ -40,7 +40,7 @@ def lock_dir(out_dir: Path) -> int:
     except BlockingIOError:
         holder = _lock_holder(fd)
         os.close(fd)
-        raise FatalError(
+        raise JobConflict(   # a second job into one directory: the CLI's exit 2, like decide()'s refusals
             f"output directory {out_dir} is in use by another generation runner ({holder})",
             remedy="wait for that runner to finish, or stop it first; two runners writing one "
                    "directory would duplicate rows. To run a second job, give it its own --output.",

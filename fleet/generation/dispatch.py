@@ -23,8 +23,14 @@ The rest lives beside it:
 How an answer is handled:
 - ok: the row's next request (a turn, a gate's retry) or its result;
 - permanent (a 400 for a prompt over the context, say): the row goes to errors at once;
-- transient (5xx, 429, a garbled body): retried after an exponential, jittered delay; after
+- transient (5xx, 429, an abort): retried after an exponential, jittered delay; after
   `max_attempts` attempts the row goes to errors with the last error;
+- invalid (a body that is not a chat completion, an answer over the size cap, a status no chat
+  endpoint gives): a *suspect*, like a connection error — `down_after_invalid` in a row take the
+  server out (its rows go back uncharged), else an answer probe decides: a valid one-token
+  completion says the row was to blame (charged, retried), another invalid answer takes the
+  server out. So a server that answers garbage is taken out (and relaunched) like a crashing
+  one, and its rows end on the others, neither in errors nor in quality rejects;
 - unusable (401/403/404): the server is marked down, the row goes back uncharged;
 - connection errors, and timeouts while the server finished nothing else, are *suspects*
   until the server is known dead (back to the queue, uncharged) or alive (charged, retried).
@@ -89,6 +95,7 @@ class Dispatcher:
         queue_size: int | None = None,
         down_after: int = 3,
         down_after_5xx: int = 50,
+        down_after_invalid: int = 3,
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
         jitter: float = 0.5,
@@ -122,6 +129,7 @@ class Dispatcher:
         self.health = ServerHealth(
             endpoints, gen, self.rows, spawn=self._spawn, worker=self._worker, on_change=self._update_state,
             on_server_down=on_server_down, is_alive=is_alive, down_after=down_after, down_after_5xx=down_after_5xx,
+            down_after_invalid=down_after_invalid,
             recovery_backoff_s=recovery_backoff_s, recovery_backoff_max_s=recovery_backoff_max_s,
             probe_interval_s=probe_interval_s, health_timeout_s=health_timeout_s, stats_poll_s=stats_poll_s,
             liveness_poll_s=liveness_poll_s, stall_poll_s=stall_poll_s, stall_probe_timeout_s=stall_probe_timeout_s,
@@ -131,7 +139,7 @@ class Dispatcher:
         self._t0 = time.monotonic()
         self._started_at = time.time()
         self._rate = Rate()
-        self.task_error: BaseException | None = None   # the first background task that raised (see _task_ended)
+        self.task_error: BaseException | None = None   # the first task or worker that raised (see _task_ended)
 
     # ------------------------------------------------------------------ public
     async def run(self, items: Iterable[Any]) -> Summary:
@@ -309,6 +317,8 @@ class Dispatcher:
             raise
         except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
             log.exception("worker of %s failed", srv.name)
+            if self.task_error is None:   # the runner turns it into the job's cause and remedy
+                self.task_error = exc
             self._fail(f"{type(exc).__name__}: {exc}")
 
     async def _send(self, srv: ServerState, job: Job, timeout: float) -> Outcome:
@@ -320,7 +330,8 @@ class Dispatcher:
         try:
             # ignore: the session is None only once the server is out (recover, shutdown), and
             # the worker checked alive_in just before
-            return await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout)  # type: ignore[arg-type]
+            return await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout,  # type: ignore[arg-type]
+                              self.health.max_bytes)
         except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
             return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
@@ -331,7 +342,7 @@ class Dispatcher:
         if out.kind != "ok":
             self._handle_failure(srv, job, out)
             return
-        srv.conn_streak = srv.err_streak = 0
+        srv.conn_streak = srv.err_streak = srv.bad_streak = 0
         if srv.suspects:
             self.health.resolve_suspects(srv)
         if job.req.advance(out, job.attempts + 1):
@@ -358,6 +369,8 @@ class Dispatcher:
         elif kind == "unusable":
             self.rows.requeue(job, poison=False)
             self.health.mark_down(srv, f"{out.error} (check the API key, the model name and the URL)")
+        elif kind == "invalid":
+            self._invalid(srv, job, out)
         elif srv.state != "up":
             self.rows.requeue(job, poison=True)   # its server is already out: not the row's fault
         elif kind == "timeout":
@@ -376,6 +389,20 @@ class Dispatcher:
                 self.health.mark_down(srv, f"{srv.conn_streak} connection failures in a row; last: {out.error}")
             elif srv.probe is None or srv.probe.done():
                 srv.probe = self._spawn(self.health.probe(srv), f"probe-{srv.name}")
+
+    def _invalid(self, srv: ServerState, job: Job, out: Outcome) -> None:
+        """An answer that is not a completion: a suspect until the server is judged (module docstring)."""
+        srv.conn_streak = 0
+        srv.bad_streak += 1
+        srv.invalid += 1
+        if srv.state != "up":
+            self.rows.requeue(job, poison=False)   # already out for it: not the row's fault
+            return
+        srv.suspects.append(job)
+        if srv.bad_streak >= self.health.down_after_invalid:
+            self.health.mark_down(srv, f"{srv.bad_streak} invalid answers in a row; last: {out.error}", garbled=True)
+        elif not srv.answer_probing:
+            self._spawn(self.health.answer_probe(srv, out.error or "an invalid answer"), f"answer-{srv.name}")
 
     def _next_request(self, srv: ServerState, job: Job, out: Outcome) -> None:
         """The row's next turn (or a quality gate's retry): back to the shared queue, any

@@ -6,7 +6,8 @@
 
 A server is marked DOWN after `down_after` consecutive connection failures (or a failed
 stall probe, or one 401/403/404, or its process gone per `is_alive`, or `down_after_5xx`
-5xx in a row): its workers are cancelled — and each checks its server's state before and
+5xx in a row, or `down_after_invalid` invalid answers in a row, or an invalid answer and a
+failed answer probe): its workers are cancelled — and each checks its server's state before and
 after every request (`ServerState.alive_in`), because a cancellation that races aiohttp's
 own timeout is lost — every row it held goes back to the queue uncharged, and
 `on_server_down(endpoint)` is awaited (the runner relaunches, waits and smokes it); True
@@ -83,6 +84,7 @@ class ServerHealth:
         is_alive: IsAlive | None,
         down_after: int,
         down_after_5xx: int,
+        down_after_invalid: int,
         recovery_backoff_s: float,
         recovery_backoff_max_s: float,
         probe_interval_s: float,
@@ -101,6 +103,8 @@ class ServerHealth:
         self.is_alive = is_alive
         self.down_after = down_after
         self.down_after_5xx = down_after_5xx
+        self.down_after_invalid = down_after_invalid
+        self.max_bytes = int(gen.max_response_mib * (1 << 20))
         self.recovery_backoff_s, self.recovery_backoff_max_s = recovery_backoff_s, recovery_backoff_max_s
         self.probe_interval_s = probe_interval_s
         self.health_timeout_s = health_timeout_s
@@ -136,7 +140,8 @@ class ServerHealth:
         srv.session = new_session(srv.concurrency, api_key=srv.ep.api_key)
         srv.state = "up"
         srv.down_reason = None
-        srv.conn_streak = srv.err_streak = 0
+        srv.conn_streak = srv.err_streak = srv.bad_streak = 0
+        srv.garbled = False
         srv.epoch += 1
         srv.last_done = time.monotonic()
         srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
@@ -148,7 +153,10 @@ class ServerHealth:
         if not await self.admit(srv):
             self.mark_down(srv, srv.down_reason or "not usable")
 
-    def mark_down(self, srv: ServerState, reason: str) -> None:
+    def mark_down(self, srv: ServerState, reason: str, *, garbled: bool = False) -> None:
+        """Take `srv` out: its workers stop, its rows go back, its recovery starts. `garbled`: for
+        invalid answers, judged over several rows, so its suspects go back uncharged and unmarked
+        (the poison count is for rows that kill servers), and it comes back only with a valid answer."""
         if srv.state in ("down", "recovering"):
             return
         if srv.state == "starting":
@@ -158,9 +166,10 @@ class ServerHealth:
         srv.down_reason = reason
         srv.down_since = time.monotonic()
         srv.downs += 1
+        srv.garbled = garbled
         suspects, srv.suspects = srv.suspects, []
         for job in suspects:
-            self.rows.requeue(job, poison=True)
+            self.rows.requeue(job, poison=not garbled)
         me = asyncio.current_task()
         if srv.probe is not None and srv.probe is not me:
             srv.probe.cancel()
@@ -195,6 +204,8 @@ class ServerHealth:
                     # /health may answer while generation hangs; /health_generate runs one (SGLang)
                     ok = await probes.ping(srv.ep, None, "/health_generate", timeout=self.health_timeout_s,
                                            missing_ok=True)
+                    if ok and srv.garbled:   # out for invalid answers: back only with a valid one
+                        ok, _ = await probes.answer_probe(srv.ep, self.stall_probe_timeout_s, self.max_bytes)
                 if ok and await self.admit(srv):
                     return
             except asyncio.CancelledError:
@@ -271,6 +282,24 @@ class ServerHealth:
                 self.resolve_suspects(srv)   # the server works: the timeouts were the rows' own
             return
         self.mark_down(srv, f"stalled: {why}; {detail}")
+
+    async def answer_probe(self, srv: ServerState, why: str) -> None:
+        """After an invalid answer: does the server answer a one-token chat with a valid completion?
+        Yes: the row was to blame (its suspects are charged, retried). No: the server is out."""
+        srv.answer_probing = True
+        epoch = srv.epoch
+        try:
+            ok, detail = await probes.answer_probe(srv.ep, self.stall_probe_timeout_s, self.max_bytes)
+        finally:
+            srv.answer_probing = False
+        if not srv.alive_in(epoch):
+            return
+        if ok:
+            srv.bad_streak = 0
+            if srv.suspects:
+                self.resolve_suspects(srv)
+            return
+        self.mark_down(srv, f"an invalid answer ({why}), and its answer probe failed: {detail}"[:800], garbled=True)
 
     async def probe(self, srv: ServerState) -> None:
         """After a connection failure: is the server there at all? Decides the suspects' fate."""

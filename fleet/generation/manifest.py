@@ -81,7 +81,10 @@ class RunFacts:
 
 
 def server_facts(info: dict[str, Any]) -> dict[str, Any]:
-    return {k: info[k] for k in SERVER_INFO_KEYS if k in info}
+    """The kept keys of /server_info whose values are plain (a server's answer is not trusted: a
+    nested or huge value there must not cost the job its manifest)."""
+    return {k: v for k in SERVER_INFO_KEYS if k in info
+            and isinstance(v := info[k], str | int | float | bool | None) and (not isinstance(v, str) or len(v) <= 1000)}
 
 
 def cost(price_per_gpu_hour: float | None, wall_s: float, gpus: int, completion_tokens: int,

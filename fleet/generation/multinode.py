@@ -39,7 +39,8 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.chunks import (
-    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, busy_seconds, chunk_rows_for, finishes_first, merge, split_input,
+    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, finishes_first, merge,
+    split_input,
 )
 from fleet.generation.durable import write_json_atomic
 from fleet.generation.manifest import MANIFEST_FILE
@@ -191,14 +192,14 @@ class Controller:
         started early overlaps the one draining, and summing spans counted that overlap twice (a fast
         node of 250-row chunks measured at half its rate, and the slow node then took the last chunk)."""
         assert self.assign is not None and self.plan is not None
-        rows, spans = 0, []
+        rows, done = 0, []
         with self.assign._lock:
             for i, c in self.assign.chunks.items():
                 for a in c.attempts:
                     if a.node == name and a.outcome == "done" and a.ended_at:
                         rows += self.plan.chunks[i].lines
-                        spans.append((a.started_at, a.ended_at))
-        secs = busy_seconds(spans)
+                        done.append(a)
+        secs = busy_seconds(attempt_spans(done))
         if rows and secs > 0:
             return rows / secs
         w = self.nodes.get(name)
@@ -550,9 +551,12 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost."""
     from fleet.generation.manifest import write_manifest
 
-    first_start = min((a.started_at for _, atts in assign.sources() for a in atts), default=assign.started_at)
-    last_end = max((a.ended_at or 0 for _, atts in assign.sources() for a in atts), default=time.time())
-    wall = max(1e-6, last_end - first_start)
+    attempts = [a for _, atts in assign.sources() for a in atts]
+    first_start = min((a.started_at for a in attempts), default=assign.started_at)   # timestamps: wall clock
+    last_end = max((a.ended_at or 0 for a in attempts), default=time.time())
+    spans = attempt_spans(attempts)   # the duration: monotonic where it can be
+    wall = max(1e-6, max(e for _, e in spans) - min(b for b, _ in spans)) if spans else \
+        max(1e-6, last_end - first_start)
     sources, missing, per_node, per_server = _job_sources(plan_dir, assign)
     _node_rates(per_node, per_server)
     ct = sum(n["completion_tokens"] for n in per_node.values())
@@ -615,7 +619,7 @@ def _job_sources(plan_dir: Path, assign: Assignments) -> tuple[list[Source], lis
             ov = m.get("overall") or {}
             n["completion_tokens"] += int(ov.get("completion_tokens") or 0)
             n["prompt_tokens"] += int(ov.get("prompt_tokens") or 0)
-            n["busy_s"] += (a.ended_at or 0) - a.started_at
+            n["busy_s"] += sum(e - b for b, e in attempt_spans([a]))
             n["gpus"] = max(n["gpus"], sum(int(s.get("gpus") or 1) for s in m.get("servers") or []))
             for s in m.get("servers") or []:
                 ps = per_server.setdefault(s["name"], {"name": s["name"], "node": a.node, "model": s.get("model"),

@@ -1,7 +1,8 @@
 """What a server answers: the HTTP checks the dispatcher makes besides its rows.
 
 Each takes the server's `Endpoint` and, where the caller has one, a session; each answers
-rather than raises (a server that cannot be reached is an answer too):
+rather than raises (a server that cannot be reached is an answer too), and none reads more
+than `PROBE_MAX_BYTES` of an answer (a server must not fill the runner's memory through a probe):
 
 | check | asks | used for |
 | --- | --- | --- |
@@ -9,21 +10,27 @@ rather than raises (a server that cannot be reached is an answer too):
 | `usable` | /health, then /v1/models with our key | admission: healthy and takes our key |
 | `server_info` | /server_info (or /get_server_info) | the server's max running requests, speculative stats |
 | `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
+| `answer_probe` | a one-token chat, its answer judged like a row's | after an invalid answer: the row's fault or the server's? |
 | `accept_len` | speculative accept length (server info, else /metrics; a 404 is not asked again) | the progress file |
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from typing import Any
 
 import aiohttp
 
+from fleet.generation.client import Outcome, TooLarge, parse_completion, read_capped
 from fleet.generation.jsonl import dumps, loads
 from fleet.generation.serverstate import Endpoint
 
-__all__ = ["STATS_PATHS", "accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
+__all__ = ["PROBE_MAX_BYTES", "STATS_PATHS", "accept_len", "answer_probe", "generation_probe", "max_running", "ping",
+           "server_info", "usable"]
+
+PROBE_MAX_BYTES = 4 << 20   # /server_info of a big deployment is tens of KiB
 
 _ACCEPT_METRIC = re.compile(r"^sglang:spec_accept_length(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
@@ -33,7 +40,8 @@ def max_running(info: dict[str, Any]) -> int | None:
     v = info.get("max_running_requests")
     if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return v
-    for st in info.get("internal_states") or []:
+    states = info.get("internal_states")
+    for st in states if isinstance(states, list) else []:
         v = st.get("max_running_requests") if isinstance(st, dict) else None
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
@@ -50,7 +58,7 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
             continue
         try:
             async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                body = await r.read()   # always read: a body left unread closes the connection
+                body = await read_capped(r, PROBE_MAX_BYTES)  # always read: unread, the connection closes
                 if r.status == 200:
                     doc = loads(body)
                     return doc if isinstance(doc, dict) else {}
@@ -58,7 +66,7 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
                     return {}
                 if missing is not None:
                     missing.add(path)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, RecursionError):
             return {}
     return {}
 
@@ -70,10 +78,10 @@ async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
     try:
         # /health needs no key on SGLang; /v1/models does: a wrong key shows here, not on every row
         async with session.get(ep.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            await r.read()
+            await read_capped(r, PROBE_MAX_BYTES)
             if r.status in (401, 403):
                 return f"HTTP {r.status} from /v1/models: the server refuses our API key"
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, TooLarge):
         return f"not answering {ep.url}/v1/models"
     return None
 
@@ -87,11 +95,11 @@ async def ping(ep: Endpoint, session: aiohttp.ClientSession | None = None, path:
                                                if ep.api_key else None)
     try:
         async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            await r.read()
+            await read_capped(r, PROBE_MAX_BYTES)
             if r.status == 404 and missing_ok:
                 return await ping(ep, session, "/health", timeout)
             return r.status == 200 or path == "/v1/models"
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError):  # RuntimeError: session closed
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, TooLarge):  # RuntimeError: session closed
         return False
     finally:
         if own:
@@ -107,7 +115,7 @@ async def generation_probe(ep: Endpoint, t: float) -> tuple[bool, str]:
                                     if ep.api_key else None)
     try:
         async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=t)) as r:
-            await r.read()
+            await read_capped(r, PROBE_MAX_BYTES)
             if r.status != 404:
                 return r.status == 200, f"{path} answered HTTP {r.status}"
         path = "a one-token chat"
@@ -115,14 +123,38 @@ async def generation_probe(ep: Endpoint, t: float) -> tuple[bool, str]:
         async with session.post(ep.url + "/v1/chat/completions", data=dumps(body),
                                 headers={"Content-Type": "application/json"},
                                 timeout=aiohttp.ClientTimeout(total=t)) as r:
-            await r.read()
+            await read_capped(r, PROBE_MAX_BYTES)
             return r.status == 200, f"{path} answered HTTP {r.status}"
     except asyncio.TimeoutError:
         return False, f"{path} did not answer within {t:g} s"
-    except (aiohttp.ClientError, OSError) as exc:
+    except (aiohttp.ClientError, OSError, TooLarge) as exc:
         return False, f"{path} failed: {type(exc).__name__}: {exc}"[:300]
     finally:
         await session.close()
+
+
+async def answer_probe(ep: Endpoint, t: float, max_bytes: int) -> tuple[bool, str]:
+    """(a valid completion, why not): a one-token chat on its own connection, within `t` seconds,
+    its answer judged by `parse_completion` like a row's."""
+    body = {"model": ep.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    headers = {"Content-Type": "application/json"}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    async with aiohttp.ClientSession(headers=headers) as session:
+        try:
+            async with session.post(ep.url + "/v1/chat/completions", data=dumps(body), allow_redirects=False,
+                                    timeout=aiohttp.ClientTimeout(total=t)) as r:
+                raw = await read_capped(r, max_bytes)
+                if r.status != 200:
+                    return False, f"a one-token chat answered HTTP {r.status}"
+            parse_completion(raw, Outcome("ok"))
+        except asyncio.TimeoutError:
+            return False, f"a one-token chat did not answer within {t:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return False, f"a one-token chat failed: {type(exc).__name__}: {exc}"[:300]
+        except ValueError as exc:   # TooLarge too
+            return False, f"a one-token chat: {exc}"[:300]
+    return True, "a valid completion"
 
 
 STATS_PATHS = frozenset({"/server_info", "/get_server_info", "/metrics"})
@@ -136,18 +168,20 @@ async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float |
     none of them, vLLM no server info): once `missing` holds all of `STATS_PATHS` there is
     nothing left to ask."""
     info = await server_info(ep, session, missing)
-    for st in info.get("internal_states") or []:
-        if isinstance(st, dict) and isinstance(st.get("avg_spec_accept_length"), int | float):
-            return round(float(st["avg_spec_accept_length"]), 3)
+    states = info.get("internal_states")
+    for st in states if isinstance(states, list) else []:
+        v = st.get("avg_spec_accept_length") if isinstance(st, dict) else None
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return round(float(v), 3)
     if missing is not None and "/metrics" in missing:
         return last
     try:
         async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            body = await r.read()
+            body = await read_capped(r, PROBE_MAX_BYTES)
             if r.status == 200:
                 m = _ACCEPT_METRIC.search(body.decode("utf-8", "replace"))
-                if m:
-                    return round(float(m.group(1)), 3)
+                if m and math.isfinite(metric := float(m.group(1))):
+                    return round(metric, 3)
             elif r.status == 404 and missing is not None:
                 missing.add("/metrics")
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):

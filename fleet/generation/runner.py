@@ -112,6 +112,7 @@ class _Run:
         self.t0 = t0
         self.loop = asyncio.get_running_loop()
         self.failure: Failure | None = None
+        self._failure_exc: BaseException | None = None   # what `failure` was classified from
         self.reserve: Path | None = None
         self._disp: Dispatcher | None = None
         self._signals = 0
@@ -149,6 +150,7 @@ class _Run:
     def fail(self, exc: BaseException, *, stop: bool = True) -> None:
         """Record the job's first failure and stop the dispatcher at once (from any thread)."""
         if self.failure is None:
+            self._failure_exc = exc
             self.failure = classify(exc, self.out, committed=self.store.counts().get("committed"))
             if self.failure.kind == "internal":
                 log.error("job failing: %s", self.failure.cause, exc_info=exc)
@@ -286,6 +288,9 @@ class _Run:
 
         state, reason = self._settle(summary)
         counts = dict(self.store.counts())
+        if self._failure_exc is not None:   # its remedy names the rows kept: the final count, not the first
+            self.failure = classify(self._failure_exc, self.out, committed=counts.get("committed"))
+            reason = self.failure.cause
         wall = time.monotonic() - self.t0
         final = self.progress.build(self.disp, state)
         final["state"] = state
@@ -315,6 +320,11 @@ class _Run:
                 self.store.flush()
             except Exception as exc:
                 self.fail(exc, stop=False)
+        else:   # what is committed now is what every record counts (store.discard_buffer)
+            dropped = self.store.discard_buffer()
+            if dropped:
+                log.warning("%d rows not committed (the output filesystem failed): generated again on resume",
+                            dropped)
         stats = self.stats
         if self.failure is None and summary.state == "done" and stats.requests + stats.skipped == 0:
             from fleet.errors import InputError
@@ -322,6 +332,11 @@ class _Run:
             self.fail(InputError(f"input {self.job.input} holds no valid row ({stats.rows:,} rows read, "
                                  f"{stats.rejects:,} rejects; see rejects.jsonl)",
                                  remedy="fix the rows, then run the same command again"), stop=False)
+        if self.failure is None and summary.state == "failed":
+            # a failed job always says why and what to do, whatever part of it failed
+            self.failure = Failure("internal", (summary.reason or "the dispatcher failed")[:500],
+                                   "a bug: the traceback is in the runner's log; then run the same command again to "
+                                   "resume: committed rows are kept")
         state = "failed" if self.failure is not None or summary.state == "failed" else summary.state
         reason = self.failure.cause if self.failure is not None else summary.reason
         return state, reason

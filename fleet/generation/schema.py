@@ -20,6 +20,7 @@ from fleet.generation.jsonl import dumps, loads
 
 __all__ = [
     "RESULT_COLUMNS", "RESULT_SCHEMA", "MESSAGE_TYPE", "TOOL_CALL_TYPE", "PARAMS_TYPE", "COLUMN_SET", "CONVERTERS",
+    "STATS_COLUMNS",
     "DICT_COLUMNS", "NESTED_COLUMNS", "message_to_arrow", "message_from_arrow", "params_to_arrow",
     "params_from_arrow", "tool_call_to_arrow", "upgrade_column",
 ]
@@ -79,6 +80,12 @@ _INT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "attempts", "tur
 _FLOAT_COLUMNS = frozenset({"latency_s", "started_at", "finished_at"})
 DICT_COLUMNS = ["finish_reason", "server", "params.tools", "params.chat_template_kwargs",
                  "params.reasoning_effort", "flags.list.element"]
+# Columns with Parquet min/max statistics: the small ones a reader may filter on. Not the texts
+# (messages, completion, reasoning, tool calls, params, extra): a statistic of a text column holds
+# copies of its values while the shard is written (about 3x a row's size for a 30 MB answer,
+# bench/bench_answer_memory.py), and nobody filters on them.
+STATS_COLUMNS = ["id", "finish_reason", "prompt_tokens", "completion_tokens", "server", "attempts", "latency_s",
+                 "started_at", "finished_at", "turns"]
 
 
 def _json_str(v: Any) -> str | None:

@@ -99,6 +99,10 @@ class ServerState:
         self.in_flight = 0
         self.conn_streak = 0             # consecutive connection failures / timeouts
         self.err_streak = 0              # consecutive 5xx answers
+        self.bad_streak = 0              # consecutive invalid answers (not a chat completion, over the size cap)
+        self.invalid = 0                 # invalid answers in all
+        self.answer_probing = False      # an answer probe (after an invalid answer) is running
+        self.garbled = False             # taken out for invalid answers: re-admitted only after a valid one
         self.suspects: list[Job] = []   # rows that failed to connect; charged only if the server is fine
         self.probe: asyncio.Task[None] | None = None
         self.recovery: asyncio.Task[None] | None = None
@@ -139,7 +143,7 @@ class ServerState:
         return {
             "name": self.name, "url": self.ep.url, "state": self.state, "down_reason": self.down_reason,
             "concurrency": self.concurrency, "in_flight": self.in_flight, "requests": self.requests,
-            "failures": self.failures, "errors": self.permanent,
+            "failures": self.failures, "errors": self.permanent, "invalid": self.invalid,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "tok_s": round(self.tok_s, 1),
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,

@@ -58,7 +58,14 @@ from fleet.generation.results import (
     shard_paths,
     shard_seq,
 )
-from fleet.generation.schema import COLUMN_SET, CONVERTERS, DICT_COLUMNS, RESULT_COLUMNS, RESULT_SCHEMA
+from fleet.generation.schema import (
+    COLUMN_SET,
+    CONVERTERS,
+    DICT_COLUMNS,
+    RESULT_COLUMNS,
+    RESULT_SCHEMA,
+    STATS_COLUMNS,
+)
 
 __all__ = ["ResultStore"]
 
@@ -313,7 +320,8 @@ class ResultStore:
                 cols = list(zip(*rows))
                 table = pa.Table.from_arrays(
                     [pa.array(col, type=f.type) for col, f in zip(cols, RESULT_SCHEMA)], schema=RESULT_SCHEMA)
-                pq.write_table(table, tmp, compression="zstd", use_dictionary=DICT_COLUMNS)
+                pq.write_table(table, tmp, compression="zstd", use_dictionary=DICT_COLUMNS,
+                               write_statistics=STATS_COLUMNS)
                 fsync(tmp)
                 os.rename(tmp, final)
                 renamed = True
@@ -390,6 +398,14 @@ class ResultStore:
                 "quality_rejects": len(self._quality_ids),
                 "dropped": self._dropped,  # add_result/add_error calls refused: id already done
             }
+
+    def discard_buffer(self) -> int:
+        """Drop the buffered (uncommitted) rows; how many. After a full disk or a removed directory the
+        job's last word is already counted: a commit at close, once space was freed (the reserve), would
+        keep rows the manifest and the message do not count. They are generated again on resume."""
+        with self._lock:
+            n, self._buffer = len(self._buffer), []
+        return n
 
     def close(self) -> None:
         """Commit what is buffered, close the files, release the directory lock. Idempotent."""

@@ -50,7 +50,8 @@ MIN_FREE_BYTES = 1 << 20
 # Knobs that change how a job runs, not what it generates: a resume may change them.
 # (`limit`: a first 1,000 rows, then all of them, is one job.) Any other `*_s` key is a timing knob too.
 OPERATIONAL = frozenset({"max_concurrency_per_server", "request_timeout_s", "max_attempts", "shard_rows",
-                         "price_per_gpu_hour", "limit", "stall_s", "stall_min_s", "stall_max_s"})
+                         "price_per_gpu_hour", "limit", "stall_s", "stall_min_s", "stall_max_s",
+                         "max_response_mib"})
 
 
 def _operational(key: str) -> bool:
@@ -318,10 +319,12 @@ def decide(ex: ExistingJob, cfg: FleetConfig, *, input_fp: Callable[[], str], in
                                      f"it), or stop it — {_stop_hint(ex)} — then run this command again")
         if recorded_fp is not None:
             same_input = recorded_fp == input_fp()
+            theirs = f"sha256 {recorded_fp[:12]}…"
         else:   # the live runner has not recorded its input yet: compare the paths (when both are the node's)
             same_input = not paths_comparable or live.get("input") in (None, input_path)
+            theirs = str(live.get("input"))
         if not same_input:
-            raise JobConflict(f"{who} for a different input (sha256 {str(recorded_fp)[:12]}…, not {input_path})",
+            raise JobConflict(f"{who} for a different input ({theirs}; this command's is {input_path})",
                               remedy=f"give this input its own --output, or wait for that job / stop it — "
                                      f"{_stop_hint(ex)}")
         live_cfg = live.get("config") or {}

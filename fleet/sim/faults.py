@@ -3,7 +3,8 @@
 At start: ``--oom-at-start`` (SGLang's OOM lines, exit 1), ``--hang-at-start`` (in
 ``fleet.sim.startup``). Per generation request: ``--crash-after N`` (the scheduler dies,
 taking the server with it), ``--hang-requests`` / ``--hang-after N`` (a wedged scheduler:
-/health still answers), ``--error-rate`` and the SIGUSR1 burst of HTTP 500s. In the answers:
+/health still answers), ``--error-rate`` and the SIGUSR1 burst of HTTP 500s, ``--garbled-after N``
+(200 answers with wrong types). In the answers:
 ``--empty-rate``, ``--think-leak-rate``, ``--loop-rate``. Every decision is deterministic
 (``fleet.sim.determinism``).
 """
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 
 from fleet.sim.determinism import SALT_EMPTY, SALT_ERR, SALT_LEAK, SALT_LOOP, unit
 from fleet.sim.engine import Engine
-from fleet.sim.http_front import Answer, Resp, error_resp
+from fleet.sim.http_front import Answer, Resp, error_resp, json_resp
 from fleet.sim.log import Log
 
 _SGL = "/usr/local/lib/python3.12/dist-packages/sglang/srt"
@@ -33,6 +34,7 @@ def summary(args: argparse.Namespace) -> dict[str, Any]:
         "hang_requests": a.hang_requests,
         "hang_after": a.hang_after,
         "error_rate": a.error_rate,
+        "garbled_after": a.garbled_after,
     }
 
 
@@ -47,7 +49,7 @@ async def hang() -> Resp:
 
 
 def injected(args: argparse.Namespace, engine: Engine, n: int) -> Answer | None:
-    """After validation: --hang-requests, the SIGUSR1 burst and --error-rate for request ``n``.
+    """After validation: --hang-requests, the SIGUSR1 burst, --garbled-after and --error-rate for request ``n``.
 
     Returns the answer instead of the generation, or None.
     """
@@ -56,6 +58,10 @@ def injected(args: argparse.Namespace, engine: Engine, n: int) -> Answer | None:
     if engine.burst_left > 0:
         engine.burst_left -= 1
         return error_resp(500, "Internal server error (simulated burst, SIGUSR1).", "InternalServerError")
+    if args.garbled_after is not None and n > args.garbled_after:
+        return json_resp(200, {"object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "garbled"}, "finish_reason": "stop"}],
+            "usage": "lots"})
     rate = args.error_rate
     if rate > 0 and unit(args.seed, SALT_ERR, n) < rate:
         return error_resp(500, "Internal server error (simulated by --error-rate).",

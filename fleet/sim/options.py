@@ -44,6 +44,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
            "/health still answers, /health_generate and generations never do)")
     a("--burst-5xx", type=int, default=30, metavar="N",
       help="on SIGUSR1, answer the next N generation requests with HTTP 500 (a fault soak's burst)")
+    a("--garbled-after", type=int, default=None, metavar="N",
+      help="serve N generation requests, then answer every later one with HTTP 200 and a body of the "
+           "right shape but wrong types (usage: \"lots\"): a server broken in its answers, not its process")
     a("--error-rate", type=float, default=0.0,
       help="share 0..1 of generation requests answered with HTTP 500 (deterministic)")
     a("--empty-rate", type=float, default=0.0,
@@ -75,6 +78,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("error_rate", "empty_rate", "think_leak_rate", "loop_rate"):
         if not 0.0 <= getattr(args, flag) <= 1.0:
             p.error(f"--{flag.replace('_', '-')} must be within 0..1")
+    if args.garbled_after is not None and args.garbled_after < 0:
+        p.error("--garbled-after must be >= 0")
     if args.crash_after is not None and args.crash_after < 1:
         p.error("--crash-after must be >= 1")
     if args.startup_s < 0 or args.first_request_delay_s < 0:

@@ -1,0 +1,284 @@
+"""Every answer is judged, never trusted (issue 23): a wrongly typed, cut, oversized or odd answer is a
+row-level outcome with its reason, a server that keeps sending them is taken out and its rows end on the
+others, and nothing a server sends stops the job.
+
+Real parts: the runner in-process (`run_local`: dispatcher, store, relaunch path), a sim server, and a
+stand-in server on loopback (bench/garbage.py) that sends what no framework would. The fuzz test draws
+that server's answers with hypothesis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from fleet.generation.answer import parse_answer
+from fleet.generation.client import chat, classify_status, new_session
+from fleet.generation.rows import Request
+from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from garbage import CAP_MIB, GOOD, GarbageServer, Reply, fuzz_job, script  # noqa: E402
+
+
+def body_with(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    doc = json.loads(json.dumps(GOOD))
+    at = doc
+    for key in path[:-1]:
+        at = at[key]
+    at[path[-1]] = value
+    return doc
+
+
+# The seven bodies of the issue: each stopped a whole job (exit 1, often `failure: null`).
+ISSUE_BODIES = {
+    "usage: 'lots'": (("usage",), "lots", "usage"),
+    "usage.prompt_tokens: '5'": (("usage", "prompt_tokens"), "5", "usage.prompt_tokens"),
+    "content: 12345": (("choices", 0, "message", "content"), 12345, "choices.0.message.content"),
+    "content: a list": (("choices", 0, "message", "content"), [{"type": "text", "text": "a"}],
+                        "choices.0.message.content"),
+    "reasoning_content: {}": (("choices", 0, "message", "reasoning_content"), {},
+                              "choices.0.message.reasoning_content"),
+    "tool_calls: 'str'": (("choices", 0, "message", "tool_calls"), "str", "choices.0.message.tool_calls"),
+    "finish_reason: 7": (("choices", 0, "finish_reason"), 7, "choices.0.finish_reason"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ISSUE_BODIES))
+def test_a_wrongly_typed_answer_is_refused_with_the_field_and_type(case: str) -> None:
+    """Protects: `parse_completion` guarded only `choices[0].message`; a 200 body with a wrong type
+    elsewhere raised later, in the worker, and stopped the job. Now each is a ValueError that names the
+    field and the type sent, from the raw bytes and from a decoded document alike."""
+    path, value, where = ISSUE_BODIES[case]
+    doc = body_with(path, value)
+    for body in (doc, json.dumps(doc).encode()):
+        with pytest.raises(ValueError, match=rf"not a chat completion: {where.replace('.', '[.]')}: .*\(got "):
+            parse_answer(body)
+
+
+def test_the_strict_reading_coerces_nothing_and_keeps_only_what_it_validated() -> None:
+    """Protects the choice of strictness: `"5"`, `5.0` and `true` are no token counts (a coercing parser
+    would store a broken proxy's numbers as true ones); extra fields are ignored (engines add their own);
+    a tool call is rebuilt from its validated fields, so a server's extra keys never reach the store."""
+    for wrong in ("5", 5.0, True, -1, 1 << 41):
+        with pytest.raises(ValueError, match="usage.completion_tokens"):
+            parse_answer(body_with(("usage", "completion_tokens"), wrong))
+    doc = body_with(("choices", 0, "message", "tool_calls"),
+                    [{"id": "c1", "type": "function", "extra": {"deep": [1]},
+                      "function": {"name": "f", "arguments": "{}", "more": 1}}])
+    doc["choices"][0]["matched_stop"] = 151645
+    doc["usage"]["prompt_tokens_details"] = None
+    a = parse_answer(json.dumps(doc).encode())
+    assert a.tool_calls == [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert (a.content, a.reasoning_content, a.prompt_tokens, a.completion_tokens) == ("fine", "hm", 5, 1)
+    with pytest.raises(ValueError, match="arguments"):   # an object here could nest past any encoder's depth
+        parse_answer(body_with(("choices", 0, "message", "tool_calls"),
+                               [{"function": {"name": "f", "arguments": {"a": 1}}}]))
+    vllm = body_with(("choices", 0, "message"), {"content": None, "reasoning": "why"})
+    assert parse_answer(vllm).reasoning_content == "why" and parse_answer(vllm).content == ""
+
+
+def test_statuses_no_chat_endpoint_gives_are_invalid_not_the_rows_fault() -> None:
+    """Protects: a 201, 204, 302 or 600 was 'permanent' (the row straight to errors) — a broken server
+    could empty the input into the errors file. Now they are invalid answers, the server's fault."""
+    assert [classify_status(s) for s in (201, 204, 302, 307, 600, 799)] == ["invalid"] * 6
+    assert [classify_status(s) for s in (400, 401, 404, 429, 500)] == [
+        "permanent", "unusable", "unusable", "transient", "transient"]
+
+
+def one_chat(url: str, max_bytes: int, timeout: float = 60.0) -> Any:
+    async def go() -> Any:
+        session = new_session(1)
+        try:
+            req = Request(id="a", line=1, messages=[{"role": "user", "content": "hi"}], params={})
+            return await chat(session, url, "m", req, timeout=timeout, max_bytes=max_bytes)
+        finally:
+            await session.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["announced", "chunked and held open", "a lying length"])
+def test_an_answer_over_the_size_cap_ends_that_request_at_the_cap(how: str) -> None:
+    """Protects: there was no cap on an answer's size (30 MB answers took 5x their size in the runner).
+    Now an answer over `generation.max_response_mib` ends that request as an invalid answer as soon as
+    the cap is passed or announced — a body past the cap whose end never comes ends at the cap, not at
+    the request timeout (60 s here: the outcome would be 'timeout')."""
+    cap = int(CAP_MIB * (1 << 20))
+    big = b'{"choices":[{"message":{"content":"' + b"x" * (cap + 4096) + b'"}}]}'
+    reply = {"announced": Reply("big", body=big),
+             "chunked and held open": Reply("big", body=big, length=-1, piece=1 << 15, hold_s=600),
+             "a lying length": Reply("big", body=b"{}", length=1 << 40, close=True)}[how]
+    bad = GarbageServer([reply])
+    try:
+        out = one_chat(bad.url, cap)
+    finally:
+        bad.close()
+    assert out.kind == "invalid", (out.kind, out.error)
+    assert "over the cap of 262,144" in (out.error or "") and "max_response_mib" in (out.error or "")
+
+
+@pytest.mark.parametrize("case", sorted(ISSUE_BODIES))
+def test_a_server_that_always_answers_garbage_is_taken_out_and_its_rows_move(tmp_path: Path, sims, case: str) -> None:
+    """Protects: each of the issue's seven bodies from one server stopped the job (exit 1, 0-11 of 200 rows
+    committed, often `failure: null`), and a server that always answered garbage was never taken out (its
+    rows ended in errors and quality rejects). Now the job ends 0 with every row done by the good server,
+    none in errors or quality rejects, and the bad server out with the reason in the manifest."""
+    path, value, where = ISSUE_BODIES[case]
+    good = sims("--tokens-per-s", "2000")
+    bad = GarbageServer()
+    try:
+        res = fuzz_job(tmp_path / "job", good.url, bad, [Reply(case, body=json.dumps(body_with(path, value)).encode())],
+                       rows=60)
+    finally:
+        bad.close()
+    assert res.rc == 0 and res.account["ok"], res
+    assert res.counts["completed"] == 60 and res.errors == 0 and res.quality_rejects == 0, res.counts
+    assert res.good["requests"] == 60 and res.bad["requests"] == 0
+    assert res.bad["downs"] >= 1 and res.bad["state"] in ("down", "recovering"), res.bad
+    assert where in res.bad["down_reason"], res.bad["down_reason"]
+
+
+def test_a_row_whose_own_answer_is_invalid_is_charged_and_the_server_kept(tmp_path: Path) -> None:
+    """Protects the other side of the rule: when only one row's answers are invalid (the server answers the
+    others and a probe well), the row is to blame: it is charged and retried, ends in errors with the
+    reason after max_attempts, and the server stays in. With one worker, the row is alone on the server
+    when it fails (no other answer can clear it): the answer probe decides, nothing waits for ever."""
+    bad = GarbageServer([Reply("cut JSON", body=b'{"choices":[')], only_for=b"MARKED")
+    try:
+        res = fuzz_job(tmp_path / "job", None, bad, [Reply("cut JSON", body=b'{"choices":[')], rows=12,
+                       concurrency=1, marked=frozenset({11}))
+    finally:
+        bad.close()
+    assert res.rc == 0 and res.account["ok"], res
+    assert res.counts["completed"] == 11 and res.errors == 1, res.counts
+    errors = [json.loads(line) for line in (tmp_path / "job" / "out" / "errors.jsonl").read_text().splitlines()]
+    assert errors[0]["id"] == "r11" and "not a chat completion: body: Invalid JSON" in errors[0]["error"], errors
+    assert res.bad["downs"] == 0 and res.bad["state"] == "up" and res.bad["invalid"] == 6, res.bad
+
+
+def test_a_worker_that_raises_still_leaves_cause_and_remedy_everywhere(tmp_path: Path, sims, monkeypatch) -> None:
+    """Protects: an exception in a worker (the dispatcher's own catch-all) failed the job with
+    `failure: null` in exit.json and no `error` in progress.json or the manifest. Now all three carry
+    the cause and a remedy."""
+    from fleet.config import FleetConfig
+    from fleet.generation.dispatch import Dispatcher
+    from fleet.generation.runner import JobSpec, ServerEntry, run_job
+
+    def broken(self: Any, *a: Any) -> None:
+        raise RuntimeError("worker exploded")
+
+    monkeypatch.setattr(Dispatcher, "_finish_ok", broken)
+    a = sims()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "q"}]}) + "\n"
+                           for i in range(50)))
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 8})
+    job = JobSpec(config=cfg.model_dump(mode="json"), input=str(inp), output=str(out),
+                  servers=[ServerEntry.from_dict({"node": "local", "index": 0, "url": a.url, "model": "sim-model"})],
+                  progress_interval_s=0.1)
+    rc = asyncio.run(run_job(job, install_signals=False, console=False, exit_file=tmp_path / "exit.json"))
+    assert rc == 1
+    ex = json.loads((tmp_path / "exit.json").read_text())
+    progress = json.loads((out / "progress.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    for failure in (ex["failure"], progress["error"], manifest["error"]):
+        assert failure is not None and "RuntimeError: worker exploded" in failure["cause"], failure
+        assert "run the same command again" in failure["remedy"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_servers():
+    from test_gen_dispatch import Sim
+
+    good = Sim("--tokens-per-s", "4000").start()
+    bad = GarbageServer()
+    try:
+        yield good, bad
+    finally:
+        bad.close()
+        good.kill()
+
+
+_EXAMPLES = int(os.environ.get("FLEET_FUZZ_EXAMPLES", "12"))
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(faults=script())
+def test_fuzz_a_broken_server_beside_a_good_one_never_stops_the_job(tmp_path_factory, fuzz_servers,
+                                                                    faults: list[Reply]) -> None:
+    """The hot path under generated faults (hypothesis: `garbage.script()`): a server answering mistyped,
+    malformed, cut, oversized, slow, dribbled bodies and wrong statuses, beside a good sim. Each job ends
+    (exit 0), every id exactly once, all of them done by the good server (none in errors or quality
+    rejects: no row is blamed for the server), and the bad server taken out with the cause recorded.
+    FLEET_FUZZ_EXAMPLES sets the number of jobs (bench/bench_faults.py --garbage runs more)."""
+    good, bad = fuzz_servers
+    res = fuzz_job(tmp_path_factory.mktemp("fuzz") / "job", good.url, bad, faults, rows=40)
+    labels = [f.label for f in faults]
+    assert res.rc == 0 and res.account["ok"], (labels, res)
+    assert res.counts["completed"] == 40 and res.errors == 0 and res.quality_rejects == 0, (labels, res.counts)
+    assert res.bad["requests"] == 0 and res.bad["downs"] >= 1, (labels, res.bad)
+    assert res.bad["down_reason"], (labels, res.bad)
+
+
+def test_a_shard_keeps_no_statistics_of_its_texts(tmp_path: Path) -> None:
+    """Protects a row's memory: Parquet's min/max statistics of the text columns held copies of a large
+    answer while its shard was written (a 30 MB row: 372 MB peak, 272 MB without; bench/RESULTS.md).
+    The small columns a reader filters on keep theirs."""
+    import pyarrow.parquet as pq
+
+    from fleet.generation.store import ResultStore
+
+    store = ResultStore(tmp_path / "out", shard_rows=1)
+    store.add_result({"id": "a", "completion": "c" * 1000, "reasoning_content": "r" * 1000, "finish_reason": "stop",
+                      "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c" * 1000}],
+                      "prompt_tokens": 1, "completion_tokens": 2})
+    store.close()
+    (shard,) = (tmp_path / "out" / "shards").glob("part-*.parquet")
+    meta = pq.ParquetFile(shard).metadata.row_group(0)
+    stats = {meta.column(i).path_in_schema: meta.column(i).is_stats_set for i in range(meta.num_columns)}
+    assert stats["id"] and stats["prompt_tokens"] and stats["finish_reason"]
+    assert not stats["completion"] and not stats["reasoning_content"]
+    assert not any(v for k, v in stats.items() if k.startswith("messages."))
+
+
+def test_a_server_fleet_owns_that_turns_to_garbage_is_relaunched_and_no_row_is_lost(tmp_path: Path) -> None:
+    """Protects the crash path for answers: a server that fleet launched and that starts answering garbage
+    (sim --garbled-after 100: then HTTP 200 with `usage: "lots"`) is taken out like a crashing one and
+    relaunched with its launch spec (the runner's relaunch path, as on a GPU node), again each time it
+    turns. It is the only server, so the job can end only through those relaunches: every id ends
+    exactly once, all done (none in errors or quality rejects), the relaunches counted."""
+    from bench_faults import launch_fleet, sim_config, stop_fleet
+    from conftest import port_block
+    from fleet.generation.checks import account
+    from fleet.generation.manifest import read_manifest
+    from fleet.generation.runner import run_local
+
+    cfg = sim_config(tmp_path / "work", port_block(1), 1, tokens_per_s=400, slots=4, startup_s=0.2, max_tokens=16)
+    cfg = cfg.model_copy(update={"servers": cfg.servers.model_copy(
+        update={"extra_args_by_index": {0: ["--garbled-after", "100"]}})})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                           for i in range(250)))
+    try:
+        entries = launch_fleet(cfg)
+        rc = run_local(cfg, inp, out, list(entries), flush_interval_s=0.5, progress_interval_s=0.2,
+                       dispatch={"backoff_s": 0.05, "recovery_backoff_s": 0.1, "recovery_backoff_max_s": 0.5})
+    finally:
+        stop_fleet(cfg)
+    m = read_manifest(out) or {}
+    assert rc == 0 and account(inp, out)["ok"], m.get("error")
+    assert m["counts"]["completed"] == 250 and m["counts"]["errors"] == 0 and m["counts"]["quality_rejects"] == 0
+    (srv,) = m["servers"]
+    assert srv["restarts"] >= 2 and srv["downs"] >= 2 and srv["invalid"] >= 2, srv

@@ -1,0 +1,196 @@
+"""The smaller items of issue 23: what a refused second job exits with and says, the rows a full disk
+keeps, durations that a clock step cannot move, and engine flags that read a file of settings.
+
+Real parts: the runner as a process, sim servers, a real tmpfs (root), libfaketime where installed,
+the Prefect test server and `fleet generate`'s entry point. What each test protects is in its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import wait_until
+from fleet.config import FleetConfig
+from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
+from test_gen_job_faults import exit_record, fill, rows_jsonl, tmpfs  # noqa: F401  (tmpfs: a fixture)
+from test_gen_runner import job_file, progress, result_ids, start_runner, write_input
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+# ---------------------------------------------------------------------------- settings files in extra_args
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+@pytest.mark.parametrize("args", [["--config", "/etc/x.yaml"], ["--config=/etc/x.yaml"], ["--conf", "x.yaml"]])
+def test_extra_args_that_read_a_file_of_settings_are_refused(kind: str, args: list[str]) -> None:
+    """Protects the bind and the key: `engine.extra_args = ["--config", FILE]` was accepted for SGLang and
+    vLLM, and that file can set --host 0.0.0.0, --port or --api-key behind fleet's checks. Now the config
+    is refused with the reason and what to do, for engine.extra_args and per-server extra args alike; a
+    flag that only starts alike (vLLM's --config-format) is not."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"engine\.extra_args passes --config.*would read its settings from "
+                                              r"a file fleet cannot check.*give each setting as its own flag"):
+        FleetConfig(engine={"kind": kind, "extra_args": args})
+    with pytest.raises(ValidationError, match=r"servers\.extra_args_by_index\[1\] passes --config"):
+        FleetConfig(engine={"kind": kind}, servers={"extra_args_by_index": {1: args}})
+    FleetConfig(engine={"kind": kind, "extra_args": ["--config-format", "hf"]})
+
+
+# ---------------------------------------------------------------------------- durations
+
+
+def test_chunk_durations_come_from_the_monotonic_clock() -> None:
+    """Protects the multi-node manifest: its wall time and each node's busy time and rate were differences
+    of wall-clock timestamps, so a clock step (NTP, `date -s`) between a chunk's start and end made them
+    wrong by the step. Now they come from the controller's monotonic clock when this boot measured every
+    attempt (the timestamps stay wall clock), and from the wall clock only for attempts it did not."""
+    from fleet.generation.chunks import BOOT_ID, Attempt, attempt_spans
+
+    if BOOT_ID is None:
+        pytest.skip("no /proc/sys/kernel/random/boot_id: monotonic readings cannot be matched to a boot")
+    day = 86400.0
+    a = Attempt("a", "/o/0", started_at=1000.0, ended_at=1010.0 + day, outcome="done", mono=[50.0, 60.0], boot=BOOT_ID)
+    b = Attempt("b", "/o/1", started_at=1005.0, ended_at=1030.0 + day, outcome="done", mono=[55.0, 80.0], boot=BOOT_ID)
+    assert attempt_spans([a, b]) == [(50.0, 60.0), (55.0, 80.0)]
+    older = Attempt("a", "/o/2", started_at=2000.0, ended_at=2007.0, outcome="done")   # an older controller's record
+    assert attempt_spans([a, older]) == [(1000.0, 1010.0 + day), (2000.0, 2007.0)], "one clock for all, or none"
+    other_boot = Attempt("a", "/o/3", started_at=0.0, ended_at=5.0, mono=[90.0, 10.0], boot="another boot")
+    assert attempt_spans([other_boot]) == [(0.0, 5.0)]
+
+
+@pytest.mark.skipif(not FAKETIME.exists(), reason="libfaketime is not installed (apt-get install faketime)")
+def test_a_wall_clock_step_mid_job_leaves_the_manifests_durations_right(tmp_path: Path, sims) -> None:
+    """Protects the manifest's durations: the runner's wall clock steps a day ahead mid-job (libfaketime,
+    the monotonic clock left alone, as an NTP step or `date -s` leaves it). The data is exact and
+    wall_s, dispatch_s and the throughput stay those of the job (a minute, not a day); the timestamps
+    (started_at, finished_at) may show the step."""
+    a = sims("--tokens-per-s", "400", "--max-running-requests", "8")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 300)
+    job = job_file(tmp_path, inp, out, [a])
+    stamp = tmp_path / "faketime.rc"
+    stamp.write_text("+0\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(stamp),
+           "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    log = tmp_path / "runner.log"
+    t0 = time.monotonic()
+    runner = subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(job)], cwd=ROOT, env=env,
+                              stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: (p := progress(out)) and (p.get("rows_done") or 0) >= 30, timeout=120, what="30 rows done")
+        stamp.write_text("+1d\n")
+        rc = runner.wait(timeout=300)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    real = time.monotonic() - t0
+    assert rc == 0, log.read_text()[-3000:]
+    assert len(set(result_ids(out))) == rows
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["timings"]["finished_at"] - m["timings"]["started_at"] > 80000, "the step did happen"
+    assert 0 < m["timings"]["dispatch_s"] <= m["timings"]["wall_s"] <= real, m["timings"]
+    assert m["this_run"]["wall_s"] <= real and m["overall"]["dispatch_s"] <= real
+    assert m["throughput"]["completion_tok_s"] >= m["throughput"]["completion_tokens"] / real
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+def test_the_rows_a_full_disk_keeps_are_the_rows_it_says(tmp_path: Path, tmpfs: Path, sims) -> None:
+    """Fault: the output disk fills mid-job. The message said "the 5,100 committed rows are kept" where 5,400
+    were: the count was taken at the first failed write, and the store's close committed its buffer once the
+    space set aside for the manifest was freed. Now the buffer of a job stopped by its filesystem is dropped
+    (generated again on resume) and the count is the final one: the remedy, exit.json, progress.json and the
+    manifest name the rows that are in the shards."""
+    a = sims("--tokens-per-s", "400", "--max-running-requests", "8")
+    inp, out = tmp_path / "in.jsonl", tmpfs / "out"
+    write_input(inp, 3000)
+    job = job_file(tmp_path, inp, out, [a])
+    log = tmp_path / "runner.log"
+    runner = start_runner(job, log)
+    try:
+        wait_until(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 50, timeout=60,
+                   what="a few committed rows")
+        fill(tmpfs)
+        rc = runner.wait(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert rc == 1, log.read_text()[-3000:]
+    on_disk = len(result_ids(out))
+    ex = exit_record(tmp_path)
+    m = re.search(r"the ([\d,]+) committed rows are kept", ex["failure"]["remedy"])
+    assert m, ex["failure"]
+    said = int(m.group(1).replace(",", ""))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert said == on_disk == manifest["counts"]["committed"] == ex["counts"]["committed"], \
+        (said, on_disk, manifest["counts"], ex["counts"])
+    assert progress(out)["error"]["remedy"] == ex["failure"]["remedy"] == manifest["error"]["remedy"]
+
+
+# ---------------------------------------------------------------------------- two jobs into one directory
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_loser_of_two_generates_into_one_directory_exits_2_and_names_the_other_input(
+        tmp_path: Path, sims, monkeypatch, capsys) -> None:
+    """Fault: two `fleet generate` into one directory at once, with different inputs. Both passed the check
+    before bring-up (neither runner was up yet); the loser then met the winner's runner and exited 1 with
+    "a different input (sha256 None…)". README's table says 2 for a second job into a job's directory. Now
+    it exits 2 naming the input the running job reads and its own. (The race is made certain: the check
+    before bring-up is told nothing runs yet, as it was at that moment.)"""
+    from fleet.demo import to_toml
+    from fleet.generation import validate
+    from fleet.generation.jobdir import job_dir
+    from fleet.node import connect
+    from fleet.servers import stop_servers
+    from flows.cli import main
+    from test_bringup import port_block, sim_config
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, generation={"max_tokens": 16})
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    winner_input, loser_input, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out"
+    winner_input.write_bytes(rows_jsonl(400))
+    loser_input.write_bytes(rows_jsonl(10))
+    slow = sims("--tokens-per-s", "20", "--max-running-requests", "2")
+    jdir = Path(job_dir(cfg.nodes[0], cfg, str(out)))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({
+        "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), "input": str(winner_input),
+        "output": str(out), "servers": [{"node": "local", "index": 0, "url": slow.url, "model": "sim-model"}]}))
+    winner = subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(jdir / "job.json")],
+                              cwd=jdir, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                              stderr=open(jdir / "runner.log", "wb"))
+    (jdir / "runner.pid").write_text(str(winner.pid))
+
+    def nothing_runs_yet(cfg: FleetConfig, *, input: str, output: str, **kw: Any) -> validate.JobPlan:
+        return validate.JobPlan(str(Path(input).resolve()), str(Path(output).resolve()), "new", "a new job")
+
+    monkeypatch.setattr(validate, "plan_job", nothing_runs_yet)
+    try:
+        rc = main(["generate", "-c", str(path), "--input", str(loser_input), "--output", str(out)])
+    finally:
+        with connect(cfg.nodes[0]) as node:
+            stop_servers(node, cfg, cfg.nodes[0])
+    text = capsys.readouterr()
+    alive = winner.poll() is None
+    winner.kill()
+    winner.wait()
+    assert rc == 2, text
+    assert f"still writing {out}" in text.err and f"for a different input ({winner_input}; this command's is " \
+        f"{loser_input})" in text.err, text.err
+    assert "None" not in text.err.split("fleet generate:")[-1]
+    assert alive, "the winner's runner was left alone"
