@@ -123,7 +123,10 @@ class EmbeddedServer:
                     proc.wait(timeout=wait_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    try:
+                        proc.wait(timeout=5)  # SIGKILL: at once, unless the kernel holds it
+                    except subprocess.TimeoutExpired:
+                        pass
         if wait_s:
             self.log.unlink(missing_ok=True)
 
