@@ -215,5 +215,5 @@ def _mark_crashed(run_ids: list[Any]) -> None:
     if not run_ids:
         return
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C in the terminal); detached "
+        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C or SIGTERM); detached "
                                                                "servers and runners keep running"), force=True)
