@@ -285,6 +285,26 @@ def test_first_ctrl_c_bounds_cleanups_silences_threads_and_prints_one_paragraph(
     assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
 
 
+def test_sigterm_takes_the_ctrl_c_path_and_a_repeated_one_does_not_cut_it_short(tmp_path: Path) -> None:
+    """Issue 23: SIGTERM is the first Ctrl-C's clean stop — the cleanups run (bounded), other
+    threads are silenced, one paragraph, exit 143. A second SIGTERM (Prefect's engine re-sends
+    one to its own process as it unwinds) must not end the process before the cleanups and the
+    paragraph, as a second Ctrl-C does."""
+    from fleet.interrupt import CLEANUP_DEADLINE_S
+
+    proc, marker = start_script(tmp_path)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    wait_until(marker.exists, timeout=30, what="the cleanups to start")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143, (proc.returncode, err)
+    assert err.strip() == "fleet: stopped (SIGTERM). the paragraph"
+    assert Path(str(marker) + ".first").read_text() == "ran"
+    assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
+
+
 WORK_ENDS = r"""
 import sys, time
 from pathlib import Path
