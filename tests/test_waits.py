@@ -177,15 +177,18 @@ def test_stopped_server_at_bringup_is_a_failed_server_and_the_job_starts_on_its_
     """Fault (issue 23): one of the fleet's servers is stopped (SIGSTOP) when `generate` brings the
     fleet up. Adopting it waited for its readiness for servers.ready_timeout_s (12+ minutes seen,
     no runner, no rows). Now a stopped process fails its launch at once ("is stopped"), and the
-    job runs on its peers. ready_timeout_s and the smoke's first timeout are 10 minutes here: a
-    wait on the stopped server would take that long; the whole command must take far less."""
+    job runs on its peers. Another one is hung (alive, /health answers, generations never do):
+    adopted and smoked before, it is warm, so its smoke gets no first-request allowance and fails
+    in attempts × smoke.timeout_s. ready_timeout_s and the smoke's first timeout are 10 minutes
+    here: a wait on either server would take that long; the whole command must take far less."""
     from fleet.servers import stop_servers
     from flows.fleet import fleet
     from test_bringup import port_block, sim_config
     from test_generate_flow import prompts, shard_ids
 
-    cfg = sim_config(tmp_path, port_block(3), n=3, generation={"max_tokens": 16},
-                     servers={"ready_timeout_s": 600}, smoke={"first_timeout_s": 600})
+    cfg = sim_config(tmp_path, port_block(4), n=4, generation={"max_tokens": 16},
+                     servers={"ready_timeout_s": 600, "extra_args_by_index": {3: ["--hang-after", "1"]}},
+                     smoke={"first_timeout_s": 600, "timeout_s": 3})
     stopped = None
     try:
         state = fleet(config=cfg, action="bringup", return_state=True)
