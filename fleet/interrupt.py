@@ -1,4 +1,4 @@
-"""Ctrl-C for every `fleet` command: out within seconds, one paragraph, no traceback.
+"""Ctrl-C and SIGTERM for every `fleet` command: out within seconds, one paragraph, no traceback.
 
 Why not just let KeyboardInterrupt unwind: a command that runs the flow has worker threads
 blocked in launches, smokes and HTTP calls (a launch waits up to `ready_timeout_s`), and
@@ -6,15 +6,21 @@ Prefect's engine joins them, logs the crash and flushes logs and events to its A
 process can end — measured 174–225 s and hundreds of lines of tracebacks. The data plane does
 not need any of that: servers and the generation runner are detached by design and keep going.
 
-So the first SIGINT does only what must happen before the process goes, each step bounded in
-time, then `os._exit`:
+SIGTERM (`timeout`, `kill`, systemd, Slurm, Kubernetes) takes the very same path as the first
+Ctrl-C and exits 143 (128 + 15). Prefect's flow engine installs its own SIGTERM handler while a
+flow runs (it raises TerminationSignal in the main thread); that changes nothing here: the
+C-level handler still writes the signal to the wakeup fd, and the watcher starts the shutdown.
+
+So the first SIGINT or SIGTERM does only what must happen before the process goes, each step
+bounded in time, then `os._exit`:
 1. silence the other threads (their output goes to /dev/null from now on),
 2. run the registered cleanups — release the per-node lock (tasks/locks.py) and mark the flow
    run Crashed together (both only talk to the API: on a busy machine each may need most of the
    budget), then stop the embedded Prefect server (flows/api.py) — all within one deadline,
 3. print one paragraph: what still runs, how to re-attach, how to stop,
-4. exit 130.
-A second SIGINT exits at once. The main thread may finish its work while the cleanups run (a
+4. exit 130 (SIGINT) or 143 (SIGTERM).
+A second SIGINT exits at once; a repeated SIGTERM changes nothing (Prefect re-sends one to the
+process itself as it unwinds, and the shutdown is bounded anyway). The main thread may finish its work while the cleanups run (a
 bring-up that completes a moment after the Ctrl-C): its exit waits for them, so a Ctrl-C always
 ends with the paragraph and 130, never with a silent 0. The cleanups are registered by the code
 that creates what they clean (`on_interrupt`), so this module knows nothing of Prefect.
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
 CLEANUP_DEADLINE_S = 4.0  # all cleanups together; the whole exit stays within ~5 s
 
 _cleanups: list[tuple[int, str, Callable[[], None]]] = []
@@ -39,6 +46,7 @@ _lock = threading.Lock()
 _paragraph: Callable[[], str] = lambda: ""
 _started = threading.Event()
 _begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given back
+_exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
@@ -58,12 +66,12 @@ def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callab
 
 
 def interrupted() -> bool:
-    """True once the first SIGINT arrived (code that acquires something should give it back at once)."""
+    """True once the first SIGINT or SIGTERM arrived (code that acquires something should give it back at once)."""
     return _started.is_set()
 
 
 def install(paragraph: Callable[[], str]) -> None:
-    """Take over SIGINT for this process (call from the main thread, before starting threads).
+    """Take over SIGINT and SIGTERM for this process (call from the main thread, before starting threads).
 
     Python runs signal handlers only in the main thread, and only when it is running Python
     code: a main thread blocked waiting for a task future (the flow waiting for a launch) and a
@@ -76,10 +84,11 @@ def install(paragraph: Callable[[], str]) -> None:
     _paragraph = paragraph
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.signal(signal.SIGINT, lambda signum, frame: _begin())
+    signal.signal(signal.SIGINT, lambda signum, frame: _begin(signum))
+    signal.signal(signal.SIGTERM, lambda signum, frame: _begin(signum))
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     atexit.register(_hold_exit)
-    threading.Thread(target=_watch, args=(r,), name="fleet-sigint", daemon=True).start()
+    threading.Thread(target=_watch, args=(r,), name="fleet-signals", daemon=True).start()
 
 
 def _watch(fd: int) -> None:
@@ -95,14 +104,18 @@ def _watch(fd: int) -> None:
             if signum == signal.SIGINT:
                 seen += 1
                 if seen > 1:
-                    os._exit(EXIT_INTERRUPTED)  # second Ctrl-C: now
-                _begin()
+                    os._exit(_exit_code)  # second Ctrl-C: now
+                _begin(signum)
+            elif signum == signal.SIGTERM:
+                _begin(signum)
 
 
-def _begin() -> None:
+def _begin(signum: int = signal.SIGINT) -> None:
     """Start the shutdown once (from the watcher or the main thread's handler, whichever is first)."""
+    global _exit_code
     if not _begun.acquire(blocking=False):
         return
+    _exit_code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
     _started.set()
     atexit.register(_hold_exit)  # again, so that it runs first (before the embedded server's stop)
     # the cleanups run in their own thread, so the watcher still sees a second Ctrl-C
@@ -118,7 +131,7 @@ def park() -> NoReturn:
     run set Completed after it was marked Crashed). Call it only from plain Python code, holding
     no lock the cleanups need (bounded, should the shutdown thread be gone)."""
     time.sleep(CLEANUP_DEADLINE_S + 5.0)
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(_exit_code)
 
 
 def _hold_exit() -> None:
@@ -167,9 +180,10 @@ def _shutdown() -> None:
         text = _paragraph().strip()
     except Exception:  # the paragraph must never stand between the user and the exit
         text = ""
-    msg = "\nfleet: interrupted." + (" " + text if text else "") + "\n"
+    what = "stopped (SIGTERM)" if _exit_code == EXIT_TERMINATED else "interrupted"
+    msg = f"\nfleet: {what}." + (" " + text if text else "") + "\n"
     try:
         os.write(err, msg.encode())
     except OSError:
         pass
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(_exit_code)

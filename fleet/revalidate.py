@@ -44,7 +44,7 @@ class ServerCheck:
     index: int
     port: int | None
     pid: int | None
-    process: str = "not checked"        # alive | dead | no pid file | no launch record
+    process: str = "not checked"        # alive | stopped | dead | no pid file | no launch record
     health: str = "not checked"         # "200" or what answered instead
     smoke_latency_s: float | None = None
     log_verdict: str = "not checked"    # ready | starting | failed | no log
@@ -124,9 +124,13 @@ def check_server(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, rec: dict[s
     if pid is None:
         check.process = "no pid file"
         check.problems.append("no pid file: stopped (teardown or `fleet down`)")
-    elif not node.is_alive(pid):
+    elif (state := node.process_state(pid)) == "dead":
         check.process = "dead"
         check.problems.append(f"process {pid} is not running")
+    elif state == "stopped":
+        # It cannot answer: no health request that waits out its timeout on it.
+        check.process = "stopped"
+        check.problems.append(f"process {pid} is stopped (SIGSTOP): `kill -CONT -{pid}` on the node, or `fleet down`")
     else:
         check.process = "alive"
         url = node.local_url(spec.port, spec.connect_host)

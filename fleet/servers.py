@@ -218,7 +218,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     last_http = "no answer yet"
     with httpx.Client(timeout=5.0, headers=headers) as client:
         while True:
-            alive, new = node.watch(pid, paths.log, len(text.encode()))
+            state, new = node.watch(pid, paths.log, len(text.encode()))
             text += new
             verdict = profile.classify(text)
             if verdict.fatal:
@@ -228,12 +228,20 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
                     host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key, *cfg.secrets()]),
                     remedy=f"read {paths.log} on the node; fix the cause (memory fraction, port, GPU) and re-run",
                 )
-            if not alive:
+            if state == "dead":
                 raise ServerFailed(
                     f"server {spec.index} on port {spec.port}: process {pid} exited after "
                     f"{time.monotonic() - t0:.1f} s before becoming ready",
                     host=node.host, stderr=excerpt(text, 5, 25, [spec.api_key, *cfg.secrets()]),
                     remedy=f"read {paths.log} on the node for the cause",
+                )
+            if state == "stopped":
+                # SIGSTOP: it serves nothing until someone continues it; a failed server (its peers
+                # go on), never a wait of ready_timeout_s.
+                raise ServerFailed(
+                    f"server {spec.index} on port {spec.port}: process {pid} is stopped (SIGSTOP)",
+                    host=node.host, stderr=excerpt(text, 5, 15, [spec.api_key, *cfg.secrets()]),
+                    remedy=f"continue it (`kill -CONT -{pid}` on the node) or stop it (`fleet down`), then re-run",
                 )
             try:
                 r = client.get(url + profile.ready_path)

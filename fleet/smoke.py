@@ -230,7 +230,7 @@ class ServerWatch:
         return excerpt(self.node.read_text(self.log_path, tail_bytes=64_000), 0, 25, self.secrets)
 
     def __call__(self) -> None:
-        alive, new = self.node.watch(self.pid, self.log_path, self.offset)
+        state, new = self.node.watch(self.pid, self.log_path, self.offset)
         self.offset += len(new.encode())
         self.text = (self.text + new)[-1_000_000:]
         verdict = self.classify(self.text)
@@ -238,12 +238,18 @@ class ServerWatch:
         if verdict.fatal:
             raise ServerFailed(
                 f"{self._where()}: fatal log line during the smoke, after {after:.1f} s: "
-                f"{(verdict.reason or '')[:300]}" + ("" if alive else f"; process {self.pid} exited"),
+                f"{(verdict.reason or '')[:300]}" + ("" if state != "dead" else f"; process {self.pid} exited"),
                 host=self.node.host, stderr=self._tail(),
                 remedy=f"read {self.log_path} on the node: the server failed on a real request; fix the cause "
                        "(memory fraction, model, engine flags) and re-run",
             )
-        if not alive:
+        if state == "stopped":
+            raise ServerFailed(
+                f"{self._where()}: process {self.pid} is stopped (SIGSTOP) during the smoke, after {after:.1f} s",
+                host=self.node.host, stderr=self._tail(),
+                remedy=f"continue it (`kill -CONT -{self.pid}` on the node) or stop it (`fleet down`), then re-run",
+            )
+        if state == "dead":
             raise ServerFailed(
                 f"{self._where()}: process {self.pid} exited during the smoke, after {after:.1f} s",
                 host=self.node.host, stderr=self._tail(),

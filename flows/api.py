@@ -123,7 +123,10 @@ class EmbeddedServer:
                     proc.wait(timeout=wait_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    try:
+                        proc.wait(timeout=5)  # SIGKILL: at once, unless the kernel holds it
+                    except subprocess.TimeoutExpired:
+                        pass
         if wait_s:
             self.log.unlink(missing_ok=True)
 
@@ -212,5 +215,5 @@ def _mark_crashed(run_ids: list[Any]) -> None:
     if not run_ids:
         return
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C in the terminal); detached "
+        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C or SIGTERM); detached "
                                                                "servers and runners keep running"), force=True)

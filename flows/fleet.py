@@ -283,9 +283,10 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
     facts = {r.server: {"max_running_requests": r.max_running_requests}
              for r in rows if r.node == node_name and r.up and isinstance(r.server, int)}
     fut = generate.submit(cfg, node_name, by_node[node_name], facts, input, output, retry_errors)
-    fut.wait()
+    fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
     if not fut.state.is_completed():
         try:
+            # bounded: the future is done (waited for above)
             fut.result(raise_on_failure=True)
             err = f"task ended {fut.state.name}"
         except JobConflict as exc:   # a second job into a job's directory: it could not run (exit 2)
@@ -295,6 +296,7 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
         except Exception as exc:
             err = str(exc).splitlines()[0][:500]
         return failed(f"generation: {err}")
+    # bounded: the future is done (waited for above)
     res = fut.result()
     return Completed(message=res.message(), data=res.as_dict())
 

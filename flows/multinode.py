@@ -76,11 +76,13 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         shares = []
         errors = []
         for fut, name in futs.items():
-            fut.wait()
+            fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
             if fut.state.is_completed():
+                # bounded: the future is done (waited for above)
                 shares.append(fut.result())
             else:
                 try:
+                    # bounded: the future is done (waited for above)
                     fut.result(raise_on_failure=True)
                 except Exception as exc:
                     errors.append(f"{name}: {str(exc).splitlines()[0][:300]}")

@@ -56,10 +56,12 @@ def outcome(fut: PrefectFuture[R]) -> tuple[R, None] | tuple[R | None, str]:
     raises. A task that ended through `failed(message, result)` gives back its result (the task's
     return type) and message; a fleet error's one line keeps its remedy (which setting to change),
     not just the reason."""
-    fut.wait()
+    fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
     state = fut.state
     if state.is_completed():
+        # bounded: the future is done (waited for above)
         return fut.result(), None
+    # bounded: the future is done (waited for above)
     data = fut.result(raise_on_failure=False)
     if isinstance(data, RunFailed) and data.data is not None:
         result: R = data.data

@@ -12,11 +12,12 @@ from typing import TypeVar
 
 from prefect import get_run_logger, task
 
-from fleet.config import FleetConfig
+from fleet.config import FleetConfig, SmokeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import FleetError, PreflightFailed
+from fleet.node import Node
 from fleet.preflight import gather
-from fleet.servers import excerpt, launch, record_smoke, server_paths, wait_ready
+from fleet.servers import excerpt, launch, read_record, record_smoke, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet import torndown
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, StageOutcome
@@ -120,12 +121,23 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: Launched) -> Smok
         watch = ServerWatch.start(node, launched.pid, server_paths(spec.workdir, cfg.name, spec.index).log,
                                   get_profile(cfg.engine.kind).classify, index=spec.index, port=spec.port,
                                   secrets=[spec.api_key])
-        res = smoke(url, model, cfg.smoke, node=spec.node, index=spec.index, api_key=spec.api_key,
-                    temperature=cfg.generation.temperature, watch=watch)
+        res = smoke(url, model, _smoke_settings(cfg, node, spec, launched), node=spec.node, index=spec.index,
+                    api_key=spec.api_key, temperature=cfg.generation.temperature, watch=watch)
         info = fetch_server_info(url, spec.api_key)
         record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s})
         return Smoked(res, max_running_requests(info, launched.facts), info), log_excerpt_of(cfg, spec)
     return _audited(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}", body)
+
+
+def _smoke_settings(cfg: FleetConfig, node: Node, spec: ServerSpec, launched: Launched) -> SmokeConfig:
+    """An adopted server that passed a smoke before is warm: no first-request allowance (5 min by
+    default), so a hung one fails in its attempts × smoke.timeout_s and its peers go on (issue 23)."""
+    if not launched.adopted:
+        return cfg.smoke
+    last = read_record(node, server_paths(spec.workdir, cfg.name, spec.index)).get("smoke") or {}
+    if not last.get("ok"):
+        return cfg.smoke   # launched by a bring-up that never smoked it: it may still be cold
+    return cfg.smoke.model_copy(update={"first_timeout_s": cfg.smoke.timeout_s})
 
 
 def log_excerpt_of(cfg: FleetConfig, spec: ServerSpec) -> str:

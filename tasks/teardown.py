@@ -33,4 +33,4 @@ def stop_node(cfg: FleetConfig, node_name: str) -> list[TeardownRow]:
 
 def teardown(cfg: FleetConfig) -> list[TeardownRow]:
     futs = [stop_node.submit(cfg, n.name) for n in cfg.nodes]
-    return [row for f in futs for row in f.result()]
+    return [row for fut in futs for row in fut.result()]  # bounded: a task's own waits all have timeouts (tests/test_waits.py)

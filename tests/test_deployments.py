@@ -107,7 +107,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
             return False
 
     try:   # a server that never answers is stopped too (it outlived the failed test run before)
-        poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; over 90 s seen at load 13
+        poll(healthy, timeout=300, what="prefect server /api/health")   # ≈ 5–10 s idle; 84 s seen at load 13
         yield PrefectServer(api=api, home=home, env=env)
     finally:
         stop_group(proc)
@@ -483,3 +483,56 @@ def test_interrupted_up_on_a_real_server_leaves_no_lock(prefect_server: PrefectS
     finally:
         subprocess.run([PY, "-m", "flows.cli", "down", "-c", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
                        timeout=120)
+
+
+def slots(s: PrefectServer, limit: str) -> int:
+    """Active slots of a global concurrency limit (0 before its first use creates it)."""
+    r = httpx.get(f"{s.api}/v2/concurrency_limits/{limit}", timeout=30)
+    if r.status_code == 404:
+        return 0
+    r.raise_for_status()
+    return int(r.json()["active_slots"])
+
+
+@pytest.mark.timeout(900)
+def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the_lock_back(
+        deployed: PrefectServer, tmp_path: Path) -> None:
+    """Issue 23: Prefect's Cancel (the UI's button, `prefect flow-run cancel`) reaches a flow run
+    under a process worker as SIGTERM. It must end the run Cancelled — not Crashed, not Running
+    for ever — with the per-node lock given back (the next bring-up neither waits nor reclaims),
+    while the servers it launched keep running (detached, as after Ctrl-C; `fleet down` or the
+    teardown deployment stops them). The servers here take minutes to start: the run is
+    cancelled while its launch tasks wait for them."""
+    s = deployed
+    cfg_path, data = sim_toml(tmp_path, n=2)
+    data["name"] = "dep-cancel"
+    data["engine"]["sim"]["startup_s"] = 600
+    data["servers"]["ready_timeout_s"] = 900
+    from fleet.demo import to_toml
+    cfg_path.write_text(to_toml(data))
+    workdir = Path(data["nodes"][0]["workdir"])
+    limit = "fleet-node-local-" + re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-")
+    try:
+        res = s.cli("deployment", "run", "fleet/bringup", "--param", f"config={cfg_path}")
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", res.stdout).group(1)  # type: ignore[union-attr]
+
+        def launching() -> bool:
+            fr = s.get(f"/flow_runs/{run_id}")
+            assert fr["state"]["type"] in ("SCHEDULED", "PENDING", "RUNNING"), fr["state"]
+            return slots(s, limit) == 1 and all(
+                (workdir / "servers" / f"dep-cancel-{i}.pid").exists() for i in range(2))
+
+        poll(launching, timeout=180, interval=0.2, what="the bring-up to hold the lock and launch its servers")
+        pids = [int((workdir / "servers" / f"dep-cancel-{i}.pid").read_text().split()[0]) for i in range(2)]
+        t0 = time.monotonic()
+        s.cli("flow-run", "cancel", run_id)
+        fr = poll(lambda: (f := s.get(f"/flow_runs/{run_id}"))["state"]["type"] not in ("RUNNING", "CANCELLING")
+                  and f, timeout=120, interval=0.2, what="the cancelled run to end")
+        print(f"\ncancelled run ended {fr['state']['type']} {time.monotonic() - t0:.1f} s after the cancel")
+        assert fr["state"]["type"] == "CANCELLED", fr["state"]
+        poll(lambda: slots(s, limit) == 0, timeout=30,
+             what="the node lock given back")
+        assert all(LocalNode().is_alive(p) for p in pids), "the launched servers keep running (detached)"
+    finally:
+        rc, fr = run_deployment(s, "fleet/teardown", f"config={cfg_path}")
+    assert rc == 0 and "reclaimed" not in json.dumps(run_logs(s, fr["id"])), fr["state"]

@@ -80,10 +80,10 @@ class Cmd:
 
         wait_until(seen, timeout=timeout, interval=0.1, what=f"{needle!r} in the output")
 
-    def signal_group(self, sig: int) -> float:
-        """Send `sig` to the group; return how long the command took to exit."""
+    def signal_group(self, sig: int, *, group: bool = True) -> float:
+        """Send `sig` to the group (or only the command: `kill PID`); return how long it took to exit."""
         t0 = time.monotonic()
-        os.killpg(self.proc.pid, sig)
+        (os.killpg if group else os.kill)(self.proc.pid, sig)
         wait_until(lambda: self.proc.poll() is not None, timeout=120, interval=0.05,
                    what=f"fleet to exit after signal {sig}")
         return time.monotonic() - t0
@@ -285,6 +285,26 @@ def test_first_ctrl_c_bounds_cleanups_silences_threads_and_prints_one_paragraph(
     assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
 
 
+def test_sigterm_takes_the_ctrl_c_path_and_a_repeated_one_does_not_cut_it_short(tmp_path: Path) -> None:
+    """Issue 23: SIGTERM is the first Ctrl-C's clean stop — the cleanups run (bounded), other
+    threads are silenced, one paragraph, exit 143. A second SIGTERM (Prefect's engine re-sends
+    one to its own process as it unwinds) must not end the process before the cleanups and the
+    paragraph, as a second Ctrl-C does."""
+    from fleet.interrupt import CLEANUP_DEADLINE_S
+
+    proc, marker = start_script(tmp_path)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    wait_until(marker.exists, timeout=30, what="the cleanups to start")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143, (proc.returncode, err)
+    assert err.strip() == "fleet: stopped (SIGTERM). the paragraph"
+    assert Path(str(marker) + ".first").read_text() == "ran"
+    assert took < CLEANUP_DEADLINE_S + EXIT_BOUND_S
+
+
 WORK_ENDS = r"""
 import sys, time
 from pathlib import Path
@@ -359,9 +379,12 @@ def test_work_that_ends_after_a_ctrl_c_parks_and_never_reports_success(tmp_path:
     assert err.strip() == "fleet: interrupted. the paragraph"
 
 
-def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_path: Path) -> None:
-    """`fleet generate` used to take minutes after Ctrl-C. Now: out in seconds, the paragraph
-    says how to re-attach and how to stop the job, and the detached runner keeps generating."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_path: Path, sig: int) -> None:
+    """`fleet generate` used to take minutes after Ctrl-C, and `kill -TERM` of it (what `timeout`,
+    systemd or Slurm send) did nothing at all (issue 23). Now both: out in seconds (130 for Ctrl-C
+    to the group, 143 for SIGTERM to the command alone), the paragraph says how to re-attach and
+    how to stop the job, and the detached runner keeps generating."""
     import json
 
     cfg = sim_cfg(tmp_path, "tg", startup_s=0.3)
@@ -374,11 +397,12 @@ def test_ctrl_c_of_generate_leaves_the_runner_going(env: dict[str, str], tmp_pat
         cmd = Cmd(env, tmp_path / "gen.txt", "generate", "-c", str(cfg), "--input", str(rows), "--output",
                   str(tmp_path / "out"))
         cmd.wait_for_text("started runner pid")
-        took = cmd.signal_group(signal.SIGINT)
-        print(f"\nfleet generate exited {took:.2f} s after Ctrl-C")
+        took = cmd.signal_group(sig, group=sig == signal.SIGINT)
+        print(f"\nfleet generate exited {took:.2f} s after {signal.Signals(sig).name}")
         out = cmd.text()
-        assert cmd.proc.returncode == 130 and took < EXIT_BOUND_S and "Traceback" not in out
-        para = out[out.index("fleet: interrupted."):]
+        code, said = (130, "fleet: interrupted.") if sig == signal.SIGINT else (143, "fleet: stopped (SIGTERM).")
+        assert cmd.proc.returncode == code and took < EXIT_BOUND_S and "Traceback" not in out, out[-3000:]
+        para = out[out.index(said):]
         assert "the same `fleet generate` command again" in para and "runner.pid" in para
         (pidfile,) = (tmp_path / "tg" / "work" / "jobs").glob("tg-*/runner.pid")
         runner = int(pidfile.read_text().split()[0])
@@ -412,3 +436,35 @@ def test_a_write_cut_short_never_replaces_the_file(tmp_path: Path) -> None:
     assert cut.returncode != 0
     assert path.read_text() == '{"pid": 4242, "name": "é"}\n'
     assert sorted(p.name for p in path.parent.iterdir()) == ["f-1.json"]
+
+
+def test_timeout_stops_a_bringup_like_ctrl_c(env: dict[str, str], tmp_path: Path) -> None:
+    """Fault (issue 23): `timeout 150 fleet generate …` had no effect — SIGTERM was left to
+    Prefect's engine, which waited for every launch thread (a server wait lasts up to
+    ready_timeout_s). Now `timeout` ends a `fleet up` whose servers take minutes to start
+    within seconds of its deadline: exit 143 (kept by --preserve-status), the paragraph, no
+    traceback, the flow run marked Crashed and the node lock given back (the next `fleet up`
+    neither waits nor reclaims)."""
+    cfg = sim_cfg(tmp_path, "to", startup_s=600.0)
+    try:
+        t0 = time.monotonic()
+        cmd_out = tmp_path / "timeout.txt"
+        with cmd_out.open("wb") as f:
+            proc = subprocess.run(["timeout", "--preserve-status", "25", sys.executable, "-m", "flows.cli", "up",
+                                   "-c", str(cfg)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=25 + 120)
+        took = time.monotonic() - t0 - 25
+        out = cmd_out.read_text(errors="replace")
+        print(f"\nfleet up exited {took:.2f} s after timeout's SIGTERM")
+        assert proc.returncode == 143, out[-3000:]
+        assert took < EXIT_BOUND_S and "Traceback" not in out, out[-3000:]
+        para = out[out.index("fleet: stopped (SIGTERM)."):]
+        assert f"fleet down -c {cfg}" in para and len(para.strip().splitlines()) == 1
+        down(env, cfg)   # the slow servers go; the lock must be free for the next command
+        cfg.write_text(cfg.read_text().replace("startup_s = 600.0", "startup_s = 0.3"))
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
+        assert second.finish() == 0, second.text()[-3000:]
+        again = second.text()
+        assert "waiting" not in again and "reclaimed" not in again, again[-3000:]
+    finally:
+        down(env, cfg)

@@ -368,3 +368,49 @@ def test_fingerprint_matches_ssh_keygen(sshd: Sshd, tmp_path: Path) -> None:
     key = load_private_key(sshd.key_file.read_text(), source="test")
     pub = Path(f"{sshd.key_file}.pub").read_text().strip()
     assert fingerprint(key) == _ssh_keygen_fingerprint(pub, tmp_path)
+
+
+@pytest.mark.parametrize("what", ["run", "put"])
+def test_sshd_stopped_after_the_channel_opened_is_a_timeout_not_a_hang(sshd: Sshd, tmp_path: Path, what: str) -> None:
+    """Fault (issue 23): the node's sshd stops answering (SIGSTOP of the processes serving our
+    connection; the kernel still acks TCP) right after a session channel opened. paramiko waits
+    for the reply to `exec` / the sftp subsystem request with no timeout: the call hung for as
+    long as sshd stayed stopped. Now it raises a transient CommandTimeout within the node's
+    connect_timeout_s (5 s here), and the node works again once sshd is continued."""
+    from fleet.errors import CommandTimeout
+
+    before = sshd.session_pids()
+    stopped: list[int] = []
+
+    class StopsAfterOpen(SSHNode):
+        def _open_session(self, argv):  # type: ignore[no-untyped-def]
+            chan = super()._open_session(argv)
+            if not stopped:
+                for pid in sshd.session_pids() - before:
+                    for p in [pid, *(d.pid for d in descendants(pid) if d.comm.startswith("sshd"))]:
+                        os.kill(p, signal.SIGSTOP)
+                        stopped.append(p)
+            return chan
+
+    node = StopsAfterOpen.from_config(sshd.node_config())
+    node.connect()
+    wait_until(lambda: sshd.session_pids() - before, what="the sshd process serving our connection")
+    src = tmp_path / "f.txt"
+    src.write_text("x")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CommandTimeout) as info:
+            if what == "run":
+                node.run(["true"], timeout=5)
+            else:
+                node.put(src, str(tmp_path / "remote.txt"))
+        assert stopped and time.monotonic() - t0 < 5 + 15, f"{time.monotonic() - t0:.1f} s"
+        assert info.value.transient
+    finally:
+        for p in stopped:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert node.run(["echo", "back"]).stdout == "back\n"
+    node.close()

@@ -159,7 +159,7 @@ class Dispatcher:
         if self.health.is_alive is not None:
             self._spawn(self.health.poll_liveness(), "liveness")
         try:
-            await self.rows.done.wait()
+            await self.rows.done.wait()  # bounded: the job itself: set once every row has ended, or by a stop
         finally:
             await self._shutdown()
         return self.summary()
@@ -295,6 +295,7 @@ class Dispatcher:
                     await self.health.hold_at_tail(srv)
                     if not srv.alive_in(epoch):
                         return
+                # bounded: the feeder ends each queue with None; a down server's workers are cancelled
                 job, sent = await q.get(), False
                 if job is None:
                     return

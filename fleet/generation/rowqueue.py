@@ -124,6 +124,7 @@ class WorkQueue:
             return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
+                # bounded: the future is done (waited for above)
                 item = fut.result()
                 if item is not None:
                     self._again.appendleft(item)   # handed over just as we were cancelled: keep it

@@ -15,10 +15,18 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from fleet.config import ENV_NAME
 from fleet.errors import CommandFailed, CommandNotFound
-from fleet.node.scripts import ALIVE, LAUNCH, READ_PID, STOP, WATCH, WRITE
+from fleet.node.scripts import ALIVE, DETACH, KILL_STARTED, LAUNCH, READ_PID, STATE, STOP, WATCH, WRITE
+
+
+# How long a detached launch may take to write its pid file (the shell's first few commands).
+PID_FILE_TIMEOUT_S = 10.0
+
+# A process as `watch` and `process_state` see it: "stopped" is SIGSTOP (state T), never serving.
+ProcState = Literal["alive", "stopped", "dead"]
 
 
 @dataclass(frozen=True)
@@ -153,19 +161,24 @@ class Node(abc.ABC):
                                     remedy="use letters, digits and _ only")
             env_file = f"{pid_path}.env"
             self.write_text(env_file, "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()))
-        launch = ["setsid", "--fork", "sh", "-c", LAUNCH, "fleet-launch", pid_path, log_path, cwd, env_file,
-                  "--", *[str(a) for a in argv]]
+        launch = ["sh", "-c", DETACH, LAUNCH, pid_path, log_path, cwd, env_file, "--", *[str(a) for a in argv]]
         self.run(["rm", "-f", "--", pid_path], timeout=30)
-        self.run(launch, timeout=30)
-        deadline = time.monotonic() + 10
+        started = self.run(launch, timeout=30).stdout.split()
+        deadline = time.monotonic() + PID_FILE_TIMEOUT_S
         while True:
             pid = self.read_pid(pid_path)
             if pid is not None:
                 return Detached(pid=pid, log_path=log_path, pid_path=pid_path)
             if time.monotonic() > deadline:
-                raise CommandFailed("detached process wrote no pid file within 10 s", host=self.host,
+                # The launch shell hangs or was stopped before it wrote the pid file: kill it (by its
+                # pid and start time), so that no late start races the retry of this launch.
+                if len(started) == 2 and all(p.isdigit() for p in started):
+                    self.run(["sh", "-c", KILL_STARTED, "fleet-kill", *started], check=False, timeout=30)
+                raise CommandFailed(f"detached process wrote no pid file within {PID_FILE_TIMEOUT_S:g} s "
+                                    f"(launch shell {started[0] if started else '?'} killed)", host=self.host,
                                     command=argv, stderr=self.read_text(log_path, tail_bytes=4000),
-                                    remedy="check that 'setsid' (util-linux) exists and the workdir is writable")
+                                    remedy="check that 'setsid' (util-linux) exists, the workdir is writable and "
+                                           "nothing stops processes on the node; the launch is retried")
             time.sleep(0.05)
 
     def read_pid(self, pid_path: str, expect: str | None = None) -> int | None:
@@ -182,6 +195,11 @@ class Node(abc.ABC):
     def is_alive(self, pid: int) -> bool:
         return self.run(["sh", "-c", ALIVE, "fleet-alive", str(pid)], check=False, timeout=30).ok
 
+    def process_state(self, pid: int) -> ProcState:
+        """alive, stopped (SIGSTOP: it serves nothing until continued) or dead."""
+        word = self.run(["sh", "-c", STATE, "fleet-state", str(pid)], check=False, timeout=30).stdout.strip()
+        return _proc_state(word)
+
     def stop(self, pid: int, grace_s: float = 10.0) -> StopResult:
         """TERM the process group, wait up to grace_s, then KILL it."""
         t0 = time.monotonic()
@@ -191,12 +209,12 @@ class Node(abc.ABC):
         return StopResult(pid=pid, was_running=word != "absent", killed=word == "killed",
                           seconds=time.monotonic() - t0)
 
-    def watch(self, pid: int, log_path: str, offset: int) -> tuple[bool, str]:
-        """One round trip: is the process alive, and what did its log gain since byte `offset`."""
-        res = self.run(["sh", "-c", WATCH, ALIVE, str(pid), str(offset + 1), log_path],
+    def watch(self, pid: int, log_path: str, offset: int) -> tuple[ProcState, str]:
+        """One round trip: the process's state, and what its log gained since byte `offset`."""
+        res = self.run(["sh", "-c", WATCH, STATE, str(pid), str(offset + 1), log_path],
                        check=False, timeout=60)
         head, _, rest = res.stdout.partition("\n")
-        return head.strip() == "alive", rest
+        return _proc_state(head.strip()), rest
 
     def local_url(self, port: int, remote_host: str = "127.0.0.1") -> str:
         """http://127.0.0.1:P reaching remote_host:port on the node (a forward, opened once and kept)."""
@@ -231,6 +249,10 @@ class Node(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _proc_state(word: str) -> ProcState:
+    return "alive" if word == "alive" else "stopped" if word == "stopped" else "dead"
 
 
 def describe(argv: Sequence[str]) -> str:

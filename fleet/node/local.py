@@ -17,6 +17,10 @@ from fleet.errors import CommandFailed, CommandNotFound, CommandTimeout
 from fleet.node.base import Node, PortForward, RunResult
 
 
+# How long a killed command's pipes are read before they are given up on.
+DRAIN_S = 5.0
+
+
 class LocalNode(Node):
     # subprocess text mode encodes stdin with the locale's encoding
     input_encoding = locale.getpreferredencoding(False)
@@ -45,7 +49,7 @@ class LocalNode(Node):
             out, err = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            out, err = proc.communicate()
+            err = _drain(proc)
             raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
                                  stderr=err, remedy="raise the timeout or check why the command hangs") from None
         return RunResult(self.host, tuple(argv), _shell_code(proc.returncode), out, err, time.monotonic() - t0)
@@ -81,7 +85,13 @@ class LocalNode(Node):
                 line = line.rstrip("\n")
                 tail = (tail + [line + "\n"])[-20:]
                 yield line
-            rc = proc.wait()
+            # Output ended, yet the command may go on (it closed stdout): the deadline still holds.
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                rc = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                raise CommandTimeout(f"command timed out after {timeout:g} s", host=self.host, command=argv,
+                                     stderr="".join(tail), remedy="raise the timeout or check why the command hangs") from None
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
@@ -148,6 +158,23 @@ def _pump(stream: Iterable[str], out: queue.Queue[str | None]) -> None:
 def _shell_code(rc: int) -> int:
     """subprocess says -N for a signal; a shell (and the SSH node) says 128 + N."""
     return 128 - rc if rc < 0 else rc
+
+
+def _drain(proc: subprocess.Popen[str]) -> str:
+    """stderr of a command just killed, read for at most DRAIN_S. A process that left the group
+    (its own session, or stopped while it holds our pipes) may keep them open forever: then give
+    up on them rather than wait, which once hung a relaunch for as long as its shell was stopped."""
+    try:
+        return proc.communicate(timeout=DRAIN_S)[1] or ""
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        try:
+            proc.wait(timeout=DRAIN_S)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable (uninterruptible I/O): the kernel ends it, nobody waits on it
+        return ""
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

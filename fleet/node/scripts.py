@@ -7,9 +7,9 @@ on the node beyond a POSIX shell, coreutils and /proc.
 
 from __future__ import annotations
 
-__all__ = ["ALIVE", "LAUNCH", "READ_PID", "STOP", "WATCH", "WRITE"]
+__all__ = ["ALIVE", "DETACH", "KILL_STARTED", "LAUNCH", "READ_PID", "STATE", "STOP", "WATCH", "WRITE"]
 
-# Started as: sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
+# Started (by DETACH) as: setsid sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
 # The environment comes from ENVFILE (0600, written through stdin, removed once read), never
 # from argv: `setsid sh -c … K=V` put every value (API keys, HF tokens) in /proc/*/cmdline,
 # which every local user can read. The shell writes its own pid and start time (== the
@@ -24,14 +24,40 @@ if [ -n "$envfile" ]; then
   set -a; . "$envfile" || exit 96; set +a
   rm -f -- "$envfile"
 fi
-mkdir -p -- "$(dirname -- "$pidfile")" "$(dirname -- "$log")"
+mkdir -p -- "$(dirname -- "$pidfile")"
 cd -- "$cwd" || exit 97
 start=$(sed 's/^.*) //' "/proc/$$/stat" | cut -d' ' -f20)
 tmp=$(mktemp "$pidfile.XXXXXX") || exit 98
 echo "$$ $start" > "$tmp" && mv -f -- "$tmp" "$pidfile"
-: >>"$log"
 umask "$um"   # the command's own files (a job's output) follow the user's umask; ours are 0600
 exec "$@" >>"$log" 2>&1 </dev/null
+"""
+
+# sh -c DETACH LAUNCH PIDFILE LOGFILE CWD ENVFILE -- ARGV...: start LAUNCH in a new session and
+# print "PID STARTTIME" of that session's leader at once (LAUNCH execs the command, so it is the
+# very process the pid file will name). Its stdio is the log from the first instruction: a launch
+# shell that hangs or is stopped before its exec never holds the caller's pipes (which left
+# `fleet`'s own wait on them unbounded, issue 23), and the caller knows what to kill when the
+# pid file does not come in time. Not `setsid --fork`: its child's pid is unknown. A background
+# job of a non-interactive shell is not a process-group leader, so `setsid` does not fork.
+DETACH = r"""
+launch=$0; log=$2
+( umask 077; mkdir -p -- "$(dirname -- "$log")" && : >>"$log" ) || exit 95
+setsid sh -c "$launch" fleet-launch "$@" </dev/null >>"$log" 2>&1 &
+pid=$!
+start=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f20)
+echo "$pid $start"
+"""
+
+# sh -c KILL_STARTED fleet-kill PID STARTTIME: SIGKILL the process group PID leads, only when
+# PID is still the process that started at STARTTIME (a pid is reused once its process is gone).
+# SIGKILL ends a stopped process too.
+KILL_STARTED = r"""
+[ -r "/proc/$1/stat" ] || exit 0
+now=$(sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f20)
+[ "$now" = "$2" ] || exit 0
+kill -KILL "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
+exit 0
 """
 
 # sh -c STOP fleet-stop PID GRACE_S: TERM the whole group, wait, then KILL.
@@ -99,5 +125,11 @@ state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
 """
 
 
-# sh -c WATCH fleet-watch PID FROM_BYTE LOG: "alive"/"dead" on line 1, then the log from FROM_BYTE.
-WATCH = "if sh -c \"$0\" fleet-alive \"$1\"; then echo alive; else echo dead; fi; tail -c +\"$2\" \"$3\" 2>/dev/null"
+# sh -c STATE fleet-state PID: "alive", "stopped" (SIGSTOP: it cannot serve until continued) or "dead".
+STATE = r"""
+state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)
+case $state in ''|Z|X) echo dead;; T) echo stopped;; *) echo alive;; esac
+"""
+
+# sh -c WATCH STATE PID FROM_BYTE LOG: the STATE word on line 1, then the log from FROM_BYTE.
+WATCH = 'sh -c "$0" fleet-state "$1"; tail -c +"$2" "$3" 2>/dev/null'

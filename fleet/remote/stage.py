@@ -569,7 +569,7 @@ class Progress(threading.Thread):
 
     def stop(self) -> None:
         self.stop_ev.set()
-        self.join()
+        self.join(timeout=5.0)   # it wakes on stop_ev at once; never let a report hold the stage
 
 
 # -- the command ------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import paramiko
 from fleet.config import ENV_NAME
 from fleet.errors import ConfigError
 
-__all__ = ["CLIENT_GRACE_S", "REMOTE_KILL_AFTER_S", "collect", "quietly", "read_lines", "remote_argv", "send_input"]
+__all__ = ["CLIENT_GRACE_S", "REMOTE_KILL_AFTER_S", "bounded_request", "collect", "quietly", "read_lines", "remote_argv",
+           "send_input"]
 
 # The client-side deadline trails the remote `timeout` so the remote kill (TERM, then
 # KILL 5 s later) normally wins and we get its exit code and output.
@@ -55,6 +56,31 @@ def quietly(close: Callable[[], object]) -> None:
         close()
     except (OSError, EOFError, paramiko.SSHException):
         pass
+
+
+def bounded_request(chan: paramiko.Channel, request: Callable[[], object], seconds: float) -> bool:
+    """Run a channel request (`exec_command`, `invoke_subsystem`) that waits for the node's reply.
+    paramiko waits for that reply with no timeout: a node whose sshd is stopped or wedged, with its
+    kernel still acking TCP, held the caller forever. Past `seconds` the channel is closed, which
+    ends paramiko's wait with an error; returns False when that happened (the caller says why)."""
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()
+        quietly(chan.close)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        request()
+    except (paramiko.SSHException, EOFError, OSError):
+        if fired.is_set():
+            return False
+        raise
+    finally:
+        timer.cancel()
+    return not fired.is_set()
 
 
 def send_input(chan: paramiko.Channel, data: str | None) -> None:
@@ -104,12 +130,12 @@ def collect(chan: paramiko.Channel, deadline: float | None) -> tuple[bytes | Non
             # EOF arrives after all data, so data seen once EOF is flagged is complete.
             done = chan.eof_received or chan.closed
             while chan.recv_ready():
-                out += chan.recv(BUF)
+                out += chan.recv(BUF)  # bounded: data is ready
             while chan.recv_stderr_ready():
-                err += chan.recv_stderr(BUF)
+                err += chan.recv_stderr(BUF)  # bounded: data is ready
             if done:
                 return bytes(out), bytes(err)
-            if not waiter.wait():
+            if not waiter.wait():  # bounded: one second at most, then the deadline is checked
                 return None, bytes(err)
     finally:
         waiter.close()
@@ -124,12 +150,12 @@ def read_lines(chan: paramiko.Channel, deadline: float | None) -> Iterator[str |
         while True:
             done = chan.eof_received or chan.closed
             while chan.recv_ready():
-                pending += decoder.decode(chan.recv(BUF))
+                pending += decoder.decode(chan.recv(BUF))  # bounded: data is ready
                 *lines, pending = pending.split("\n")
                 yield from lines
             if done:
                 break
-            if not waiter.wait():
+            if not waiter.wait():  # bounded: one second at most, then the deadline is checked
                 yield None
                 return
     finally:

@@ -69,7 +69,7 @@ class Forwarder:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                client, addr = self._listener.accept()
+                client, addr = self._listener.accept()  # bounded: close() shuts the listener down
             except OSError:
                 if self._closed.is_set():
                     return
@@ -130,13 +130,13 @@ def _pump(client: socket.socket, chan: paramiko.Channel, closed: threading.Event
             for key, _ in sel.select(timeout=1.0):
                 try:
                     if key.fileobj is client:
-                        data = client.recv(BUF)
+                        data = client.recv(BUF)  # bounded: select said readable
                         if data:
                             chan.sendall(data)
                             continue
                         chan.shutdown_write()
                     else:
-                        data = chan.recv(BUF)
+                        data = chan.recv(BUF)  # bounded: select said readable
                         if data:
                             client.sendall(data)
                             continue

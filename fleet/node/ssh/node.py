@@ -32,7 +32,8 @@ import paramiko
 from fleet.errors import CommandFailed, CommandTimeout, ConnectionLost
 from fleet.node.base import Node, PortForward, RunResult
 from fleet.node.credentials import CredentialSource
-from fleet.node.ssh.commands import CLIENT_GRACE_S, collect, quietly, read_lines, remote_argv, send_input
+from fleet.node.ssh.commands import (CLIENT_GRACE_S, bounded_request, collect, quietly, read_lines, remote_argv,
+                                     send_input)
 from fleet.node.ssh.connection import dead, open_transport
 from fleet.node.ssh.forward import Forwarder
 from fleet.node.ssh.target import SSHTarget, resolve
@@ -124,9 +125,14 @@ class SSHNode(Node):
         line = shlex.join(command)
         log.debug("[%s] $ %s", self.host, line)
         try:
-            chan.exec_command(line)
+            # bounded: bounded_request closes the channel past connect_timeout_s
+            answered = bounded_request(chan, lambda: chan.exec_command(line), self.target.connect_timeout_s)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise self._lost(argv, exc) from exc
+        if not answered:
+            raise CommandTimeout(f"the node did not answer the request to run the command within "
+                                 f"{self.target.connect_timeout_s:g} s", host=self.host, command=argv,
+                                 remedy="the node or its sshd is stopped or overloaded; fleet retries this")
 
     def _lost(self, argv: Sequence[str], exc: BaseException | None = None, stderr: str = "") -> ConnectionLost:
         why = f": {exc}" if exc else ""

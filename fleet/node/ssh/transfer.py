@@ -17,20 +17,30 @@ from typing import TYPE_CHECKING
 
 import paramiko
 
-from fleet.errors import CommandFailed, FleetError
-from fleet.node.ssh.commands import quietly
+from fleet.errors import CommandFailed, CommandTimeout, FleetError
+from fleet.node.ssh.commands import bounded_request, quietly
 
 if TYPE_CHECKING:
     from fleet.node.ssh.node import SSHNode
 
-__all__ = ["get", "put"]
+__all__ = ["STALL_S", "get", "put"]
+
+# The longest one SFTP read may wait for the node (a transfer goes on as long as data flows).
+STALL_S = 120.0
 
 
 @contextmanager
 def _sftp(node: SSHNode, what: Sequence[str]) -> Iterator[paramiko.SFTPClient]:
     with node._session(what, None) as chan:
         try:
-            chan.invoke_subsystem("sftp")
+            # bounded: bounded_request closes the channel past connect_timeout_s
+            if not bounded_request(chan, lambda: chan.invoke_subsystem("sftp"), node.target.connect_timeout_s):
+                raise CommandTimeout(f"the node did not start SFTP within {node.target.connect_timeout_s:g} s",
+                                     host=node.host, command=what,
+                                     remedy="the node or its sshd is stopped or overloaded; fleet retries this")
+            # Every read of the transfer must make progress within STALL_S (a stalled node or
+            # sftp-server raised nothing before: paramiko's reads wait forever by default).
+            chan.settimeout(STALL_S)
             sftp = paramiko.SFTPClient(chan)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise node._lost(what, exc) from exc
@@ -38,6 +48,9 @@ def _sftp(node: SSHNode, what: Sequence[str]) -> Iterator[paramiko.SFTPClient]:
             yield sftp
         except FleetError:
             raise
+        except TimeoutError as exc:
+            raise CommandTimeout(f"{what[0]} stalled: no data for {STALL_S:g} s", host=node.host, command=what,
+                                 remedy="the node or its disk stopped answering; fleet retries this") from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             if not node.connected:
                 raise node._lost(what, exc) from exc
