@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,10 @@ os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-r
 # Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
 # attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Those commands share one local Prefect server per PREFECT_HOME (flows/localserver.py), which
+# outlives them by design; the session stops its own at the end (`_local_prefect_servers_stop`),
+# and one left by a killed run stops itself after this many idle seconds instead of ten minutes.
+os.environ.setdefault("FLEET_PREFECT_SERVER_IDLE_S", "120")
 # This test process's RAM disk (nodes.ramdisk): a model is staged to <ramdisk>/<its dir name>, and
 # the default /dev/shm is shared by every test process on the machine (parallel workers, other
 # runs): two tests staging their own `sim-model` or `tiny-chat` there at once re-copied each
@@ -56,6 +61,37 @@ def _log_handlers_outlive_the_test() -> Iterator[None]:
                 handler.stream = sys.stderr
                 if hasattr(handler, "console"):   # Prefect's PrefectConsoleHandler writes through it
                     handler.console.file = sys.stderr
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _local_prefect_servers_stop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end of the session, stop every local Prefect server that a `fleet` command of this
+    test process started for a PREFECT_HOME under its temp dirs (found by the server's environment,
+    not by a walk of the temp dirs: some hold mounts)."""
+    yield
+    from flows.localserver import stop
+
+    ours = (str(_SESSION_TMP), str(tmp_path_factory.getbasetemp()))
+    for pid in local_prefect_servers():
+        d = _environ(pid).get("FLEET_PREFECT_SERVER_DIR", "")
+        if d.startswith(ours) and stop(Path(d)) is None:  # no record (its home removed): by pid
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def local_prefect_servers() -> list[int]:
+    """Pids of this machine's local Prefect servers (flows/localserver.py), by their command line."""
+    return [p.pid for p in processes() if "flows.localserver:create_app" in p.argv]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
