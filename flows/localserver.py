@@ -313,3 +313,26 @@ def watch(d: Path, idle: float, every: float = WATCH_EVERY_S) -> None:
     os.kill(me, signal.SIGTERM)  # uvicorn's graceful exit (the database closed cleanly)
     time.sleep(EXIT_GRACE_S)
     os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.localserver [stop]`: this PREFECT_HOME's local server, or stop it."""
+    args = sys.argv[1:] if argv is None else argv
+    d = state_dir()
+    if args == ["stop"]:
+        pid = stop(d)
+        print(f"stopped the local Prefect server (pid {pid})" if pid else f"no local Prefect server runs for {d}")
+        return 0
+    if args:
+        print("usage: python -m flows.localserver [stop]", file=sys.stderr)
+        return 2
+    rec = read_record(d)
+    if rec is None or not is_live(rec):
+        print(f"no local Prefect server runs for {d}")
+    else:
+        print(f"local Prefect server: pid {rec.pid}, {rec.url}, state in {d}, stops after {idle_s():g} s idle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
