@@ -1,11 +1,12 @@
 """`fleet up` on a fleet that is already up: one Prefect server per command (before) vs the
 shared local server (flows/localserver.py), side by side in one run.
 
-    .venv/bin/python bench/bench_localserver.py [--reps 5] [--servers 2] [--old-rev REV]
+    .venv/bin/python bench/bench_localserver.py [--reps 5] [--servers 2] [--old-rev REV | --old-dir DIR] [--out F]
 
 The old path is the code just before flows/localserver.py was added (`git archive` of
 `--old-rev`, default the parent of the commit that added it), run with this venv's Python from
-that directory, so its `flows`/`fleet` are the old ones. Each path has its own PREFECT_HOME
+that directory, so its `flows`/`fleet` are the old ones (`--old-dir`: such a tree extracted
+beforehand, for a machine without the git history). Each path has its own PREFECT_HOME
 (its own database); both adopt the same sim fleet. After one warm-up command per path (it
 brings the fleet up, creates the database and, on the new path, starts the local server),
 the two alternate (old, new, new, old, …) so load drifts hit both alike. Per command: wall
@@ -92,12 +93,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--old-rev", default=None)
+    ap.add_argument("--old-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="bench-localserver-"))
-    (d / "old").mkdir()
-    rev = old_tree(args.old_rev, d / "old")
+    old = args.old_dir.resolve() if args.old_dir else d / "old"
+    if args.old_dir:
+        rev = args.old_rev or str(old)
+    else:
+        old.mkdir()
+        rev = old_tree(args.old_rev, old)
     cfg = sim_config(d, args.servers)
-    paths = {"old": (d / "old", d / "home-old"), "new": (ROOT, d / "home-new")}
+    paths = {"old": (old, d / "home-old"), "new": (ROOT, d / "home-new")}
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     try:
         for name, (cwd, home) in paths.items():
@@ -121,6 +128,8 @@ def main() -> None:
               f"| {statistics.median(col['flow_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
     ratio = statistics.median(r["wall_s"] for r in runs["old"]) / statistics.median(r["wall_s"] for r in runs["new"])
     print(f"\nwall old/new (medians): {ratio:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
