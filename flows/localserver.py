@@ -166,6 +166,8 @@ def attach(timeout: float | None = None) -> str:
         if rec is not None and is_live(rec):
             _wait_healthy(rec, timeout, log=d / "server.log")
             return rec.url
+        # A stale record goes first: a starting server that read it would take it for a successor and stop.
+        (d / "server.json").unlink(missing_ok=True)
         last: PrefectApiUnavailable | None = None
         for _ in range(ATTEMPTS):
             try:
