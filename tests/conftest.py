@@ -23,9 +23,9 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="fleet-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-results")
-# The CLI tests run `fleet ...` as subprocesses, each starting a temporary Prefect server;
-# Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
-# attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
+# The CLI tests run `fleet ...` as subprocesses; the first on a PREFECT_HOME starts its local
+# Prefect server, which Prefect's default 20 s does not cover on a loaded 2-core CI machine
+# ("Timed out while attempting to connect to ephemeral Prefect API server"). Inherited by them.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # Those commands share one local Prefect server per PREFECT_HOME (flows/localserver.py), which
 # outlives them by design; the session stops its own at the end (`_local_prefect_servers_stop`),
