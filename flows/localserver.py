@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,20 +144,19 @@ def _flock(path: Path, how: int) -> Iterator[int]:
 
 # ---------------------------------------------------------------------------- the command's side
 
-_client_fd: int | None = None  # this process's shared lock on clients.lock, held until it exits
+_client_fds: dict[Path, int] = {}  # this process's shared lock on clients.lock per state dir, held until it exits
 
 
 def attach(timeout: float | None = None) -> str:
     """The URL of this PREFECT_HOME's local server: the running one, or one started now.
 
     Marks this process as a client for its whole life (the server is not idle while it runs)."""
-    global _client_fd
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
-    if _client_fd is None:
+    if d not in _client_fds:
         fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a server is stopping (it holds LOCK_EX)
-        _client_fd = fd
+        _client_fds[d] = fd
     (d / "used").touch()
     if timeout is None:
         timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or DEFAULT_STARTUP_TIMEOUT_S)
@@ -188,7 +187,7 @@ def _free_port() -> int:
 def _start(d: Path, timeout: float) -> Record:
     """Start the server detached, record it, and wait for it to answer (called under start.lock)."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = server_env(os.environ)
     env.update(PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
                PREFECT_SERVER_ANALYTICS_ENABLED=env.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
                FLEET_PREFECT_SERVER_DIR=str(d), FLEET_PREFECT_SERVER_IDLE_S=f"{idle_s():g}")
@@ -209,6 +208,19 @@ def _start(d: Path, timeout: float) -> Record:
         proc.wait()
         raise
     return rec
+
+
+# What the server may keep of the starting command's environment. It outlives the command by
+# minutes, so it does not carry the command's secrets (FLEET_API_KEY, an engine's token, cloud
+# credentials, the SSH agent): only what Prefect, Python and the OS need.
+_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_KEEP_PREFIX = ("PREFECT_", "PYTHON", "LC_")
+_DROP = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_API_AUTH_STRING")
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items()
+            if (k in _KEEP or k.startswith(_KEEP_PREFIX)) and k not in _DROP}
 
 
 def _wait_healthy(rec: Record, timeout: float, log: Path) -> None:

@@ -77,12 +77,15 @@ def home(tmp_path: Path):
 def test_two_first_commands_at_once_start_one_server_and_the_next_reuses_it(home: Path) -> None:
     """Protects against two commands started together each starting a server on the same
     database (the start is under start.lock: one starts it, the other finds it), and against
-    a later command paying for a server start again: it uses the recorded server (same pid)."""
-    env = env_for(home)
+    a later command paying for a server start again: it uses the recorded server (same pid).
+    The server outlives the commands, so it must not keep their secrets: none is in its environment."""
+    env = dict(env_for(home), FLEET_API_KEY="sk-local-server-test", AWS_SECRET_ACCESS_KEY="aws-local-server-test")
     a, b = Client(env, hold=True), Client(env, hold=True)
     (url_a, pid_a), (url_b, pid_b) = a.attached(), b.attached()
     assert (url_a, pid_a) == (url_b, pid_b)
     assert servers_of(home) == [pid_a]
+    kept = _environ(pid_a)
+    assert kept["PREFECT_HOME"] == str(home) and "FLEET_API_KEY" not in kept and "AWS_SECRET_ACCESS_KEY" not in kept
     a.release()
     b.release()
     c = Client(env)
