@@ -213,7 +213,8 @@ def _start(d: Path, timeout: float) -> Record:
 # What the server may keep of the starting command's environment. It outlives the command by
 # minutes, so it does not carry the command's secrets (FLEET_API_KEY, an engine's token, cloud
 # credentials, the SSH agent): only what Prefect, Python and the OS need.
-_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
+         "SSL_CERT_DIR")
 _KEEP_PREFIX = ("PREFECT_", "PYTHON", "LC_")
 _DROP = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_API_AUTH_STRING")
 
