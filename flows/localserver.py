@@ -305,8 +305,11 @@ def create_app() -> Any:
 def watch(d: Path, idle: float, every: float = WATCH_EVERY_S) -> None:
     """Stop this process when idle for `idle` s, or when its record is removed or replaced."""
     me, seen_mine, last_busy = os.getpid(), False, time.time()
-    fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    while True:
+    try:
+        fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        fd = -1  # its PREFECT_HOME is gone: nobody can use this server
+    while fd >= 0:
         time.sleep(every)
         rec = read_record(d)
         if (rec is not None and rec.pid != me) or (rec is None and seen_mine):
