@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -69,16 +68,25 @@ def _local_prefect_servers_stop(tmp_path_factory: pytest.TempPathFactory) -> Ite
     test process started for a PREFECT_HOME under its temp dirs (found by the server's environment,
     not by a walk of the temp dirs: some hold mounts)."""
     yield
+    import psutil
+
     from flows.localserver import stop
 
     ours = (str(_SESSION_TMP), str(tmp_path_factory.getbasetemp()))
-    for pid in local_prefect_servers():
-        d = _environ(pid).get("FLEET_PREFECT_SERVER_DIR", "")
-        if d.startswith(ours) and stop(Path(d)) is None:  # no record (its home removed): by pid
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    dirs = {pid: _environ(pid).get("FLEET_PREFECT_SERVER_DIR", "") for pid in local_prefect_servers()}
+    pids = [pid for pid, d in dirs.items() if d.startswith(ours)]
+    for pid in pids:
+        stop(Path(dirs[pid]))  # its record's server (normally this pid)
+    procs = []
+    for pid in pids:  # and any other, unrecorded one, by pid
+        try:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        p.kill()
 
 
 def local_prefect_servers() -> list[int]:
