@@ -23,6 +23,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def main() -> None:
     finally:
         subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(cfg)], cwd=ROOT, capture_output=True)
         stop(paths["new"][1] / "fleet-server")
+        shutil.rmtree(d, ignore_errors=True)
     print(f"\nold = {rev}; {args.reps} interleaved reps per path, {args.servers} sim servers adopted each time\n")
     print("| path | wall s (median, min–max) | command CPU s (median) | shared server CPU s (median) "
           "| flow's own s (median) | load (1 min) |")
