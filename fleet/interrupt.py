@@ -16,7 +16,8 @@ bounded in time, then `os._exit`:
 1. silence the other threads (their output goes to /dev/null from now on),
 2. run the registered cleanups — release the per-node lock (tasks/locks.py) and mark the flow
    run Crashed together (both only talk to the API: on a busy machine each may need most of the
-   budget), then stop the embedded Prefect server (flows/api.py) — all within one deadline,
+   budget; the local Prefect server they talk to is not the command's and keeps running,
+   flows/localserver.py) — all within one deadline,
 3. print one paragraph: what still runs, how to re-attach, how to stop,
 4. exit 130 (SIGINT) or 143 (SIGTERM).
 A second SIGINT exits at once; a repeated SIGTERM changes nothing (Prefect re-sends one to the
@@ -51,8 +52,7 @@ _exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
     """Run `fn` (bounded, best effort) when the user presses Ctrl-C; returns an unregister function.
-    Lower `order` runs first; cleanups of the same order run at the same time (the embedded API
-    server goes last: the others talk to it)."""
+    Lower `order` runs first; cleanups of the same order run at the same time."""
     entry = (order, name, fn)
     with _lock:
         _cleanups.append(entry)

@@ -22,10 +22,14 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="fleet-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-results")
-# The CLI tests run `fleet ...` as subprocesses, each starting a temporary Prefect server;
-# Prefect gives it 20 s, which a loaded 2-core CI machine exceeds ("Timed out while
-# attempting to connect to ephemeral Prefect API server"). Inherited by those subprocesses.
+# The CLI tests run `fleet ...` as subprocesses; the first on a PREFECT_HOME starts its local
+# Prefect server, which Prefect's default 20 s does not cover on a loaded 2-core CI machine
+# ("Timed out while attempting to connect to ephemeral Prefect API server"). Inherited by them.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Those commands share one local Prefect server per PREFECT_HOME (flows/localserver.py), which
+# outlives them by design; the session stops its own at the end (`_local_prefect_servers_stop`),
+# and one left by a killed run stops itself after this many idle seconds instead of ten minutes.
+os.environ.setdefault("FLEET_PREFECT_SERVER_IDLE_S", "120")
 # This test process's RAM disk (nodes.ramdisk). Copies are per user, fleet and source state
 # (<ramdisk>/fleet-<uid>/<fleet>/<name>-<key>), but tests of one uid reuse fleet names ("t") and
 # freeing one test's copies must not race another process's: the default /dev/shm is shared by
@@ -56,6 +60,46 @@ def _log_handlers_outlive_the_test() -> Iterator[None]:
                 handler.stream = sys.stderr
                 if hasattr(handler, "console"):   # Prefect's PrefectConsoleHandler writes through it
                     handler.console.file = sys.stderr
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _local_prefect_servers_stop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end of the session, stop every local Prefect server that a `fleet` command of this
+    test process started for a PREFECT_HOME under its temp dirs (found by the server's environment,
+    not by a walk of the temp dirs: some hold mounts)."""
+    yield
+    import psutil
+
+    from flows.localserver import stop
+
+    ours = (str(_SESSION_TMP), str(tmp_path_factory.getbasetemp()))
+    dirs = {pid: _environ(pid).get("FLEET_PREFECT_SERVER_DIR", "") for pid in local_prefect_servers()}
+    pids = [pid for pid, d in dirs.items() if d.startswith(ours)]
+    for pid in pids:
+        stop(Path(dirs[pid]))  # its record's server (normally this pid)
+    procs = []
+    for pid in pids:  # and any other, unrecorded one, by pid
+        try:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        p.kill()
+
+
+def local_prefect_servers() -> list[int]:
+    """Pids of this machine's local Prefect servers (flows/localserver.py), by their command line."""
+    return [p.pid for p in processes() if "flows.localserver:create_app" in p.argv]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,7 +1,7 @@
 """Ctrl-C and kill -9 of `fleet up` as an operator does them, and what the next command finds.
 
-Real parts: `fleet …` subprocesses each with their own embedded Prefect server (one PREFECT_HOME
-for the module, as on one machine), sim servers, signals to the command's process group (what a
+Real parts: `fleet …` subprocesses sharing the local Prefect server of their PREFECT_HOME (one
+for the module, as on one machine; flows/localserver.py), sim servers, signals to the command's process group (what a
 terminal's Ctrl-C does). Exit times are measured and printed; the asserted bounds are loose so
 a loaded CI machine does not fail them (the goal, on an idle machine, is under 5 s).
 """
@@ -97,10 +97,10 @@ class Cmd:
 
 
 def embedded_servers(home: str) -> list[int]:
-    """Pids of Prefect servers started for this PREFECT_HOME (by their environment)."""
+    """Pids of the local Prefect servers started for this PREFECT_HOME (by their environment)."""
     found = []
     for p in processes():
-        if "uvicorn" in " ".join(p.argv) and "prefect.server.api.server:create_app" in p.argv:
+        if "uvicorn" in " ".join(p.argv) and "flows.localserver:create_app" in p.argv:
             try:
                 environ = Path(f"/proc/{p.pid}/environ").read_bytes()
             except OSError:
@@ -127,8 +127,8 @@ def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, s
     Prefect server died first with the terminal's process group, and (2) the per-node slot
     staying taken after Ctrl-C or kill -9, so that every later `fleet up` waited up to 3600 s.
     Ctrl-C: exit 130 within seconds, one paragraph (what runs, re-attach, stop), no traceback,
-    the embedded server stopped, the slot given back. kill -9: the next run reclaims the slot
-    of the dead run at once and says so."""
+    the slot given back. kill -9: the next run reclaims the slot of the dead run at once and says
+    so. Either way the local Prefect server outlives the command and the next one reuses it."""
     cfg = sim_cfg(tmp_path, "ia")
     try:
         first = Cmd(env, tmp_path / "first.txt", "up", "-c", str(cfg))
@@ -143,8 +143,8 @@ def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, s
             para = out[out.index("fleet: interrupted."):]
             assert f"fleet status -c {cfg}" in para and f"fleet down -c {cfg}" in para and f"fleet up -c {cfg}" in para
             assert len(para.strip().splitlines()) == 1  # one paragraph
-        wait_until(lambda: not embedded_servers(env["PREFECT_HOME"]), timeout=30,
-                   what="the interrupted command's embedded Prefect server to exit")
+        server = embedded_servers(env["PREFECT_HOME"])
+        assert len(server) == 1  # not the command's: it serves the next one
 
         t0 = time.monotonic()
         second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
@@ -152,6 +152,7 @@ def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, s
         again = second.text()
         print(f"the next fleet up took {time.monotonic() - t0:.1f} s")
         assert "waiting" not in again, again[-3000:]
+        assert embedded_servers(env["PREFECT_HOME"]) == server  # reused, not started again
         if sig == signal.SIGKILL:
             assert "reclaimed the lock fleet-node-" in again and "which is no longer running" in again
             assert "is gone" in again  # why: the holder's process
@@ -163,9 +164,10 @@ def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, s
 
 def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dict[str, str], tmp_path: Path) -> None:
     """Protects against two commands started together on one machine dying with "Timed out
-    while attempting to connect to ephemeral Prefect API server" (each starts an embedded
-    server on the same database) and against a waiting run that does not say who it waits for.
-    Both configs use this machine, so the second waits for the first's lock, naming it."""
+    while attempting to connect to ephemeral Prefect API server" (each started an embedded
+    server on the same database; now one starts the local server, the other waits for it) and
+    against a waiting run that does not say who it waits for. Both configs use this machine, so
+    the second waits for the first's lock, naming it."""
     base = port_block(4)  # one block: the two never collide
     a, b = sim_cfg(tmp_path, "ta", startup_s=8, base_port=base), sim_cfg(tmp_path, "tb", startup_s=8, base_port=base + 2)
     try:
@@ -191,8 +193,9 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
         waited = [t for t in (first.text(), second.text()) if "is held by run 'bringup-t" in t]
         assert len(waited) == 1, outs[-4000:]
         assert " s; waiting (up to 3600 s)" in waited[0]
+        assert len(embedded_servers(env["PREFECT_HOME"])) == 1  # never two servers on one database
 
-        # what the runs recorded, read back while nothing serves the database (the command path)
+        # what the runs recorded, read straight from the database (the command path)
         t0 = time.monotonic()
         rep = subprocess.run([sys.executable, "-m", "flows.cli", "report", "-c", str(a)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
@@ -210,17 +213,21 @@ def test_embedded_server_that_cannot_start_is_one_line_with_the_remedy(env: dict
     """Protects against a raw `RuntimeError: Timed out while attempting to connect to ephemeral
     Prefect API server` (with the server's stdout) when the server cannot start: fleet tries
     twice, then prints one line naming the remedy, exit 2. (A server that cannot open its
-    database fails the same way on every machine, loaded or not.)"""
+    database fails the same way on every machine, loaded or not.) Its own PREFECT_HOME: the
+    module's may have a running local server, which the command would use."""
     cfg = sim_cfg(tmp_path, "tc")
-    e = dict(env, PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
+    home = tmp_path / "home"
+    e = dict(env, PREFECT_HOME=str(home),
+             PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
     r = subprocess.run([sys.executable, "-m", "flows.cli", "up", "-c", str(cfg)], cwd=ROOT, env=e,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "embedded Prefect server exited with code" in lines[0] and "tried 2 times" in lines[0]
+    assert "local Prefect server exited with code" in lines[0] and "tried 2 times" in lines[0]
     assert "PREFECT_API_URL" in lines[0]
-    assert not embedded_servers(env["PREFECT_HOME"])
+    assert not embedded_servers(str(home))
+    assert not (home / "fleet-server" / "server.json").exists()  # no record of a server that never ran
 
 
 SCRIPT = r"""

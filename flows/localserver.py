@@ -1,0 +1,356 @@
+"""The local Prefect server that `fleet` commands share when no `PREFECT_API_URL` is set.
+
+Why one shared server rather than one per command: starting Prefect's server (import, app,
+migrations check) cost 11–30 s of wall and 7–19 s of CPU per command on a busy 2-core machine,
+for flows that take a second (`fleet up` on a fleet already up: 13.3 s for a 1.3 s flow). The
+first command starts it; later commands find it and pay a health check (milliseconds).
+
+The promises, and what keeps each:
+- **One per PREFECT_HOME, never two on one database.** Everything lives in
+  `<PREFECT_HOME>/fleet-server/`: `server.json` (the record: pid, its start time, port, URL),
+  `start.lock` (an flock held while a command reads the record and, if needed, starts the
+  server), `clients.lock` (shared-locked by every command for its life), `server.log`.
+  Commands that find no live server queue on `start.lock`: one starts it, the others then find
+  it. A record whose pid is gone (or reused: its start time differs) is stale and replaced.
+- **Stops when unused.** The server process itself (this module's `create_app`, Prefect's app
+  plus one watcher thread) stops after `FLEET_PREFECT_SERVER_IDLE_S` (default 600) without a
+  command: no command holds `clients.lock` and none touched `used` since. It takes
+  `clients.lock` exclusively, removes its record, and exits holding it, so a command arriving
+  meanwhile waits for it to be gone and then starts a new one: never two servers on the
+  database, never a command attached to a server that is going away. It also stops at once when
+  its record is removed or names another server (`stop`, a deleted PREFECT_HOME).
+- **Outlives Ctrl-C and the command.** Its own session (Ctrl-C in the terminal reaches only
+  the command, whose cleanups talk to it), no tie to the command's life. A long job
+  (`fleet generate` attached for days) holds `clients.lock` all along, so it is never idle.
+- **Bounded start.** A command waits up to `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`
+  (default 90 s here) for `/api/health`, watching the process: one that exits is reported at
+  once with the reason from its log. Two attempts, then one line with the remedy.
+
+It serves the API only (Prefect's ephemeral mode: no UI, only the services an ephemeral server
+runs), on a free port on 127.0.0.1, with the database Prefect would use for this PREFECT_HOME.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.errors import FleetError
+
+DEFAULT_STARTUP_TIMEOUT_S = 90.0
+DEFAULT_IDLE_S = 600.0
+ATTEMPTS = 2
+WATCH_EVERY_S = 1.0
+EXIT_GRACE_S = 20.0  # after the idle SIGTERM, uvicorn's graceful exit; then os._exit
+REMEDY = ("set PREFECT_API_URL to a running server (`prefect server start`, then "
+          "PREFECT_API_URL=http://127.0.0.1:4200/api), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+
+
+class PrefectApiUnavailable(FleetError):
+    """The Prefect API fleet needs could not be started or reached."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """What `server.json` says: which process serves which port, since when."""
+
+    pid: int
+    port: int
+    started: float        # time.time() at start, for people reading the file
+    proc_start: str       # the kernel's start time of `pid` (/proc/<pid>/stat field 22): a reused pid differs
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+
+def state_dir() -> Path:
+    """`<PREFECT_HOME>/fleet-server` (PREFECT_HOME as Prefect resolves it: the environment, else ~/.prefect)."""
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser() / "fleet-server"
+
+
+def idle_s() -> float:
+    return float(os.environ.get("FLEET_PREFECT_SERVER_IDLE_S") or DEFAULT_IDLE_S)
+
+
+def proc_start(pid: int) -> str | None:
+    """The start time of a running process ("" where /proc cannot say); None if gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        stat = ""
+    if stat:
+        fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state is field 3, starttime 22
+        return None if fields[0] in ("Z", "X") else fields[19]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
+def read_record(d: Path) -> Record | None:
+    try:
+        data = json.loads((d / "server.json").read_text())
+        return Record(int(data["pid"]), int(data["port"]), float(data["started"]), str(data["proc_start"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def is_live(rec: Record) -> bool:
+    """The recorded process still runs (not a new process that got its pid)."""
+    now = proc_start(rec.pid)
+    return now is not None and (now == rec.proc_start or "" in (now, rec.proc_start))
+
+
+def _write_record(d: Path, rec: Record) -> None:
+    tmp = d / f"server.json.{os.getpid()}"
+    tmp.write_text(json.dumps(asdict(rec)) + "\n")
+    os.replace(tmp, d / "server.json")
+
+
+def _remove_record_if(d: Path, pid: int) -> None:
+    rec = read_record(d)
+    if rec is not None and rec.pid == pid:
+        (d / "server.json").unlink(missing_ok=True)
+
+
+@contextmanager
+def _flock(path: Path, how: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+        yield fd
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+# ---------------------------------------------------------------------------- the command's side
+
+_client_fds: dict[Path, int] = {}  # this process's shared lock on clients.lock per state dir, held until it exits
+
+
+def attach(timeout: float | None = None) -> str:
+    """The URL of this PREFECT_HOME's local server: the running one, or one started now.
+
+    Marks this process as a client for its whole life (the server is not idle while it runs)."""
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    if d not in _client_fds:
+        fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a server is stopping (it holds LOCK_EX)
+        _client_fds[d] = fd
+    (d / "used").touch()
+    if timeout is None:
+        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or DEFAULT_STARTUP_TIMEOUT_S)
+    with _flock(d / "start.lock", fcntl.LOCK_EX):
+        rec = read_record(d)
+        if rec is not None and is_live(rec):
+            _wait_healthy(rec, timeout, log=d / "server.log")
+            return rec.url
+        # A stale record goes first: a starting server that read it would take it for a successor and stop.
+        (d / "server.json").unlink(missing_ok=True)
+        last: PrefectApiUnavailable | None = None
+        for _ in range(ATTEMPTS):
+            try:
+                return _start(d, timeout).url
+            except PrefectApiUnavailable as exc:
+                last = exc
+        assert last is not None
+        raise PrefectApiUnavailable(f"{last.reason} (tried {ATTEMPTS} times)", remedy=REMEDY)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _start(d: Path, timeout: float) -> Record:
+    """Start the server detached, record it, and wait for it to answer (called under start.lock)."""
+    port = _free_port()
+    env = server_env(os.environ)
+    env.update(PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED=env.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+               FLEET_PREFECT_SERVER_DIR=str(d), FLEET_PREFECT_SERVER_IDLE_S=f"{idle_s():g}")
+    argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(__file__).resolve().parents[1]), "--factory",
+            "flows.localserver:create_app", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "error", "--lifespan", "on"]
+    with (d / "server.log").open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    rec = Record(proc.pid, port, time.time(), proc_start(proc.pid) or "")
+    _write_record(d, rec)
+    try:
+        _wait_healthy(rec, timeout, log=d / "server.log")
+    except PrefectApiUnavailable:
+        _remove_record_if(d, proc.pid)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
+    return rec
+
+
+# What the server may keep of the starting command's environment. It outlives the command by
+# minutes, so it does not carry the command's secrets (FLEET_API_KEY, an engine's token, cloud
+# credentials, the SSH agent): only what Prefect, Python and the OS need.
+_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
+         "SSL_CERT_DIR")
+_KEEP_PREFIX = ("PREFECT_", "PYTHON", "LC_")
+_DROP = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_API_AUTH_STRING")
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items()
+            if (k in _KEEP or k.startswith(_KEEP_PREFIX)) and k not in _DROP}
+
+
+def _wait_healthy(rec: Record, timeout: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5) as client:
+        while True:
+            if not is_live(rec):
+                raise PrefectApiUnavailable(f"the local Prefect server exited{_exit_code(rec.pid)}: {log_tail(log)}")
+            try:
+                # a bare connect first: an HTTP attempt per turn cost seconds of CPU over a slow start
+                if _listening(rec.port) and client.get(f"{rec.url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log_tail(log)
+                raise PrefectApiUnavailable(
+                    f"the local Prefect server (pid {rec.pid}, {rec.url}) did not answer within {timeout:g} s "
+                    f"(machine busy?){': ' + tail if tail else ''}")
+            time.sleep(0.1)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _exit_code(pid: int) -> str:
+    """' with code N' when `pid` is our own child (then it is reaped here), else ''."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return ""
+    return f" with code {os.waitstatus_to_exitcode(status)}" if got == pid else ""
+
+
+def log_tail(log: Path) -> str:
+    """The line of the server's log that says why: its last exception line, else its last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    why = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+    return (why or lines or [""])[-1][:300]
+
+
+def stop(d: Path | None = None, wait_s: float = 30.0) -> int | None:
+    """Stop the recorded server of `d` (default: this PREFECT_HOME's); its pid, or None if none ran."""
+    d = d or state_dir()
+    rec = read_record(d)
+    if rec is None or not is_live(rec):
+        return None
+    (d / "server.json").unlink(missing_ok=True)  # the server stops itself when it sees this, too
+    try:
+        os.kill(rec.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return rec.pid
+    deadline = time.monotonic() + wait_s
+    while is_live(rec) and time.monotonic() < deadline:
+        _exit_code(rec.pid)  # reaps it if it is our child
+        time.sleep(0.05)
+    if is_live(rec):
+        os.kill(rec.pid, signal.SIGKILL)
+    return rec.pid
+
+
+# ---------------------------------------------------------------------------- the server's side
+
+def create_app() -> Any:
+    """uvicorn's factory: Prefect's server app, plus the watcher that stops it when unused."""
+    from prefect.server.api.server import create_app as prefect_app
+
+    app = prefect_app()
+    d = Path(os.environ["FLEET_PREFECT_SERVER_DIR"])
+    threading.Thread(target=watch, args=(d, idle_s()), name="fleet-idle-watch", daemon=True).start()
+    return app
+
+
+def watch(d: Path, idle: float, every: float = WATCH_EVERY_S) -> None:
+    """Stop this process when idle for `idle` s, or when its record is removed or replaced."""
+    me, seen_mine, last_busy = os.getpid(), False, time.time()
+    try:
+        fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        fd = -1  # its PREFECT_HOME is gone: nobody can use this server
+    while fd >= 0:
+        time.sleep(every)
+        rec = read_record(d)
+        if (rec is not None and rec.pid != me) or (rec is None and seen_mine):
+            break  # replaced or removed: another server owns the database now, or nobody wants this one
+        seen_mine = seen_mine or rec is not None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            last_busy = time.time()  # a command is attached
+            continue
+        try:
+            used = max(last_busy, (d / "used").stat().st_mtime)
+        except OSError:
+            used = last_busy
+        if time.time() - used >= idle:
+            _remove_record_if(d, me)
+            break  # exit holding clients.lock: commands wait until this server is gone
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.kill(me, signal.SIGTERM)  # uvicorn's graceful exit (the database closed cleanly)
+    time.sleep(EXIT_GRACE_S)
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.localserver [stop]`: this PREFECT_HOME's local server, or stop it."""
+    args = sys.argv[1:] if argv is None else argv
+    d = state_dir()
+    if args == ["stop"]:
+        pid = stop(d)
+        print(f"stopped the local Prefect server (pid {pid})" if pid else f"no local Prefect server runs for {d}")
+        return 0
+    if args:
+        print("usage: python -m flows.localserver [stop]", file=sys.stderr)
+        return 2
+    rec = read_record(d)
+    if rec is None or not is_live(rec):
+        print(f"no local Prefect server runs for {d}")
+    else:
+        print(f"local Prefect server: pid {rec.pid}, {rec.url}, state in {d}, stops after {idle_s():g} s idle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The local Prefect server that `fleet` commands share per PREFECT_HOME (flows/localserver.py).
+
+Real parts: each "command" is a separate Python process that attaches as a flow command does
+(`attach()`, the call `fleet up`/`generate`/`demo` make through flows/api.py), each test on its
+own PREFECT_HOME; the servers are real `uvicorn` Prefect servers on loopback. The end-to-end
+`fleet up` path (a Ctrl-C'd command, then the next one reusing the same server) is in
+tests/test_interrupt.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import _environ, local_prefect_servers, wait_until
+from flows.localserver import Record, is_live, proc_start, read_record, stop
+
+pytestmark = pytest.mark.prefect
+ROOT = Path(__file__).resolve().parents[1]
+
+# A command's part in it: attach, say which server, and (with an argument) stay attached until
+# a line arrives on stdin, as a long `fleet generate` does.
+CLIENT = r"""
+import sys
+from flows.localserver import attach, read_record, state_dir
+url = attach()
+print(url, read_record(state_dir()).pid, flush=True)
+if len(sys.argv) > 1:
+    sys.stdin.readline()
+"""
+
+
+def env_for(home: Path, **extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FLEET_PREFECT_"))}
+    e.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+             PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="240", **extra)
+    return e
+
+
+class Client:
+    """One command attached to the local server, held until `release()` when `hold`."""
+
+    def __init__(self, env: dict[str, str], hold: bool = False) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, *(["hold"] if hold else [])], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def attached(self) -> tuple[str, int]:
+        """(url, server pid) once attached."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert len(line) == 2, f"the client failed: {self.proc.communicate(timeout=60)}"
+        return line[0], int(line[1])
+
+    def release(self) -> None:
+        out, err = self.proc.communicate("\n", timeout=60)
+        assert self.proc.returncode == 0, err
+
+
+def servers_of(home: Path) -> list[int]:
+    """The live local servers whose state dir is under `home`."""
+    return [pid for pid in local_prefect_servers()
+            if _environ(pid).get("FLEET_PREFECT_SERVER_DIR") == str(home / "fleet-server")]
+
+
+@pytest.fixture
+def home(tmp_path: Path):
+    h = tmp_path / "prefect-home"
+    yield h
+    stop(h / "fleet-server")
+
+
+def test_two_first_commands_at_once_start_one_server_and_the_next_reuses_it(home: Path) -> None:
+    """Protects against two commands started together each starting a server on the same
+    database (the start is under start.lock: one starts it, the other finds it), and against
+    a later command paying for a server start again: it uses the recorded server (same pid).
+    The server outlives the commands, so it must not keep their secrets: none is in its environment."""
+    env = dict(env_for(home), FLEET_API_KEY="sk-local-server-test", AWS_SECRET_ACCESS_KEY="aws-local-server-test")
+    a, b = Client(env, hold=True), Client(env, hold=True)
+    (url_a, pid_a), (url_b, pid_b) = a.attached(), b.attached()
+    assert (url_a, pid_a) == (url_b, pid_b)
+    assert servers_of(home) == [pid_a]
+    kept = _environ(pid_a)
+    assert kept["PREFECT_HOME"] == str(home) and "FLEET_API_KEY" not in kept and "AWS_SECRET_ACCESS_KEY" not in kept
+    a.release()
+    b.release()
+    c = Client(env)
+    assert c.attached() == (url_a, pid_a)  # reused: no second server
+    c.release()
+    assert servers_of(home) == [pid_a]
+    rec = read_record(home / "fleet-server")
+    assert rec is not None and rec.pid == pid_a and is_live(rec)
+
+
+def test_a_stale_record_is_replaced(home: Path) -> None:
+    """Protects against a record left by a server that died (kill -9, a reboot) sending every
+    later command to a dead port, or to a process that got its pid since: such a record is
+    stale (its pid's start time differs) and the next command starts a server in its place."""
+    d = home / "fleet-server"
+    d.mkdir(parents=True)
+    me = os.getpid()  # alive, but not the recorded process: its start time is not the one recorded
+    assert proc_start(me) not in (None, "", "1")
+    stale = Record(me, 9, 0.0, "1")
+    (d / "server.json").write_text(json.dumps({"pid": me, "port": 9, "started": 0.0, "proc_start": "1"}))
+    assert not is_live(stale)
+    c = Client(env_for(home))
+    url, pid = c.attached()
+    c.release()
+    assert pid != me and servers_of(home) == [pid]
+    rec = read_record(d)
+    assert rec is not None and rec.pid == pid and rec.url == url and is_live(rec)
+
+
+def test_the_server_stops_when_idle_and_the_next_command_starts_another(home: Path) -> None:
+    """Protects against servers left running for ever by commands that are long gone: with no
+    command attached for FLEET_PREFECT_SERVER_IDLE_S, the server removes its record and exits.
+    The next command then starts a fresh one (never attaching to one that is going away)."""
+    env = env_for(home, FLEET_PREFECT_SERVER_IDLE_S="2")
+    c = Client(env)
+    _, first = c.attached()
+    c.release()
+    wait_until(lambda: not servers_of(home), timeout=120, interval=0.2, what="the idle server to exit")
+    assert read_record(home / "fleet-server") is None
+    again = Client(env)
+    _, second = again.attached()
+    again.release()
+    assert second != first and servers_of(home) == [second]
+
+
+def test_with_prefect_api_url_set_nothing_is_started(home: Path) -> None:
+    """Protects a user's own server setup: with PREFECT_API_URL set, a flow command uses it and
+    starts, records and locks nothing of its own."""
+    script = "from flows.api import ensure_api; print(ensure_api())"
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env_for(home, PREFECT_API_URL="http://127.0.0.1:9/api"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "http://127.0.0.1:9/api"
+    assert not (home / "fleet-server").exists() and not servers_of(home)
