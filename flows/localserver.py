@@ -205,7 +205,10 @@ def _start(d: Path, timeout: float) -> Record:
         _remove_record_if(d, proc.pid)
         if proc.poll() is None:
             proc.kill()
-        proc.wait()
+        try:
+            proc.wait(timeout=5)  # SIGKILL: at once, unless the kernel holds it (a stopped disk)
+        except subprocess.TimeoutExpired:
+            pass
         raise
     return rec
 
