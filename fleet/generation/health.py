@@ -231,6 +231,11 @@ class ServerHealth:
             return g.stall_max_s
         return min(g.stall_max_s, max(g.stall_min_s, 3.0 * quantile(lats, 0.99)))
 
+    def suspected(self, srv: ServerState) -> bool:
+        """Under stall suspicion: the watchdog doubts `srv` and has not decided yet (its probe
+        is out). Backups (fleet.generation.hedge) send its rows elsewhere meanwhile."""
+        return srv.probing
+
     async def watchdog(self) -> None:
         """A server with rows in flight and none finished for stall_s gets a generation probe.
 
