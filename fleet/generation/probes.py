@@ -10,20 +10,22 @@ rather than raises (a server that cannot be reached is an answer too):
 | `server_info` | /server_info (or /get_server_info) | the server's max running requests, speculative stats |
 | `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
 | `accept_len` | speculative accept length (server info, else /metrics) | the progress file |
+| `token_count` | the engine's token counters in /metrics (`promtext.token_count`) | the stall watchdog: do its tokens advance? |
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
+from fleet.generation import promtext
 from fleet.generation.jsonl import dumps, loads
 from fleet.generation.serverstate import Endpoint
 
-__all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "usable"]
+__all__ = ["accept_len", "generation_probe", "max_running", "ping", "server_info", "token_count", "usable"]
 
 _ACCEPT_METRIC = re.compile(r"^sglang:spec_accept_length(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
@@ -132,3 +134,23 @@ async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float |
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
         pass
     return last
+
+
+CountKind = Literal["ok", "none", "failed"]
+
+
+async def token_count(ep: Endpoint, session: aiohttp.ClientSession, timeout: float) -> tuple[CountKind, float]:
+    """The server's token-progress total from /metrics: ("ok", total); ("none", 0) when it has
+    no such counters (no /metrics: `transformers serve`, SGLang without --enable-metrics); ("failed",
+    0) when it did not answer in `timeout` s (a stopped server: no progress either)."""
+    headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
+    try:
+        async with session.get(ep.url + "/metrics", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            body = await r.read()
+            if r.status != 200:
+                return ("none", 0.0) if r.status in (404, 405) else ("failed", 0.0)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return "failed", 0.0
+    total = promtext.token_count(body.decode("utf-8", "replace"))
+    return ("none", 0.0) if total is None else ("ok", total)
