@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -19,6 +20,21 @@ from fleet.generation.manifest import read_manifest
 from fleet.generation.rows import Request
 from test_gen_dispatch import MemStore, Sim, assert_exactly_once, fast, gen, sims  # noqa: F401  (fixture re-used)
 from test_gen_runner import job_file, progress, result_ids, start_runner, write_input
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_sim_lognormal_lengths_are_a_long_tail_within_max_tokens() -> None:
+    """The sim's --lengths lognormal:MEDIAN:SIGMA (the long-rows bench's reasoning-model lengths):
+    deterministic per hash, median near MEDIAN, every length within 1..max_tokens, some at the cap."""
+    from fleet.sim.determinism import hash_ints
+    from fleet.sim.generation import lognormal_length
+
+    xs = sorted(lognormal_length("lognormal:2000:0.5", hash_ints(7, 11, i), 4096) for i in range(4000))
+    assert xs == sorted(lognormal_length("lognormal:2000:0.5", hash_ints(7, 11, i), 4096) for i in range(4000))
+    assert 1 <= xs[0] and xs[-1] == 4096 and 1800 < xs[2000] < 2200
+    assert 0.02 < sum(x == 4096 for x in xs) / len(xs) < 0.15
 
 
 def fixed_rows(n: int, tokens: int) -> list[Request]:
@@ -157,3 +173,23 @@ def test_kill_9_during_a_hedge_then_resume_every_id_exactly_once(tmp_path: Path,
     assert m is not None and m["state"] == "done" and "hedge" in m["this_run"], m and m.get("this_run")
     final = json.loads((out / "progress.json").read_text())
     assert "hedge" in final and final["hedge"]["out"] == 0
+
+
+def test_long_rows_bench_small_wedged_server_out_rows_hedged_every_id_once() -> None:
+    """bench/bench_long_rows.py, small (3 servers: one full speed, one at half, one wedged after
+    6 requests; 60 rows of lognormal lengths up to 4,096 tokens; a 1 s stall window): the
+    wedged server is taken out on its token count, its rows are backed up before that, and
+    every id ends exactly once. Counting only: the bench's timings are not asserted."""
+    import bench_long_rows as bench
+
+    fleet = bench.start_fleet(1, 2000.0, 4, 6)
+    try:
+        res = asyncio.run(bench.run_pair(fleet, None, 60, 4, stall_s=1.0, fraction=0.5, hedge_poll_s=0.05,
+                                         stall_probe_timeout_s=3.0))["new"]
+    finally:
+        fleet.stop()
+    assert res["complete"] and res["once"] and res["errors"] == 0, res
+    assert res["wedged_down"] and res["wedged_reason"].startswith("stalled: no token progress"), res
+    assert res["hedge"]["rows"] >= 1 and res["hedge"]["out"] == 0, res["hedge"]
+    assert res["hedge"]["extra_tokens"] <= res["hedge"]["bound_tokens"], res["hedge"]
+    assert res["flow_s"] is not None, "the wedged server's rows never went elsewhere"
