@@ -41,9 +41,9 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Iterable, Iterator
-from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -406,8 +406,6 @@ class Dispatcher:
             log.debug("backup of %s on %s", f.job.req.id, srv.name)
             out = await self._send(srv, f, self.gen.request_timeout_s)
             self._landed(srv, epoch, f, out)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
             log.exception("backup on %s failed", srv.name)
             self._fail(f"{type(exc).__name__}: {exc}")
