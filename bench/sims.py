@@ -12,11 +12,12 @@ SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 ROOT = Path(__file__).resolve().parents[1]  # -m finds fleet here when it is not installed
 
 
-def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
+def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None, extra: list[list[str]] | None = None
                ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    """One sim per entry of `tokens_per_s` (its decode speed), `slots` max running requests each."""
+    """One sim per entry of `tokens_per_s` (its decode speed), `slots` max running requests each;
+    `extra[i]`: more flags for sim i (a fault such as --hang-after)."""
     procs, urls = [], []
-    for tps in tokens_per_s:
+    for i, tps in enumerate(tokens_per_s):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -24,6 +25,8 @@ def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
                 "--max-running-requests", str(slots), "--log-interval-s", "3600"]
         if seed is not None:
             argv += ["--seed", str(seed)]
+        if extra is not None:
+            argv += extra[i]
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:

@@ -204,7 +204,7 @@ async def _until_running(url: str, n: int) -> bool:
 
 
 def test_engine_without_token_counters_is_judged_by_rows(sims) -> None:
-    """An engine whose /metrics counts no tokens (or has none: `transformers serve`) must not be
+    """A server whose /metrics counts no tokens (or answers 404: SGLang without --enable-metrics) must not be
     called stalled for it: the watchdog reads that once and falls back to the row clock."""
     s = sims("--tokens-per-s", "1000")
     d = Dispatcher([Endpoint("none", s.url + "/no-such-prefix", "sim-model"), s.endpoint("sim")], MemStore(),
