@@ -204,8 +204,8 @@ async def _until_running(url: str, n: int) -> bool:
 
 
 def test_engine_without_token_counters_is_judged_by_rows(sims) -> None:
-    """A server whose /metrics counts no tokens (or answers 404: SGLang without --enable-metrics) must not be
-    called stalled for it: the watchdog reads that once and falls back to the row clock."""
+    """A server whose /metrics counts no tokens (or answers 404: SGLang without --enable-metrics)
+    must not be called stalled for it: the watchdog reads that once and falls back to the row clock."""
     s = sims("--tokens-per-s", "1000")
     d = Dispatcher([Endpoint("none", s.url + "/no-such-prefix", "sim-model"), s.endpoint("sim")], MemStore(),
                    gen(stall_s=1.0))
@@ -286,3 +286,30 @@ def test_only_the_engine_without_counters_is_streamed() -> None:
     entry = ServerEntry(node="n", index=0, url="http://127.0.0.1:1", model="m")
     assert [e.stream for e in _endpoints([entry], stream=PROFILES["transformers"].stream_progress)] == [True]
     assert [e.stream for e in _endpoints([entry])] == [False]
+
+
+def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:
+    """The OpenAI stream splits a tool call over chunks (id and name first, the arguments in
+    pieces, keyed by index) and sends usage in a last chunk without choices: the streamed
+    Outcome must hold the same call and counts as a whole answer would."""
+    from fleet.generation.client import Outcome, _Stream
+
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "the weather."}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                            "function": {"name": "get_weather", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 17, "total_tokens": 48}},
+    ]
+    acc, out = _Stream(), Outcome("ok")
+    for c in chunks:
+        acc.add(c)
+    acc.into(out)
+    assert (out.completion, out.reasoning_content, out.finish_reason) == ("", "The user wants the weather.", "tool_calls")
+    assert out.tool_calls == [{"id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert (out.prompt_tokens, out.completion_tokens) == (31, 17)

@@ -171,8 +171,8 @@ class _Stream:
             if r:
                 self.reasoning.append(r)
             for tc in delta.get("tool_calls") or ():
-                call = self.calls.setdefault(int(tc.get("index", len(self.calls))),
-                                             {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                call = self.calls.setdefault(int(tc.get("index", len(self.calls))), blank)
                 call["id"] = tc.get("id") or call["id"]
                 call["type"] = tc.get("type") or call["type"]
                 fn = tc.get("function") or {}

@@ -62,6 +62,7 @@ __all__ = ["IsAlive", "OnServerDown", "ServerHealth"]
 
 
 OnServerDown = Callable[[Endpoint], Awaitable[bool]]
+_SIGN = {"metrics": "no token progress", "stream": "no streamed token"}   # the stall, by progress source
 IsAlive = Callable[[Endpoint], bool | None]
 Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
 Worker = Callable[[ServerState, int], Coroutine[Any, Any, None]]
@@ -302,7 +303,7 @@ class ServerHealth:
         limit = self.stall_s(srv)
         if quiet < limit:
             return
-        what = {"metrics": "no token progress", "stream": "no streamed token"}.get(srv.progress or "", "no row finished")
+        what = _SIGN.get(srv.progress or "", "no row finished")
         why = f"{what} for {quiet:.0f} s with {srv.in_flight} in flight"
         srv.suspect_since = srv.suspect_since or now
         self.spawn(self.stall_probe(srv, why), f"stall-{srv.name}")
