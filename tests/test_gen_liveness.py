@@ -204,8 +204,8 @@ async def _until_running(url: str, n: int) -> bool:
 
 
 def test_engine_without_token_counters_is_judged_by_rows(sims) -> None:
-    """An engine whose /metrics counts no tokens (or has none: `transformers serve`) must not be
-    called stalled for it: the watchdog reads that once and falls back to the row clock."""
+    """A server whose /metrics counts no tokens (or answers 404: SGLang without --enable-metrics)
+    must not be called stalled for it: the watchdog reads that once and falls back to the row clock."""
     s = sims("--tokens-per-s", "1000")
     d = Dispatcher([Endpoint("none", s.url + "/no-such-prefix", "sim-model"), s.endpoint("sim")], MemStore(),
                    gen(stall_s=1.0))
@@ -223,3 +223,93 @@ def test_engine_without_token_counters_is_judged_by_rows(sims) -> None:
     assert counted[0] == "metrics" and counted[1] == 0.0
     assert d.health.stall_s(d.servers[0]) == d.health.row_stall_s(d.servers[0]) != 1.0
     assert d.health.stall_s(d.servers[1]) == 1.0
+
+
+# ----------------------------------------------------------------------------- streamed answers
+
+
+def test_streamed_answers_are_the_same_rows_as_unstreamed(sims) -> None:
+    """Streaming (how the runner sees progress on an engine without counters) must not change a
+    row: the sim decides each answer from the prompt, so the same rows streamed and unstreamed
+    give the same completion, reasoning, finish reason and token counts, id for id."""
+    s = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
+    items = [Request(f"r{i}", i + 1, [{"role": "user", "content": f"question {i}"}],
+                     {"max_tokens": 40, "chat_template_kwargs": {"enable_thinking": True}}) for i in range(30)]
+    keys = ("completion", "reasoning_content", "finish_reason", "prompt_tokens", "completion_tokens", "tool_calls")
+    got = []
+    for stream in (False, True):
+        store = MemStore()
+        d = Dispatcher([s.endpoint("s", stream=stream)], store, gen(), **fast())
+        summary = asyncio.run(d.run(items))
+        assert summary.complete and summary.completed == 30 and not store.errors
+        got.append({r["id"]: tuple(r.get(k) for k in keys) for r in store.results})
+    assert got[0] == got[1]
+    assert any(v[1] for v in got[1].values()), "no reasoning came through the stream"
+
+
+def test_streamed_server_judged_by_its_chunks_wedged_out_slow_kept(sims) -> None:
+    """On an engine without token counters the runner streams, and each chunk is progress: a
+    wedged server (its next requests never stream a byte) is under suspicion after stall_s and
+    taken out; a slow one (a token every 0.5 s, rows of 3 s: twice stall_s) is never probed,
+    although its probe would fail (0.2 s timeout) and the row clock (1 s) would call it stalled."""
+    slow = sims("--tokens-per-s", "2", "--max-running-requests", "2")
+    wedged = sims("--tokens-per-s", "40", "--max-running-requests", "2", "--hang-after", "2")
+    store = MemStore()
+    items = long_rows(8, 6)
+
+    async def stay_down(ep: Endpoint) -> bool:
+        await asyncio.Event().wait()
+        return False
+
+    d = Dispatcher([slow.endpoint("slow", stream=True), wedged.endpoint("wedged", stream=True)], store,
+                   gen(stall_s=1.5, stall_min_s=1, stall_max_s=1, request_timeout_s=600),
+                   on_server_down=stay_down, **fast(stall_probe_timeout_s=0.2))
+    summary = asyncio.run(asyncio.wait_for(d.run(items), timeout=300))
+    assert summary.complete and summary.completed == 8 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    by = {s["name"]: s for s in summary.servers}
+    assert (by["slow"]["stalls"], by["slow"]["downs"], by["slow"]["progress"]) == (0, 0, "stream"), by["slow"]
+    assert by["wedged"]["downs"] == 1 and by["wedged"]["progress"] == "stream"
+    assert (by["wedged"]["down_reason"] or "").startswith("stalled: no streamed token for"), by["wedged"]
+    assert all(r["attempts"] == 1 for r in store.results)
+
+
+def test_only_the_engine_without_counters_is_streamed() -> None:
+    """Streaming costs client CPU per token (bench/bench_stream.py): the runner streams only
+    where the engine counts no tokens (`transformers serve`), never for SGLang, vLLM or the sim."""
+    from fleet.engines import PROFILES
+    from fleet.generation.jobspec import ServerEntry
+    from fleet.generation.runner import _endpoints
+
+    assert {k: p.stream_progress for k, p in PROFILES.items()} == {
+        "sglang": False, "vllm": False, "transformers": True, "sim": False}
+    entry = ServerEntry(node="n", index=0, url="http://127.0.0.1:1", model="m")
+    assert [e.stream for e in _endpoints([entry], stream=PROFILES["transformers"].stream_progress)] == [True]
+    assert [e.stream for e in _endpoints([entry])] == [False]
+
+
+def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:
+    """The OpenAI stream splits a tool call over chunks (id and name first, the arguments in
+    pieces, keyed by index) and sends usage in a last chunk without choices: the streamed
+    Outcome must hold the same call and counts as a whole answer would."""
+    from fleet.generation.client import Outcome, _Stream
+
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants "}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "the weather."}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                            "function": {"name": "get_weather", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 31, "completion_tokens": 17, "total_tokens": 48}},
+    ]
+    acc, out = _Stream(), Outcome("ok")
+    for c in chunks:
+        acc.add(c)
+    acc.into(out)
+    assert (out.completion, out.reasoning_content, out.finish_reason) == ("", "The user wants the weather.", "tool_calls")
+    assert out.tool_calls == [{"id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert (out.prompt_tokens, out.completion_tokens) == (31, 17)

@@ -139,6 +139,8 @@ class EngineProfile(Protocol):
     def request_model(self, spec: ServerSpec) -> str: ...
 
     owned_flags: dict[str, str]
+    # The runner streams answers to see token progress (the engine counts none at /metrics).
+    stream_progress: bool
 
 
 class BaseProfile:
@@ -152,6 +154,9 @@ class BaseProfile:
     # Flags fleet sets itself, each with the config field that sets it: extra_args may not
     # name them (see `owned_flag`). Every spelling the engine's parser accepts.
     owned_flags: dict[str, str] = {}
+    # Token progress for the runner's stall watchdog: the engine's /metrics counters (False),
+    # or streamed answers (True: an engine without counters, such as `transformers serve`).
+    stream_progress = False
 
     # The environment variable that carries servers.api_key into the server (None: the
     # engine has no key). Never argv: /proc/<pid>/cmdline is readable by every local user.

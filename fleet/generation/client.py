@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -145,25 +146,102 @@ def parse_completion(doc: Any, out: Outcome) -> None:
     out.completion_tokens = usage.get("completion_tokens")
 
 
+class _Stream:
+    """A streamed chat completion put back together, chunk by chunk (`chat(..., on_chunk=…)`)."""
+
+    __slots__ = ("content", "reasoning", "calls", "finish", "usage")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, doc: Any) -> None:
+        if not isinstance(doc, dict):
+            raise ValueError(f"not a chat completion chunk: {str(doc)[:200]}")
+        if isinstance(doc.get("usage"), dict):
+            self.usage = doc["usage"]
+        for choice in doc.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            r = delta.get("reasoning_content") or delta.get("reasoning")
+            if r:
+                self.reasoning.append(r)
+            for tc in delta.get("tool_calls") or ():
+                blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                call = self.calls.setdefault(int(tc.get("index", len(self.calls))), blank)
+                call["id"] = tc.get("id") or call["id"]
+                call["type"] = tc.get("type") or call["type"]
+                fn = tc.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+
+    def into(self, out: Outcome) -> None:
+        out.completion = "".join(self.content)
+        out.reasoning_content = "".join(self.reasoning) or None
+        out.tool_calls = [self.calls[i] for i in sorted(self.calls)] or None
+        out.finish_reason = self.finish
+        out.prompt_tokens = self.usage.get("prompt_tokens")
+        out.completion_tokens = self.usage.get("completion_tokens")
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, on_chunk: Callable[[], None]) -> None:
+    """Server-sent events of a streamed chat completion into `out`; `on_chunk()` at each event."""
+    acc = _Stream()
+    done = False
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        on_chunk()
+        if data == b"[DONE]":
+            done = True
+            break
+        acc.add(loads(data))
+    if not done and acc.finish is None:
+        raise aiohttp.ClientPayloadError("the stream ended before the completion did")
+    acc.into(out)
+
+
 async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
-               api_key: str | None = None, timeout: float = 1800.0) -> Outcome:
+               api_key: str | None = None, timeout: float = 1800.0,
+               on_chunk: Callable[[], None] | None = None) -> Outcome:
     """POST one chat completion for `request` to the server at `url` (its base, e.g. http://h:p).
 
     `api_key` is normally set once on the session (`new_session`); pass it here only for a
-    session made without it.
+    session made without it. With `on_chunk` the answer is streamed (usage included) and
+    `on_chunk()` is called at every event: the token progress of engines that count none
+    (`transformers serve`); the Outcome is the same as unstreamed.
     """
-    body = {"model": model, "messages": request.messages}
+    body: dict[str, Any] = {"model": model, "messages": request.messages}
     if request.params:
         body.update(request.params)
+    if on_chunk is not None:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     started = time.time()
     t0 = time.perf_counter()
     out = Outcome("ok", started_at=started)
+    bad, streamed = "", False
     try:
         async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
                                 timeout=_timeout(timeout)) as resp:
-            raw = await resp.read()
             out.status = resp.status
+            streamed = on_chunk is not None and resp.status == 200
+            if streamed:
+                assert on_chunk is not None
+                raw = b""
+                try:
+                    await _read_stream(resp, out, on_chunk)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    bad = f"{type(exc).__name__}: {exc}"   # an unusable chunk: reported below
+            else:
+                raw = await resp.read()
     except asyncio.TimeoutError:
         out.kind, out.error = "timeout", f"no answer within {timeout:g} s"
     except _CONNECTION_ERRORS as exc:
@@ -171,7 +249,10 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     else:
         if out.status == 200:
             try:
-                parse_completion(loads(raw), out)
+                if bad:
+                    raise ValueError(bad)
+                if not streamed:
+                    parse_completion(loads(raw), out)
             except ValueError as exc:  # orjson.JSONDecodeError and json's are ValueErrors
                 out.kind, out.error = "transient", f"unusable answer: {exc}"[:500]
             else:

@@ -342,7 +342,8 @@ class Dispatcher:
         try:
             # ignore: the session is None only once the server is out (recover, shutdown), and
             # the worker checked alive_in just before
-            return await chat(srv.session, srv.ep.url, srv.ep.model, f.job.req, None, timeout)  # type: ignore[arg-type]
+            return await chat(srv.session, srv.ep.url, srv.ep.model, f.job.req, None, timeout,  # type: ignore[arg-type]
+                              srv.chunk if srv.ep.stream else None)
         except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
             return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
         except asyncio.CancelledError:

@@ -22,7 +22,8 @@ check fail too), the row goes back to the queue and no attempt is charged; if th
 fine, the attempt is charged and the row retried (`resolve_suspects`).
 
 The stall watchdog (`watchdog`): a server with rows in flight whose engine's token count
-(/metrics, read every few seconds on a connection of its own) has not moved, and that finished
+(/metrics, read every few seconds on a connection of its own; or, for an engine without
+counters whose answers are streamed (`Endpoint.stream`), the chunks) has not moved, and that finished
 no row, for `stall_s` (30 s by default, whatever the row length) is *under suspicion*
 (`ServerState.under_suspicion`: its rows may be sent elsewhere meanwhile) and gets a generation
 probe (/health_generate, else a one-token chat); a failed probe marks it down. An engine that
@@ -61,6 +62,7 @@ __all__ = ["IsAlive", "OnServerDown", "ServerHealth"]
 
 
 OnServerDown = Callable[[Endpoint], Awaitable[bool]]
+_SIGN = {"metrics": "no token progress", "stream": "no streamed token"}   # the stall, by progress source
 IsAlive = Callable[[Endpoint], bool | None]
 Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
 Worker = Callable[[ServerState, int], Coroutine[Any, Any, None]]
@@ -143,7 +145,8 @@ class ServerHealth:
         srv.epoch += 1
         srv.last_done = time.monotonic()
         # a relaunched engine starts its counters again, and may be another build: read afresh
-        srv.progress, srv.tokens, srv.read_at, srv.suspect_since = None, None, 0.0, None
+        srv.progress = "stream" if srv.ep.stream else None
+        srv.tokens, srv.read_at, srv.suspect_since = None, 0.0, None
         srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
         log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
         self.on_change()
@@ -246,7 +249,7 @@ class ServerHealth:
     def stall_s(self, srv: ServerState) -> float:
         """How long `srv` may hold rows without progress before it is probed: `stall_s` when its
         engine counts tokens, else the row clock (`row_stall_s`)."""
-        return self.gen.stall_s if srv.progress == "metrics" else self.row_stall_s(srv)
+        return self.gen.stall_s if srv.progress in ("metrics", "stream") else self.row_stall_s(srv)
 
     def read_every_s(self) -> float:
         """How often a busy server's token counters are read: four times per stall_s, at most every 5 s."""
@@ -289,7 +292,7 @@ class ServerHealth:
                     srv.timeline.sample(now - self.t0, srv.in_flight, srv.requests, srv.completion_tokens)
                     if srv.state != "up" or not srv.in_flight or srv.probing:
                         continue
-                    if srv.progress != "rows" and now - srv.read_at >= self.read_every_s():
+                    if srv.progress in (None, "metrics") and now - srv.read_at >= self.read_every_s():
                         due.append(srv)
                 if due:
                     await asyncio.gather(*(self.read_progress(s, session) for s in due))
@@ -305,7 +308,7 @@ class ServerHealth:
         limit = self.stall_s(srv)
         if quiet < limit:
             return
-        what = "no token progress" if srv.progress == "metrics" else "no row finished"
+        what = _SIGN.get(srv.progress or "", "no row finished")
         why = f"{what} for {quiet:.0f} s with {srv.in_flight} in flight"
         srv.suspect_since = srv.suspect_since or now
         self.spawn(self.stall_probe(srv, why), f"stall-{srv.name}")

@@ -84,14 +84,15 @@ __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
 _SIGNALS = ("SIGTERM", "SIGINT")
 
 
-def _endpoints(entries: list[ServerEntry]) -> list[Endpoint]:
-    """The dispatcher's endpoints, each with the API key its entry names (from the environment)."""
+def _endpoints(entries: list[ServerEntry], stream: bool = False) -> list[Endpoint]:
+    """The dispatcher's endpoints, each with the API key its entry names (from the environment);
+    `stream`: answers are streamed (the engine profile's `stream_progress`)."""
     endpoints = []
     for e in entries:
         key = os.environ.get(e.api_key_env) if e.api_key_env else None
         endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
                                   max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
-                                  extra={"entry": e}))
+                                  stream=stream, extra={"entry": e}))
     return endpoints
 
 
@@ -182,7 +183,9 @@ class _Run:
         self.done = self.store.done_ids()   # live: grows as rows end, read by the input thread
         if len(self.done):
             log.info("resuming: %d ids already done are skipped", len(self.done))
-        self.endpoints = _endpoints(self.job.servers)
+        from fleet.engines import get_profile
+
+        self.endpoints = _endpoints(self.job.servers, stream=get_profile(self.cfg.engine.kind).stream_progress)
         servers = JobServers(self.cfg, self.job.servers, self.job.relaunch)
         self.guarded = GuardedStore(self.store, self.fail)
         self._disp = Dispatcher(self.endpoints, self.guarded, self.gen, on_server_down=servers.on_down,

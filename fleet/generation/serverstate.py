@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ class Endpoint:
     api_key: str | None = None
     max_running_requests: int | None = None  # fallback when /server_info does not say
     gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
+    stream: bool = False                   # stream answers: each chunk is progress (engines without token counters)
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own data (launch spec, ...)
 
 
@@ -124,7 +126,8 @@ class ServerState:
         self.probing = False             # a stall probe is running
         self.stalls = 0                  # stall probes sent
         # token progress (health.ServerHealth.read_progress): where it comes from, "metrics"
-        # (the engine's counters) or "rows" (none: finished rows are the only sign); None: not known yet
+        # (the engine's counters), "stream" (streamed answers' chunks) or "rows" (none: finished
+        # rows are the only sign); None: not known yet
         self.progress: str | None = None
         self.tokens: float | None = None    # the engine's token total at the last reading
         self.tokens_at = 0.0             # monotonic: when that total last moved
@@ -134,6 +137,11 @@ class ServerState:
         self.held_s = 0.0                # worker-seconds held back by the tail rule
         self.refreshes = 0               # rows given to a held server to refresh a stale estimate
         self.timeline = Timeline()
+
+    def chunk(self) -> None:
+        """A streamed answer's event arrived: token progress (`Endpoint.stream`)."""
+        self.tokens_at = time.monotonic()
+        self.suspect_since = None
 
     @property
     def under_suspicion(self) -> bool:
