@@ -13,6 +13,7 @@ import sys
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from conftest import wait_until
 from fleet.generation.dispatch import Dispatcher, Endpoint
@@ -193,3 +194,34 @@ def test_long_rows_bench_small_wedged_server_out_rows_hedged_every_id_once() -> 
     assert res["hedge"]["rows"] >= 1 and res["hedge"]["out"] == 0, res["hedge"]
     assert res["hedge"]["extra_tokens"] <= res["hedge"]["bound_tokens"], res["hedge"]
     assert res["flow_s"] is not None, "the wedged server's rows never went elsewhere"
+
+
+def test_lost_send_whose_cancellation_is_swallowed_never_touches_the_row(sims, monkeypatch) -> None:
+    """Fault: a loser's cancellation can race aiohttp's own timer and come back as a timeout
+    answer instead of a CancelledError (see test_gen_dispatch's lost-cancellation test). Here
+    every cancellation inside `chat` is swallowed that way: the slow server's primaries, lost
+    to their backups, "answer" with a timeout — which must neither retry, charge nor write the
+    row again. Every id exactly once, every attempt 1, nothing in errors."""
+    import fleet.generation.dispatch as dispatch_mod
+    from fleet.generation.client import Outcome
+
+    real_chat = dispatch_mod.chat
+
+    async def swallowing_chat(*a: Any, **kw: Any) -> Outcome:
+        try:
+            return await real_chat(*a, **kw)
+        except asyncio.CancelledError:
+            return Outcome("timeout", error="no answer within 600 s (a cancellation lost to aiohttp's timer)")
+
+    monkeypatch.setattr(dispatch_mod, "chat", swallowing_chat)
+    slow = sims("--tokens-per-s", "2", "--max-running-requests", "4")
+    quick = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
+    store = MemStore()
+    items = fixed_rows(150, 24)
+    d = Dispatcher([slow.endpoint("slow"), quick.endpoint("quick")], store,
+                   gen(hedge_max_extra_fraction=0.5, request_timeout_s=600), hedge_poll_s=0.05, **fast())
+    summary = asyncio.run(d.run(items))
+    assert summary.complete and summary.completed == 150 and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    assert summary.hedge["wins"] >= 1 and summary.retries == 0, (summary.hedge, summary.retries)
+    assert all(r["attempts"] == 1 for r in store.results)
