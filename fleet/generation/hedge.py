@@ -5,10 +5,10 @@ every other server idles while a slower server (or a wedged one, until the watch
 it out) holds them. So a server with free slots re-sends such a row; the first answer
 wins, the other request is cancelled, and the row is written once.
 
-When (`Hedge.plan`, every `poll_s`):
+When (`Hedge.plan`, every `hedge_poll_s` of the dispatcher):
 
-- **on suspicion**: the rows of a server under stall suspicion (`suspected`: its generation
-  probe is out and has not decided) are backed up even while the queue still holds rows: a
+- **on suspicion**: the rows of a server under stall suspicion (`suspected`: no progress for
+  stall_s, its generation probe has not decided yet) are backed up even while the queue still holds rows: a
   `Backup` goes to the front of the queue, oldest row first, and the next free worker of
   another server sends it (the suspect's own workers take no row until the probe decides).
   Should the probe take the server out, the backups carry those rows (they are not queued
