@@ -54,10 +54,10 @@ def running(sim: Sim) -> int:
 
 def test_slow_server_rows_hedged_at_the_tail_every_id_once_within_the_bound(sims) -> None:
     """The tail: once the queue is empty, a fast server with free slots backs up the rows a
-    much slower server still holds (each would take it 12 s; the fast one answers in
+    much slower server still holds (each would take it 48 s; the fast one answers in
     milliseconds). The backups win, the slow server's requests are cancelled, every id is
     written exactly once, and the tokens the losers cost stay within the configured share."""
-    slow = sims("--tokens-per-s", "2", "--max-running-requests", "4")
+    slow = sims("--tokens-per-s", "0.5", "--max-running-requests", "4")
     quick = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
     store = MemStore()
     items = fixed_rows(150, 24)
@@ -70,7 +70,7 @@ def test_slow_server_rows_hedged_at_the_tail_every_id_once_within_the_bound(sims
     assert h["backups"] >= 1 and h["rows"] >= 1 and h["wins"] >= 1, h
     assert h["extra_tokens"] <= 0.5 * summary.completion_tokens, h
     assert h["extra_tokens"] <= h["bound_tokens"] and h["out"] == 0, h
-    assert Counter(r["server"] for r in store.results)["slow"] == 0, "a 12 s row outran a 5 ms backup"
+    assert Counter(r["server"] for r in store.results)["slow"] == 0, "a 48 s row outran a 5 ms backup"
     wait_until(lambda: running(slow) == 0, timeout=30, what="the slow server's lost requests cancelled")
 
 
@@ -214,7 +214,7 @@ def test_lost_send_whose_cancellation_is_swallowed_never_touches_the_row(sims, m
             return Outcome("timeout", error="no answer within 600 s (a cancellation lost to aiohttp's timer)")
 
     monkeypatch.setattr(dispatch_mod, "chat", swallowing_chat)
-    slow = sims("--tokens-per-s", "2", "--max-running-requests", "4")
+    slow = sims("--tokens-per-s", "0.5", "--max-running-requests", "4")
     quick = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
     store = MemStore()
     items = fixed_rows(150, 24)
