@@ -12,18 +12,25 @@ SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 ROOT = Path(__file__).resolve().parents[1]  # -m finds fleet here when it is not installed
 
 
-def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None
+def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None,
+               extra: list[list[str]] | None = None, ports: list[int] | None = None
                ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    """One sim per entry of `tokens_per_s` (its decode speed), `slots` max running requests each."""
+    """One sim per entry of `tokens_per_s` (its decode speed), `slots` max running requests each;
+    `extra[i]`: more flags for sim i (faults, --lengths); `ports[i]`: its port (a relaunch), else a free one."""
     procs, urls = [], []
-    for tps in tokens_per_s:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    for i, tps in enumerate(tokens_per_s):
+        if ports is not None:
+            port = ports[i]
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         argv = [sys.executable, *SIM, "--port", str(port), "--startup-s", "0", "--tokens-per-s", str(tps),
                 "--max-running-requests", str(slots), "--log-interval-s", "3600"]
         if seed is not None:
             argv += ["--seed", str(seed)]
+        if extra is not None:
+            argv += extra[i]
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:

@@ -77,6 +77,7 @@ def test_sglang_argv_of_the_seed_job() -> None:
         "--served-model-name", "qwen3-next",
         "--host", "127.0.0.1",
         "--port", "30003",
+        "--enable-metrics",
         "--context-length", "8192",
         "--trust-remote-code",
         "--speculative-algorithm", "EAGLE",
@@ -88,7 +89,7 @@ def test_sglang_argv_of_the_seed_job() -> None:
 def test_sglang_argv_minimal_has_only_the_required_flags() -> None:
     argv = get_profile("sglang").argv(cfg_of(), spec_of())
     assert argv == [PY, "-m", "sglang.launch_server", "--model-path", MODEL, "--served-model-name",
-                    "qwen3-next", "--host", "127.0.0.1", "--port", "30000"]
+                    "qwen3-next", "--host", "127.0.0.1", "--port", "30000", "--enable-metrics"]
 
 
 def test_sglang_argv_every_option_in_order_then_extras() -> None:
@@ -96,7 +97,7 @@ def test_sglang_argv_every_option_in_order_then_extras() -> None:
         engine={"kind": "sglang", "context_length": 32768, "mem_fraction_static": 0.85, "trust_remote_code": True,
                 "speculative_algorithm": "EAGLE3", "speculative_num_steps": 5, "speculative_eagle_topk": 8,
                 "speculative_num_draft_tokens": 32, "speculative_draft_model_path": "/dev/shm/draft",
-                "mamba_scheduler_strategy": "no_buffer", "extra_args": ["--enable-metrics"]},
+                "mamba_scheduler_strategy": "no_buffer", "extra_args": ["--enable-cache-report"]},
         servers={"tensor_parallel": 2, "host": "0.0.0.0", "api_key": "sk-test"},
     )
     spec = spec_of(gpus=(2, 3), host="0.0.0.0", api_key="sk-test", extra_args=("--log-level", "debug"))
@@ -105,7 +106,7 @@ def test_sglang_argv_every_option_in_order_then_extras() -> None:
 
     assert get_profile("sglang").argv(cfg, spec) == [
         PY, "-c", KEY_SHIM, "sglang.launch_server", "--model-path", MODEL, "--served-model-name", "qwen3-next",
-        "--host", "0.0.0.0", "--port", "30000",
+        "--host", "0.0.0.0", "--port", "30000", "--enable-metrics",
         "--context-length", "32768",
         "--mem-fraction-static", "0.85",
         "--tp-size", "2",
@@ -116,7 +117,7 @@ def test_sglang_argv_every_option_in_order_then_extras() -> None:
         "--speculative-num-draft-tokens", "32",
         "--speculative-draft-model-path", "/dev/shm/draft",
         "--mamba-scheduler-strategy", "no_buffer",
-        "--enable-metrics",
+        "--enable-cache-report",
         "--log-level", "debug",
     ]
 

@@ -140,6 +140,8 @@ class EngineProfile(Protocol):
 
     owned_flags: dict[str, str]
     settings_files: tuple[str, ...]
+    # The runner streams answers to see token progress (the engine counts none at /metrics).
+    stream_progress: bool
 
 
 class BaseProfile:
@@ -156,6 +158,9 @@ class BaseProfile:
     # Flags that read a file of settings (SGLang's and vLLM's `--config FILE.yaml`): such a file can
     # set the host, the port or the key behind fleet's back, and fleet cannot check what it holds.
     settings_files: tuple[str, ...] = ()
+    # Token progress for the runner's stall watchdog: the engine's /metrics counters (False),
+    # or streamed answers (True: an engine without counters, such as `transformers serve`).
+    stream_progress = False
 
     # The environment variable that carries servers.api_key into the server (None: the
     # engine has no key). Never argv: /proc/<pid>/cmdline is readable by every local user.

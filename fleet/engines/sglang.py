@@ -158,6 +158,9 @@ class SGLangProfile(BaseProfile):
             "--served-model-name", spec.served_name,
             "--host", spec.host,
             "--port", str(spec.port),
+            # /metrics with the token counters the runner's stall watchdog reads (a wedged
+            # scheduler is found by its tokens not advancing, whatever the row length)
+            "--enable-metrics",
             *opt("--context-length", e.context_length),
             *opt("--mem-fraction-static", e.mem_fraction_static),
             *opt("--tp-size", tp if tp > 1 else None),

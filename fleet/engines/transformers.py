@@ -84,6 +84,8 @@ class TransformersProfile(BaseProfile):
     rules: LogRules = TRANSFORMERS_RULES
     # The model is the positional FORCE_MODEL (fleet passes the path); no key, no TP flags.
     owned_flags = {"--host": "servers.host", "--port": "servers.base_port / servers.ports"}
+    # No /metrics: the runner streams its answers, each chunk a sign of token progress.
+    stream_progress = True
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:
         e = cfg.engine

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -174,17 +175,97 @@ async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+class _Stream:
+    """A streamed chat completion put back together, chunk by chunk (`chat(..., on_chunk=…)`)."""
+
+    __slots__ = ("content", "reasoning", "calls", "finish", "usage")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, doc: Any) -> None:
+        if not isinstance(doc, dict):
+            raise ValueError(f"not a chat completion chunk: {str(doc)[:200]}")
+        if isinstance(doc.get("usage"), dict):
+            self.usage = doc["usage"]
+        for choice in doc.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            r = delta.get("reasoning_content") or delta.get("reasoning")
+            if r:
+                self.reasoning.append(r)
+            for tc in delta.get("tool_calls") or ():
+                blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                call = self.calls.setdefault(int(tc.get("index", len(self.calls))), blank)
+                call["id"] = tc.get("id") or call["id"]
+                call["type"] = tc.get("type") or call["type"]
+                fn = tc.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+
+    def completion(self) -> bytes:
+        """The whole chat.completion these chunks make, as a body for the strict parser."""
+        message = {"role": "assistant", "content": "".join(self.content),
+                   "reasoning_content": "".join(self.reasoning) or None,
+                   "tool_calls": [self.calls[i] for i in sorted(self.calls)] or None}
+        return dumps({"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None})
+
+
+class BadStream(ValueError):
+    """A streamed answer whose chunks do not make a chat completion."""
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None], max_bytes: int) -> bytes:
+    """Server-sent events of a streamed chat completion, put back together as one completion body
+    (judged by `_judge` like an unstreamed one; a chunk that cannot be read makes it invalid);
+    `on_chunk()` at each event; TooLarge past `max_bytes` of stream."""
+    acc = _Stream()
+    done, size = False, 0
+    try:
+        async for line in resp.content:
+            size += len(line)
+            if size > max_bytes:
+                raise TooLarge(f"streamed answer over the cap of {max_bytes:,} bytes")
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            on_chunk()
+            if data == b"[DONE]":
+                done = True
+                break
+            acc.add(loads(data))
+        if not done and acc.finish is None:
+            raise aiohttp.ClientPayloadError("the stream ended before the completion did")
+        return acc.completion()
+    except TooLarge:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BadStream(f"a stream chunk is not a chat completion chunk: {type(exc).__name__}: {exc}"[:300]) from None
+
+
 async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
                api_key: str | None = None, timeout: float = 1800.0,
-               max_bytes: int = DEFAULT_MAX_BYTES) -> Outcome:
+               max_bytes: int = DEFAULT_MAX_BYTES, on_chunk: Callable[[], None] | None = None) -> Outcome:
     """POST one chat completion for `request` to the server at `url` (its base, e.g. http://h:p).
 
     `api_key` is normally set once on the session (`new_session`); pass it here only for a
-    session made without it. `max_bytes` caps the answer's size (see the module docstring).
+    session made without it. `max_bytes` caps the answer's size (see the module docstring). With
+    `on_chunk` the answer is streamed (usage included) and `on_chunk()` is called at every event:
+    the token progress of engines that count none (`transformers serve`); the streamed answer is
+    put back together and judged like a whole one, so the Outcome is the same as unstreamed.
     """
-    body = {"model": model, "messages": request.messages}
+    body: dict[str, Any] = {"model": model, "messages": request.messages}
     if request.params:
         body.update(request.params)
+    if on_chunk is not None:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     started = time.time()
     t0 = time.perf_counter()
@@ -196,11 +277,16 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
         async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
                                 timeout=_timeout(timeout), allow_redirects=False) as resp:
             out.status = resp.status
-            raw = await read_capped(resp, max_bytes)
+            if on_chunk is not None and resp.status == 200:
+                raw = await _read_stream(resp, on_chunk, max_bytes)
+            else:
+                raw = await read_capped(resp, max_bytes)
     except asyncio.TimeoutError:
         out.kind, out.error = "timeout", f"no answer within {timeout:g} s"
     except TooLarge as exc:
         out.kind, out.error = "invalid", f"{exc} (generation.max_response_mib)"
+    except BadStream as exc:
+        out.kind, out.error = "invalid", f"unusable answer: {exc}"
     except _CONNECTION_ERRORS as exc:
         out.kind, out.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
     else:

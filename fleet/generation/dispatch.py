@@ -18,7 +18,9 @@ The rest lives beside it:
 - `fleet.generation.health`: each server's health — admission, down, relaunch, re-admission,
   the stall watchdog, the tail rule;
 - `fleet.generation.serverstate`: what is known of one server (state, counters, row times);
-- `fleet.generation.probes`: the HTTP checks health makes.
+- `fleet.generation.probes`: the HTTP checks health makes;
+- `fleet.generation.hedge`: backup requests at the tail and on suspicion, and which send of
+  a row owns it while two race (`Job.flights`).
 
 How an answer is handled:
 - ok: the row's next request (a turn, a gate's retry) or its result;
@@ -33,7 +35,9 @@ How an answer is handled:
   one, and its rows end on the others, neither in errors nor in quality rejects;
 - unusable (401/403/404): the server is marked down, the row goes back uncharged;
 - connection errors, and timeouts while the server finished nothing else, are *suspects*
-  until the server is known dead (back to the queue, uncharged) or alive (charged, retried).
+  until the server is known dead (back to the queue, uncharged) or alive (charged, retried);
+- any failure while another send of the row (a backup, or the send it backs up) is still
+  out: dropped, the other carries the row; an ok answer cancels the other send.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import time
 from collections.abc import Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -52,6 +57,7 @@ import aiohttp
 from fleet.config import GenerationConfig
 from fleet.generation.client import Outcome, chat
 from fleet.generation.health import IsAlive, OnServerDown, ServerHealth
+from fleet.generation.hedge import Backup, Flight, Hedge
 from fleet.generation.rowqueue import Job, Ledger, Store, WorkQueue
 from fleet.generation.serverstate import Endpoint, Rate, ServerState
 from fleet.generation.work import RowPlan
@@ -79,6 +85,7 @@ class Summary:
     servers: list[dict[str, Any]] = field(default_factory=list)
     quality_rejects: int = 0   # rows a quality gate turned away (quality_rejects.jsonl)
     gates: dict[str, Any] = field(default_factory=dict)   # work.GateStats of this run
+    hedge: dict[str, Any] = field(default_factory=dict)   # hedge.Hedge.stats() of this run
 
 
 class Dispatcher:
@@ -107,6 +114,7 @@ class Dispatcher:
         liveness_poll_s: float = 2.0,
         stall_poll_s: float = 1.0,
         stall_probe_timeout_s: float = 20.0,
+        hedge_poll_s: float = 1.0,
         feed_batch: int = 256,
         seed: int | None = None,
     ) -> None:
@@ -135,6 +143,9 @@ class Dispatcher:
             liveness_poll_s=liveness_poll_s, stall_poll_s=stall_poll_s, stall_probe_timeout_s=stall_probe_timeout_s,
             rng=rng)
         self.servers = self.health.servers
+        self.hedge = Hedge(gen.hedge_max_extra_fraction, self.servers, self.queue, self.health.suspected,
+                           lambda: self.rows.feed_done, gen.max_tokens)
+        self.hedge_poll_s = hedge_poll_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._t0 = time.monotonic()
         self._started_at = time.time()
@@ -158,6 +169,8 @@ class Dispatcher:
         self._spawn(self.health.watchdog(), "watchdog")
         if self.health.is_alive is not None:
             self._spawn(self.health.poll_liveness(), "liveness")
+        if self.hedge.fraction > 0:
+            self._spawn(self._hedger(), "hedger")
         try:
             await self.rows.done.wait()  # bounded: the job itself: set once every row has ended, or by a stop
         finally:
@@ -196,7 +209,7 @@ class Dispatcher:
             "tok_s": round(self._rate.update(now, tokens), 1),
             "tok_s_avg": round(tokens / (now - self._t0), 1) if now > self._t0 else 0.0,
             "elapsed_s": round(now - self._t0, 1), "servers_up": sum(s.state == "up" for s in self.servers),
-            "servers": servers,
+            "hedge": self.hedge.stats(), "servers": servers,
         }
 
     def summary(self) -> Summary:
@@ -211,7 +224,7 @@ class Dispatcher:
             prompt_tokens=sum(s.prompt_tokens for s in self.servers),
             completion_tokens=sum(s.completion_tokens for s in self.servers),
             wall_s=now - self._t0, reason=self.reason, servers=[s.snapshot(now) for s in self.servers],
-            quality_rejects=self.rows.quality_rejects, gates=self.plan.stats.as_dict(),
+            quality_rejects=self.rows.quality_rejects, gates=self.plan.stats.as_dict(), hedge=self.hedge.stats(),
         )
 
     # ------------------------------------------------------------------ feeding
@@ -288,33 +301,40 @@ class Dispatcher:
         q = self.queue
         timeout = self.gen.request_timeout_s
         job: Job | None = None
-        sent = False   # job reached (or may have reached) the server
+        flight: Flight | None = None   # job's send: it reached (or may have reached) the server
         try:
             while srv.alive_in(epoch):
                 if self.rows.feed_done and srv.lat is not None and len(q):
                     await self.health.hold_at_tail(srv)
                     if not srv.alive_in(epoch):
                         return
+                if self.hedge.suspected(srv):
+                    await self._while_suspected(srv)   # no new row for a server that may be wedged
+                    if not srv.alive_in(epoch):
+                        return
                 # bounded: the feeder ends each queue with None; a down server's workers are cancelled
-                job, sent = await q.get(), False
-                if job is None:
+                item, flight = await q.get(), None
+                if item is None:
                     return
                 if not srv.alive_in(epoch):   # went down while we waited: the row never left
-                    j, job = job, None
-                    q.put_again(j)
+                    q.put_again(item)
                     return
-                sent = True
-                out = await self._send(srv, job, timeout)
-                j, job = job, None
-                if not srv.alive_in(epoch) and not out.ok:
-                    # Taken out while this row was on it (a cancellation lost to aiohttp's timeout
-                    # ends here): not the row's fault. A real answer is kept whatever happened.
-                    self.rows.requeue(j, poison=True)
+                if isinstance(item, Backup):   # a suspect server's row, sent here too
+                    job = self.hedge.take(item, srv)
+                    if job is None:
+                        continue
+                    flight = self.hedge.start(srv, job, backup=True)
+                else:
+                    job = item
+                    flight = self.hedge.start(srv, job)
+                out = await self._send(srv, flight, timeout)
+                job = None
+                if not self._landed(srv, epoch, flight, out):
                     return
-                self._handle(srv, j, out)
         except asyncio.CancelledError:
-            if job is not None:
-                self.rows.requeue(job, poison=sent)
+            # back to the queue unless another send of the row still carries it, or won it
+            if job is not None and (flight is None or not (flight.lost or job.flights)):
+                self.rows.requeue(job, poison=flight is not None)
             raise
         except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
             log.exception("worker of %s failed", srv.name)
@@ -322,21 +342,96 @@ class Dispatcher:
                 self.task_error = exc
             self._fail(f"{type(exc).__name__}: {exc}")
 
-    async def _send(self, srv: ServerState, job: Job, timeout: float) -> Outcome:
-        """One request of `job` to `srv`; a session closed under us is a connection failure."""
+    async def _send(self, srv: ServerState, f: Flight, timeout: float) -> Outcome | None:
+        """One request of `f`'s row to `srv`; None when another send of the row answered first
+        (this one was cancelled for it); a session closed under us is a connection failure."""
         if srv.in_flight == 0:
             srv.last_done = time.monotonic()   # idle until now: the stall clock starts here
         srv.in_flight += 1
         srv.sent += 1
+        f.sent = True
         try:
             # ignore: the session is None only once the server is out (recover, shutdown), and
             # the worker checked alive_in just before
-            return await chat(srv.session, srv.ep.url, srv.ep.model, job.req, None, timeout,  # type: ignore[arg-type]
-                              self.health.max_bytes)
+            return await chat(srv.session, srv.ep.url, srv.ep.model, f.job.req, None, timeout,  # type: ignore[arg-type]
+                              self.health.max_bytes, srv.chunk if srv.ep.stream else None)
         except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
             return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
+        except asyncio.CancelledError:
+            if f.lost and f.forget():
+                return None   # lost the race: the worker goes on with its next row
+            raise
         finally:
             srv.in_flight -= 1
+            self.hedge.end(f)
+
+    def _landed(self, srv: ServerState, epoch: int, f: Flight, out: Outcome | None) -> bool:
+        """Where a send's answer goes; False when its server is out (its worker stops)."""
+        job = f.job
+        f.settled = True
+        if out is None or f.lost:
+            f.forget()   # lost, its cancellation swallowed (aiohttp's timer): the other send owns the row
+            return srv.alive_in(epoch)
+        if out.ok:
+            self.hedge.answered(f, out)   # first: the other send, if any, is cancelled
+            self.hedge.note(srv, out)
+        elif job.flights:
+            srv.failures += 1   # the other send of this row is still out: it carries the row
+            return srv.alive_in(epoch)
+        elif not srv.alive_in(epoch):
+            # Taken out while this row was on it (a cancellation lost to aiohttp's timeout
+            # ends here): not the row's fault. A real answer is kept whatever happened.
+            self.rows.requeue(job, poison=True)
+            return False
+        self._handle(srv, job, out)
+        return True
+
+    # ------------------------------------------------------------------ backups
+    async def _while_suspected(self, srv: ServerState) -> None:
+        """Until the watchdog's probe decides: its rows are being backed up elsewhere, and a
+        new row sent to a wedged server would only wait there for the same verdict."""
+        while self.hedge.suspected(srv) and srv.state == "up" and not self.rows.stopping:
+            await asyncio.sleep(0.05)
+
+    async def _hedger(self) -> None:
+        """Every hedge_poll_s: the backups `Hedge.plan` asks for: a suspect's rows to the queue's
+        front (the next free worker of another server sends them), the tail's each its own task
+        on the server with free slots (in `workers`, so that a server taken out cancels it)."""
+        while True:
+            await asyncio.sleep(self.hedge_poll_s)
+            if self.rows.stopping:
+                continue
+            queued, direct = self.hedge.plan()
+            for job in queued:
+                self.queue.put_again(Backup(job))
+            for srv, job in direct:
+                f = self.hedge.start(srv, job, backup=True)
+                task = asyncio.ensure_future(self._backup(srv, srv.epoch, f))
+                f.task = task
+                srv.workers.append(task)
+                task.add_done_callback(partial(self._backup_done, srv, f))
+
+    async def _backup(self, srv: ServerState, epoch: int, f: Flight) -> None:
+        try:
+            if not srv.alive_in(epoch) or f.lost:
+                return
+            log.debug("backup of %s on %s", f.job.req.id, srv.name)
+            out = await self._send(srv, f, self.gen.request_timeout_s)
+            self._landed(srv, epoch, f, out)
+        except Exception as exc:  # a store that cannot write is fatal: stop, keep what is written
+            log.exception("backup on %s failed", srv.name)
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _backup_done(self, srv: ServerState, f: Flight, task: asyncio.Task[None]) -> None:
+        """A backup ended. Ended without an answer (its server went down, a stop) while the
+        row's first send failed meanwhile (dropped for this one): the row goes back."""
+        if task in srv.workers:
+            srv.workers.remove(task)
+        job = f.job
+        if f in job.flights:   # never sent: cancelled before its first step, or its server went out
+            self.hedge.end(f)
+        if not f.settled and not f.lost and not job.flights:
+            self.rows.requeue(job, poison=f.sent)
 
     def _handle(self, srv: ServerState, job: Job, out: Outcome) -> None:
         """Where an answer goes: see the module docstring."""

@@ -22,9 +22,14 @@ the server turns out to be dead or stalled (a probe, the next requests, or the p
 check fail too), the row goes back to the queue and no attempt is charged; if the server is
 fine, the attempt is charged and the row retried (`resolve_suspects`).
 
-The stall watchdog (`watchdog`): a server with rows in flight and none finished for
-`stall_s` (derived from its recent p99 row time, see `stall_s()`) gets a generation probe
-(/health_generate, else a one-token chat) on its own connection; a failed probe marks it down.
+The stall watchdog (`watchdog`): a server with rows in flight whose engine's token count
+(/metrics, read every few seconds on a connection of its own; or, for an engine without
+counters whose answers are streamed (`Endpoint.stream`), the chunks) has not moved, and that finished
+no row, for `stall_s` (30 s by default, whatever the row length) is *under suspicion*
+(`ServerState.under_suspicion`: its rows may be sent elsewhere meanwhile) and gets a generation
+probe (/health_generate, else a one-token chat); a failed probe marks it down. An engine that
+counts no tokens is judged by finished rows, on a clock derived from its recent p99 row time
+(`row_stall_s`).
 
 The tail: once the input is exhausted, a server markedly slower than the others leaves the
 last rows to them whenever they would finish those sooner (`others_sooner`), so the
@@ -58,6 +63,7 @@ __all__ = ["IsAlive", "OnServerDown", "ServerHealth"]
 
 
 OnServerDown = Callable[[Endpoint], Awaitable[bool]]
+_SIGN = {"metrics": "no token progress", "stream": "no streamed token"}   # the stall, by progress source
 IsAlive = Callable[[Endpoint], bool | None]
 Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
 Worker = Callable[[ServerState, int], Coroutine[Any, Any, None]]
@@ -144,6 +150,9 @@ class ServerHealth:
         srv.garbled = False
         srv.epoch += 1
         srv.last_done = time.monotonic()
+        # a relaunched engine starts its counters again, and may be another build: read afresh
+        srv.progress = "stream" if srv.ep.stream else None
+        srv.tokens, srv.read_at, srv.suspect_since = None, 0.0, None
         srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
         log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
         self.on_change()
@@ -165,6 +174,7 @@ class ServerHealth:
         srv.state = "down"
         srv.down_reason = reason
         srv.down_since = time.monotonic()
+        srv.suspect_since = None
         srv.downs += 1
         srv.garbled = garbled
         suspects, srv.suspects = srv.suspects, []
@@ -235,35 +245,85 @@ class ServerHealth:
                     self.mark_down(srv, "server process exited")
 
     # ------------------------------------------------------------------ the stall watchdog
-    def stall_s(self, srv: ServerState) -> float:
-        """How long `srv` may hold rows without finishing one before it is probed."""
+    def row_stall_s(self, srv: ServerState) -> float:
+        """Without token counters: how long `srv` may hold rows without finishing one."""
         g = self.gen
-        if g.stall_s is not None:
-            return g.stall_s
         lats = srv.lats if len(srv.lats) >= 8 else self.lats
         if not lats:
             return g.stall_max_s
         return min(g.stall_max_s, max(g.stall_min_s, 3.0 * quantile(lats, 0.99)))
 
-    async def watchdog(self) -> None:
-        """A server with rows in flight and none finished for stall_s gets a generation probe.
+    def suspected(self, srv: ServerState) -> bool:
+        """Under stall suspicion: the watchdog doubts `srv` and its probe has not decided yet.
+        Backups (fleet.generation.hedge) send its rows elsewhere meanwhile."""
+        return srv.under_suspicion
 
-        "No row finished" is a strong signal: workers only take a new row when one ends, so
-        every row it holds has then run for longer than 3 x the recent p99 row time. The probe
-        keeps a slow-but-working server in (SGLang answers /health_generate from its recent
-        scheduler activity when busy); a stopped or wedged one fails it and is taken out.
+    def stall_s(self, srv: ServerState) -> float:
+        """How long `srv` may hold rows without progress before it is probed: `stall_s` when its
+        engine counts tokens, else the row clock (`row_stall_s`)."""
+        return self.gen.stall_s if srv.progress in ("metrics", "stream") else self.row_stall_s(srv)
+
+    def read_every_s(self) -> float:
+        """How often a busy server's token counters are read: four times per stall_s, at most every 5 s."""
+        return max(self.stall_poll_s, min(5.0, self.gen.stall_s / 4))
+
+    async def read_progress(self, srv: ServerState, session: aiohttp.ClientSession) -> None:
+        """Read `srv`'s token counters; a total that moved is progress. A server without them
+        (/metrics answers 404 or counts no tokens) is judged by finished rows from then on,
+        until it is admitted again; one that does not answer at all shows no progress."""
+        now = time.monotonic()
+        srv.read_at = now
+        kind, total = await probes.token_count(srv.ep, session, timeout=max(1.0, min(5.0, self.gen.stall_s / 2)))
+        if kind == "none":
+            if srv.progress != "rows":
+                log.info("server %s counts no tokens at /metrics: judged by finished rows", srv.name)
+            srv.progress = "rows"
+        elif kind == "failed":
+            srv.progress = srv.progress or "metrics"   # silent: its stall clock runs
+        elif total != srv.tokens:
+            srv.progress, srv.tokens, srv.tokens_at, srv.suspect_since = "metrics", total, now, None
+
+    async def watchdog(self) -> None:
+        """A server with rows in flight and no progress for stall_s gets a generation probe.
+
+        Progress is the engine's token count (read from /metrics every `read_every_s`), a
+        finished row, or the moment it became busy. Tokens that advance, however slowly, keep
+        a server in without a probe: a long prefill, 4,096-token rows, requests queued behind
+        a full KV cache. Where the engine counts no tokens, "no row finished" for the row clock
+        (3 x the recent p99 row time, `row_stall_s`) is the sign. The probe keeps a
+        slow-but-working server in (SGLang answers /health_generate as soon as its scheduler
+        outputs anything); a stopped or wedged one fails it and is taken out.
         """
-        while True:
-            await asyncio.sleep(self.stall_poll_s)
-            now = time.monotonic()
-            for srv in self.servers:
-                srv.timeline.sample(now - self.t0, srv.in_flight, srv.requests, srv.completion_tokens)
-                if srv.state != "up" or not srv.in_flight or srv.probing:
-                    continue
-                idle = now - srv.last_done
-                if idle >= self.stall_s(srv):
-                    self.spawn(self.stall_probe(srv, f"no row finished for {idle:.0f} s with {srv.in_flight} "
-                                                     f"in flight"), f"stall-{srv.name}")
+        session = aiohttp.ClientSession()   # its own pool: the servers' pools are full of rows
+        try:
+            while True:
+                await asyncio.sleep(self.stall_poll_s)
+                now = time.monotonic()
+                due = []
+                for srv in self.servers:
+                    srv.timeline.sample(now - self.t0, srv.in_flight, srv.requests, srv.completion_tokens)
+                    if srv.state != "up" or not srv.in_flight or srv.probing:
+                        continue
+                    if srv.progress in (None, "metrics") and now - srv.read_at >= self.read_every_s():
+                        due.append(srv)
+                if due:
+                    await asyncio.gather(*(self.read_progress(s, session) for s in due))
+                    now = time.monotonic()
+                for srv in self.servers:
+                    if srv.state == "up" and srv.in_flight and not srv.probing:
+                        self._judge(srv, now)
+        finally:
+            await session.close()
+
+    def _judge(self, srv: ServerState, now: float) -> None:
+        quiet = srv.quiet_s(now)
+        limit = self.stall_s(srv)
+        if quiet < limit:
+            return
+        what = _SIGN.get(srv.progress or "", "no row finished")
+        why = f"{what} for {quiet:.0f} s with {srv.in_flight} in flight"
+        srv.suspect_since = srv.suspect_since or now
+        self.spawn(self.stall_probe(srv, why), f"stall-{srv.name}")
 
     async def stall_probe(self, srv: ServerState, why: str) -> None:
         srv.probing = True
@@ -278,6 +338,7 @@ class ServerHealth:
         if ok:
             log.info("server %s: %s, but its generation probe answers: kept", srv.name, why)
             srv.last_done = time.monotonic()   # judged again after another stall_s
+            srv.suspect_since = None
             if srv.suspects:
                 self.resolve_suspects(srv)   # the server works: the timeouts were the rows' own
             return

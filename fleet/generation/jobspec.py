@@ -46,7 +46,7 @@ class JobSpec:
     servers: list[ServerEntry]
     retry_errors: bool = False
     relaunch: bool = True
-    flush_interval_s: float = 30.0
+    flush_interval_s: float | None = None   # seconds between commits; None: generation.commit_every_s
     progress_interval_s: float = 2.0
     console_interval_s: float = 5.0
     stop_grace_s: float = 60.0

@@ -111,6 +111,7 @@ def run_record(f: RunFacts) -> dict[str, Any]:
         "completion_tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
         **{k: getattr(s, k) for k in _RUN_COUNTERS},
         "gates": s.gates,
+        "hedge": s.hedge,   # backups: sent, won, the tokens their losers cost (fleet.generation.hedge)
     }
     if f.failure is not None:
         record["error"] = f.failure
@@ -132,8 +133,9 @@ def _overall(runs: Sequence[dict[str, Any]], gpus: int, price_per_gpu_hour: floa
     all_ct = sum(r.get("completion_tokens", 0) for r in runs)
     all_pt = sum(r.get("prompt_tokens", 0) for r in runs)
     gpu_s = sum(r.get("dispatch_s", 0) * r.get("gpus", gpus) for r in runs)
+    hedge = {k: sum((r.get("hedge") or {}).get(k, 0) for r in runs) for k in ("backups", "wins", "extra_tokens")}
     return {
-        "runs": len(runs), "dispatch_s": round(all_s, 3), "completion_tokens": all_ct,
+        "runs": len(runs), "dispatch_s": round(all_s, 3), "completion_tokens": all_ct, "hedge": hedge,
         "prompt_tokens": all_pt, "completion_tok_s": round(all_ct / all_s, 2) if all_s else None,
         "cost": {k: v for k, v in cost(price_per_gpu_hour, gpu_s, 1, all_ct, all_pt).items() if k != "gpus"},
     }

@@ -66,7 +66,7 @@ class Progress:
             "tok_s": snap["tok_s"], "tok_s_avg": snap["tok_s_avg"],
             "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta) if eta is not None else None,
             "prompt_tokens": snap["prompt_tokens"], "completion_tokens": snap["completion_tokens"],
-            "servers_up": snap["servers_up"], "servers": snap["servers"],
+            "servers_up": snap["servers_up"], "hedge": snap["hedge"], "servers": snap["servers"],
         }
 
     def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleet.backoff import backoff_delay
@@ -51,6 +51,9 @@ class Job:
     last_error: str = ""
     last_status: int | None = None
     last_server: str | None = None
+    # hedge.Flight: the sends of its current request now out (two while a backup races the first)
+    flights: list[Any] = field(default_factory=list)
+    hedges: int = 0            # backups sent for it (fleet.generation.hedge)
 
 
 class WorkQueue:
@@ -234,6 +237,8 @@ class Ledger:
     def requeue(self, job: Job, poison: bool = True) -> None:
         """Back to the queue, uncharged: its server died under it (`poison`: while serving it,
         so the row might be what kills servers), or it never reached the server."""
+        if job.req.id not in self.inflight:
+            return   # already ended (a backup's answer won): never send a finished row again
         if not poison:
             if not self.stopping:
                 self.queue.put_again(job)

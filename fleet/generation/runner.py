@@ -5,7 +5,7 @@
 It runs next to the servers (on the GPU node), started detached like them, so it keeps
 going when the controlling flow or the SSH connection dies. It owns the output directory
 (the store's lock), skips ids already done, streams the rest of the input through the
-`Dispatcher`, commits shards every `flush_interval_s`, and rewrites `<out>/progress.json`
+`Dispatcher`, commits shards every `generation.commit_every_s` (10 s), and rewrites `<out>/progress.json`
 every `progress_interval_s` for whoever watches (the flow's task, `fleet status`, a human
 with `cat`). SIGTERM/SIGINT: stop taking rows, let the in-flight ones finish (bounded by
 `stop_grace_s`), commit, write the manifest, exit 0. SIGKILL is the crash case: whatever
@@ -24,7 +24,8 @@ JOB.json (`JobSpec`):
       ],
       "retry_errors": false,
       "relaunch": true,                # relaunch a dead server with its spec (else: wait for it)
-      "flush_interval_s": 30, "progress_interval_s": 2, "console_interval_s": 5,
+      "progress_interval_s": 2, "console_interval_s": 5,
+      "flush_interval_s": null,        # seconds between commits; null: config generation.commit_every_s
       "stop_grace_s": 60,
       "dispatch": {"down_after": 3, "backoff_s": 1.0}   # optional Dispatcher options
     }
@@ -83,14 +84,15 @@ __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
 _SIGNALS = ("SIGTERM", "SIGINT")
 
 
-def _endpoints(entries: list[ServerEntry]) -> list[Endpoint]:
-    """The dispatcher's endpoints, each with the API key its entry names (from the environment)."""
+def _endpoints(entries: list[ServerEntry], stream: bool = False) -> list[Endpoint]:
+    """The dispatcher's endpoints, each with the API key its entry names (from the environment);
+    `stream`: answers are streamed (the engine profile's `stream_progress`)."""
     endpoints = []
     for e in entries:
         key = os.environ.get(e.api_key_env) if e.api_key_env else None
         endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
                                   max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
-                                  extra={"entry": e}))
+                                  stream=stream, extra={"entry": e}))
     return endpoints
 
 
@@ -184,7 +186,9 @@ class _Run:
         self.done = self.store.done_ids()   # live: grows as rows end, read by the input thread
         if len(self.done):
             log.info("resuming: %d ids already done are skipped", len(self.done))
-        self.endpoints = _endpoints(self.job.servers)
+        from fleet.engines import get_profile
+
+        self.endpoints = _endpoints(self.job.servers, stream=get_profile(self.cfg.engine.kind).stream_progress)
         servers = JobServers(self.cfg, self.job.servers, self.job.relaunch)
         self.guarded = GuardedStore(self.store, self.fail)
         self._disp = Dispatcher(self.endpoints, self.guarded, self.gen, on_server_down=servers.on_down,
@@ -251,16 +255,22 @@ class _Run:
         if not same:
             raise OutputRemoved(errno.ENOENT, "output directory removed", str(self.out))
 
+    @property
+    def commit_every_s(self) -> float:
+        """Seconds between commits: the job's own value (tests), else the config's generation.commit_every_s."""
+        return self.job.flush_interval_s or self.gen.commit_every_s
+
     async def _tick(self, console: bool) -> None:
-        """Every progress_interval_s: the output still there, a timed flush, progress.json, the console line."""
+        """Every progress_interval_s: the output still there, a timed commit, progress.json, the console line."""
         job = self.job
+        every = self.commit_every_s
         last_flush = last_console = time.monotonic()
         while True:
             await asyncio.sleep(job.progress_interval_s)
             try:
                 now = time.monotonic()
                 self._check_output()
-                if now - last_flush >= job.flush_interval_s:
+                if now - last_flush >= every:
                     await asyncio.to_thread(self.guarded.flush)   # thread-safe store; the loop keeps serving
                     last_flush = now
                 p = self.progress.write(self.disp)
@@ -442,7 +452,7 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
 
 
 def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],
-              *, retry_errors: bool = False, relaunch: bool = True, flush_interval_s: float = 30.0,
+              *, retry_errors: bool = False, relaunch: bool = True, flush_interval_s: float | None = None,
               progress_interval_s: float = 2.0, console_interval_s: float = 5.0, stop_grace_s: float = 60.0,
               install_signals: bool = False, console: bool = False, dispatch: dict[str, Any] | None = None) -> int:
     """Run a job in this process (tests, `fleet generate` on a local node without detaching)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ class Endpoint:
     api_key: str | None = None
     max_running_requests: int | None = None  # fallback when /server_info does not say
     gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
+    stream: bool = False                   # stream answers: each chunk is progress (engines without token counters)
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own data (launch spec, ...)
 
 
@@ -123,15 +125,40 @@ class ServerState:
         self.lat_at = 0.0                # monotonic time `lat` was last refreshed
         self.rate = Rate()
         self.tok_s = 0.0
-        # the watchdog: a server with rows in flight and no row done for stall_s is probed
+        # the watchdog: a server with rows in flight and no progress for stall_s is probed
         self.epoch = 0                   # bumped at every admission: a worker of an older epoch stops
         self.last_done = 0.0             # monotonic: last row completed (or the moment it became busy)
         self.probing = False             # a stall probe is running
         self.stalls = 0                  # stall probes sent
+        # token progress (health.ServerHealth.read_progress): where it comes from, "metrics"
+        # (the engine's counters), "stream" (streamed answers' chunks) or "rows" (none: finished
+        # rows are the only sign); None: not known yet
+        self.progress: str | None = None
+        self.tokens: float | None = None    # the engine's token total at the last reading
+        self.tokens_at = 0.0             # monotonic: when that total last moved
+        self.read_at = 0.0               # monotonic: last reading of it
+        self.suspect_since: float | None = None  # monotonic: no progress for stall_s, until the probe decides
         self.sent = 0                    # requests sent (tests compare it with what reached the server)
         self.held_s = 0.0                # worker-seconds held back by the tail rule
         self.refreshes = 0               # rows given to a held server to refresh a stale estimate
         self.timeline = Timeline()
+
+    def chunk(self) -> None:
+        """A streamed answer's event arrived: token progress (`Endpoint.stream`)."""
+        self.tokens_at = time.monotonic()
+        self.suspect_since = None
+
+    @property
+    def under_suspicion(self) -> bool:
+        """Rows in flight and no progress for stall_s: its generation probe is deciding now.
+        (Rows held here may be sent elsewhere meanwhile; cleared by progress, a passed probe,
+        or the server going down.)"""
+        return self.suspect_since is not None and self.state == "up"
+
+    def quiet_s(self, now: float) -> float:
+        """Seconds since the last sign of progress: a token counted, a row finished, or the
+        server became busy (`last_done` is set then)."""
+        return now - max(self.tokens_at, self.last_done)
 
     def alive_in(self, epoch: int) -> bool:
         """May a worker of `epoch` still send rows here? (Checked before and after every request:
@@ -151,5 +178,7 @@ class ServerState:
             "stalls": self.stalls, "sent": self.sent, "held_s": round(self.held_s, 1),
             "refreshes": self.refreshes, "lat_s": round(self.lat, 3) if self.lat is not None else None,
             "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
+            "progress": self.progress, "quiet_s": round(self.quiet_s(now), 1) if self.in_flight else None,
+            "suspect": self.under_suspicion,
             "timeline": self.timeline.rows(),
         }

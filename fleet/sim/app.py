@@ -223,6 +223,16 @@ class App:
                f"{e.generation_tokens_total}.0", tl)
         metric("sglang:num_requests_total", "counter", "Number of requests processed.",
                f"{e.requests_total}.0", tl)
+        # SGLang's scheduler counter (>= 0.5): its token progress as it goes, not when a request
+        # ends (SGLang adds to it every log interval; the sim at each scrape). A wedged sim stops
+        # it, a slow one moves it slowly: fleet's stall watchdog reads it.
+        name = "sglang:realtime_tokens_total"
+        lines.append(f"# HELP {name} Total number of tokens processed (updated on each log interval). "
+                     "mode: prefill_compute, prefill_cache, decode.")
+        lines.append(f"# TYPE {name} counter")
+        for mode, value in (("prefill_compute", e.prompt_tokens_total), ("prefill_cache", 0),
+                            ("decode", e.decoded_tokens(now))):
+            lines.append(f'{name}{{{labels},mode="{mode}"}} {value}.0')
         name = "sglang:e2e_request_latency_seconds"
         lines.append(f"# HELP {name} Histogram of End-to-end request latency in seconds")
         lines.append(f"# TYPE {name} histogram")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -49,6 +50,16 @@ def _text_of(content: Any) -> str:
 
 def _prompt_tokens_of_text(text: str) -> int:
     return len(text) // 4 + 1
+
+
+def lognormal_length(spec: str, h: int, max_tokens: int) -> int:
+    """A completion length from a 64-bit hash: lognormal around MEDIAN (``lognormal:MEDIAN:SIGMA``,
+    Box-Muller on the hash's two halves), within 1..max_tokens."""
+    _, median, sigma = spec.split(":")
+    u1 = ((h & 0xFFFFFFFF) + 0.5) / 2.0**32
+    u2 = ((h >> 32 & 0xFFFFFFFF) + 0.5) / 2.0**32
+    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    return max(1, min(max_tokens, int(float(median) * math.exp(float(sigma) * z))))
 
 
 class _Reject(Exception):
@@ -126,6 +137,8 @@ class Generation:
             key = hash_ints(key, body_seed)
         if ignore_eos or max_tokens == 0:
             n = max_tokens
+        elif self.args.lengths != "uniform":
+            n = lognormal_length(self.args.lengths, hash_ints(seed, SALT_LEN, key), max_tokens)
         else:
             h = hash_ints(seed, SALT_LEN, key)
             # one in eight runs into the limit; the rest stop somewhere in 1..max_tokens

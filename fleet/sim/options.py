@@ -56,6 +56,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
            "(no reasoning_content): a missing reasoning parser")
     a("--loop-rate", type=float, default=0.0,
       help="share 0..1 of chat answers that end in one word repeated (degenerate repetition)")
+    a("--lengths", default="uniform", metavar="uniform|lognormal:MEDIAN:SIGMA",
+      help="completion lengths: uniform in 1..max_tokens with one in eight at the limit (default), or "
+           "lognormal around MEDIAN tokens (a reasoning model's long tail), capped at max_tokens")
     a("--max-output-tokens-default", type=int, default=64,
       help="max tokens when a request gives none")
     a("--lockstep-rows", type=int, default=None, metavar="N",
@@ -90,3 +93,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--lockstep-rows must be >= 1")
     if args.log_interval_s <= 0:
         p.error("--log-interval-s must be > 0")
+    if args.lengths != "uniform":
+        try:
+            kind, median, sigma = args.lengths.split(":")
+            ok = kind == "lognormal" and float(median) >= 1 and float(sigma) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error("--lengths must be 'uniform' or 'lognormal:MEDIAN:SIGMA' (MEDIAN >= 1, SIGMA >= 0)")
