@@ -291,8 +291,9 @@ def test_only_the_engine_without_counters_is_streamed() -> None:
 def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:
     """The OpenAI stream splits a tool call over chunks (id and name first, the arguments in
     pieces, keyed by index) and sends usage in a last chunk without choices: the streamed
-    Outcome must hold the same call and counts as a whole answer would."""
-    from fleet.generation.client import Outcome, _Stream
+    Outcome must hold the same call and counts as a whole answer would (put back together, then
+    judged by the same strict parser)."""
+    from fleet.generation.client import Outcome, _Stream, parse_completion
 
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
@@ -308,8 +309,26 @@ def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:
     acc, out = _Stream(), Outcome("ok")
     for c in chunks:
         acc.add(c)
-    acc.into(out)
+    parse_completion(acc.completion(), out)
     assert (out.completion, out.reasoning_content, out.finish_reason) == ("", "The user wants the weather.", "tool_calls")
     assert out.tool_calls == [{"id": "call_1", "type": "function",
                                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     assert (out.prompt_tokens, out.completion_tokens) == (31, 17)
+
+
+def test_a_mistyped_streamed_answer_is_refused_like_a_whole_one() -> None:
+    """A streamed answer is put back together and judged by the strict parser: a token count sent
+    as a string (or content that is not text) is an invalid answer, never stored."""
+    import pytest as _pytest
+
+    from fleet.generation.client import Outcome, _Stream, parse_completion
+
+    acc = _Stream()
+    acc.add({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})
+    acc.add({"choices": [], "usage": {"prompt_tokens": "5", "completion_tokens": 1}})
+    with _pytest.raises(ValueError, match="prompt_tokens"):
+        parse_completion(acc.completion(), Outcome("ok"))
+    bad = _Stream()
+    bad.add({"choices": [{"index": 0, "delta": {"content": 12345}, "finish_reason": "stop"}]})
+    with _pytest.raises(TypeError):
+        bad.completion()   # _read_stream turns this into BadStream: an invalid answer
