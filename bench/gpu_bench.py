@@ -50,6 +50,18 @@ def drop_caches() -> bool:
         return False
 
 
+def served_path(cfg: Any, model: Path) -> str:
+    """The model path the servers were launched with, from their launch records: the RAM-disk copy
+    is per user, fleet and source state (`<ramdisk>/fleet-<uid>/<fleet>/<name>-<key>`), and
+    `transformers serve` refuses a request naming another path (HTTP 400 "Server is pinned to …")."""
+    from fleet.node import LocalNode
+    from fleet.servers import records
+
+    recs = records(LocalNode(), cfg.nodes[0].workdir, cfg.name)
+    found = next((r["model_path"] for r in recs if r.get("model_path")), None)
+    return str(found or model)
+
+
 def make_config(args: argparse.Namespace, model: Path, gpus: int, stage: bool, base_port: int) -> Any:
     from fleet.config import FleetConfig
 
@@ -212,7 +224,7 @@ def scaling(args: argparse.Namespace, model: Path, gpus: int, base_port: int, ou
         step: dict[str, Any] = {"servers": n, "ok": ok, "bringup_wall_s": wall,
                                 "ready_s": [r.get("ready_s") for r in rows]}
         if ok:
-            spec = plan_servers(cfg, cfg.nodes[0], list(range(n)), model_path=f"/dev/shm/{model.name}",
+            spec = plan_servers(cfg, cfg.nodes[0], list(range(n)), model_path=served_path(cfg, model),
                                 python=sys.executable)[0]
             model_id = get_profile("transformers").request_model(spec)
             inp = Path(f"/tmp/gpu-bench-scale-{n}.jsonl")
@@ -377,7 +389,7 @@ def stop_table(res: dict[str, Any], gpus: int) -> str:
                          f"{', '.join(str(x.get('first_completion_s')) for x in p['servers'])} |")
         r = [p["tok_s"] for p in res["passes"] if p["kind"] == "runner"]
         q = [p["tok_s"] for p in res["passes"] if p["kind"] == "plain"]
-        if r and q:
+        if r and q and sum(q) > 0:   # passes that all failed have no ratio
             lines.append(f"\nrunner / plain (means): {sum(r) / len(r):.0f} / {sum(q) / len(q):.0f} = "
                          f"{(sum(r) / len(r)) / (sum(q) / len(q)):.3f}")
     return "\n".join(lines)
@@ -461,7 +473,7 @@ def main() -> int:
     from fleet.engines import get_profile
     from fleet.servers import plan_servers
 
-    spec = plan_servers(cfg, cfg.nodes[0], list(range(gpus)), model_path=f"/dev/shm/{model.name}",
+    spec = plan_servers(cfg, cfg.nodes[0], list(range(gpus)), model_path=served_path(cfg, model),
                         python=sys.executable)[0]
     model_id = get_profile("transformers").request_model(spec)
     urls = [f"http://127.0.0.1:{r['port']}" for r in rows]
