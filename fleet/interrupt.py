@@ -48,6 +48,7 @@ _paragraph: Callable[[], str] = lambda: ""
 _started = threading.Event()
 _begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given back
 _exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
+_err_fd = 2  # where our own words go: the original stderr, kept when the shutdown silences fd 2
 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
@@ -91,6 +92,12 @@ def install(paragraph: Callable[[], str]) -> None:
     threading.Thread(target=_watch, args=(r,), name="fleet-signals", daemon=True).start()
 
 
+SECOND_CTRL_C = ("\nfleet: second Ctrl-C: stopped at once, the cleanups cut short. The flow run may show "
+                 "Running and keep its node lock until the next fleet command on this fleet, which reclaims the "
+                 "lock of a run whose process is gone; servers and a started runner keep going (`fleet status -c "
+                 "FILE`).\n")
+
+
 def _watch(fd: int) -> None:
     seen = 0  # one byte per SIGINT: the count is exact, whoever started the shutdown
     while True:
@@ -103,8 +110,12 @@ def _watch(fd: int) -> None:
         for signum in data:
             if signum == signal.SIGINT:
                 seen += 1
-                if seen > 1:
-                    os._exit(_exit_code)  # second Ctrl-C: now
+                if seen > 1:  # second Ctrl-C: now, and say what was cut short (it printed nothing)
+                    try:
+                        os.write(_err_fd, SECOND_CTRL_C.encode())
+                    except OSError:
+                        pass
+                    os._exit(_exit_code)
                 _begin(signum)
             elif signum == signal.SIGTERM:
                 _begin(signum)
@@ -144,9 +155,10 @@ def _hold_exit() -> None:
 
 def _silence() -> int:
     """Point fds 1 and 2 at /dev/null; return a dup of the original stderr for our own output."""
+    global _err_fd
     sys.stdout.flush()
     sys.stderr.flush()
-    err = os.dup(2)
+    err = _err_fd = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)

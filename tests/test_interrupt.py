@@ -162,6 +162,37 @@ def test_interrupted_up_then_up_again_completes_without_waiting(env: dict[str, s
         down(env, cfg)
 
 
+def pending(pid: int, sig: int) -> bool:
+    """`sig` is pending for `pid` (its thread's or its process's mask in /proc); False once gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
+
+
+def test_double_ctrl_c_says_what_it_cut_short_and_the_next_up_completes(env: dict[str, str], tmp_path: Path) -> None:
+    """A double Ctrl-C ended `fleet up` with no word, its run left Running: it now says that the
+    cleanups were cut short and what the next command does about the lock; that command completes."""
+    cfg = sim_cfg(tmp_path, "i2")
+    try:
+        first = Cmd(env, tmp_path / "first.txt", "up", "-c", str(cfg))
+        first.wait_for_text("holding")
+        os.kill(first.proc.pid, signal.SIGINT)
+        # two signals pending at once are one: the second is sent once the first was delivered
+        wait_until(lambda: not pending(first.proc.pid, signal.SIGINT), what="the first SIGINT delivered")
+        os.kill(first.proc.pid, signal.SIGINT)
+        first.finish()
+        out = first.text()
+        assert first.proc.returncode == 130, out[-3000:]
+        assert "second Ctrl-C: stopped at once" in out and "reclaims the lock" in out, out[-3000:]
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
+        assert second.finish() == 0, second.text()[-3000:]
+    finally:
+        down(env, cfg)
+
+
 def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dict[str, str], tmp_path: Path) -> None:
     """Protects against two commands started together on one machine dying with "Timed out
     while attempting to connect to ephemeral Prefect API server" (each started an embedded
