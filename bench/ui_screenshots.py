@@ -83,7 +83,11 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
         return http_ok(base + "/api/health")
 
     # 90 s was passed at load 12 (eight test runs beside it); a server that dies fails at once above
-    wait_for(healthy, 300, "prefect server /api/health")
+    try:
+        wait_for(healthy, 300, "prefect server /api/health")
+    except BaseException:
+        stop_process_group(proc)  # a server that never answered was left running (seen: 75 min, a core)
+        raise
     return proc, base
 
 
