@@ -26,9 +26,10 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 
 def sim_config(tmp_path: Path, base_port: int, *, node: dict | None = None, n: int = 3, **kw: Any) -> FleetConfig:
     model = tmp_path / "src" / "sim-model"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text("{}")
-    (model / "weights.bin").write_bytes(b"w" * 100_000)
+    if not model.exists():   # written once: a rewrite is a changed source, so a new RAM-disk copy
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")
+        (model / "weights.bin").write_bytes(b"w" * 100_000)
     data: dict[str, Any] = {
         "name": "t",
         "nodes": [node or {"name": "local", "workdir": str(tmp_path / "work"), "ramdisk": RAMDISK}],
