@@ -52,11 +52,9 @@ def running(sim: Sim) -> int:
     return int(float(line.rsplit(" ", 1)[1]))
 
 
-def test_slow_server_rows_hedged_at_the_tail_every_id_once_within_the_bound(sims) -> None:
-    """The tail: once the queue is empty, a fast server with free slots backs up the rows a
-    much slower server still holds (each would take it 48 s; the fast one answers in
-    milliseconds). The backups win, the slow server's requests are cancelled, every id is
-    written exactly once, and the tokens the losers cost stay within the configured share."""
+def slow_beside_quick(sims: Any) -> tuple[Any, MemStore, Any]:
+    """150 rows on a server at 0.5 tok/s beside one at 5,000 (backups up to half the tokens): the
+    job ends complete, every id exactly once, nothing in errors; (its summary, the store, the slow sim)."""
     slow = sims("--tokens-per-s", "0.5", "--max-running-requests", "4")
     quick = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
     store = MemStore()
@@ -66,6 +64,15 @@ def test_slow_server_rows_hedged_at_the_tail_every_id_once_within_the_bound(sims
     summary = asyncio.run(d.run(items))
     assert summary.complete and summary.completed == 150 and not store.errors
     assert_exactly_once(store, [r.id for r in items])
+    return summary, store, slow
+
+
+def test_slow_server_rows_hedged_at_the_tail_every_id_once_within_the_bound(sims) -> None:
+    """The tail: once the queue is empty, a fast server with free slots backs up the rows a
+    much slower server still holds (each would take it 48 s; the fast one answers in
+    milliseconds). The backups win, the slow server's requests are cancelled, every id is
+    written exactly once, and the tokens the losers cost stay within the configured share."""
+    summary, store, slow = slow_beside_quick(sims)
     h = summary.hedge
     assert h["backups"] >= 1 and h["rows"] >= 1 and h["wins"] >= 1, h
     assert h["extra_tokens"] <= 0.5 * summary.completion_tokens, h
@@ -214,14 +221,6 @@ def test_lost_send_whose_cancellation_is_swallowed_never_touches_the_row(sims, m
             return Outcome("timeout", error="no answer within 600 s (a cancellation lost to aiohttp's timer)")
 
     monkeypatch.setattr(dispatch_mod, "chat", swallowing_chat)
-    slow = sims("--tokens-per-s", "0.5", "--max-running-requests", "4")
-    quick = sims("--tokens-per-s", "5000", "--max-running-requests", "8")
-    store = MemStore()
-    items = fixed_rows(150, 24)
-    d = Dispatcher([slow.endpoint("slow"), quick.endpoint("quick")], store,
-                   gen(hedge_max_extra_fraction=0.5, request_timeout_s=600), hedge_poll_s=0.05, **fast())
-    summary = asyncio.run(d.run(items))
-    assert summary.complete and summary.completed == 150 and not store.errors
-    assert_exactly_once(store, [r.id for r in items])
+    summary, store, _ = slow_beside_quick(sims)
     assert summary.hedge["wins"] >= 1 and summary.retries == 0, (summary.hedge, summary.retries)
     assert all(r["attempts"] == 1 for r in store.results)
