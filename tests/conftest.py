@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import Any
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -473,3 +474,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         unit_of[item.nodeid] = unit
         unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(nodeid, 0.0)
     items.sort(key=lambda it: -unit_cost[unit_of[it.nodeid]])  # stable: the rest keeps its order
+
+
+def start_local_servers(cfg: Any, pids: list[int] | None = None) -> list[Any]:
+    """Launch every server of `cfg` on this machine, wait until each is ready, and return the
+    runner's `ServerEntry` of each; `pids` gets each pid as it starts (the caller's cleanup)."""
+    from fleet.generation.runner import ServerEntry
+    from fleet.node import LocalNode
+    from fleet.servers import launch, plan_servers, wait_ready
+
+    node = LocalNode("local")
+    entries = []
+    for spec in plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable):
+        res = launch(node, cfg, spec)
+        ready = wait_ready(node, cfg, spec, res.pid)
+        if pids is not None:
+            pids.append(res.pid)
+        entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
+                                   spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+    return entries

@@ -27,7 +27,7 @@ from fleet.generation.checks import account
 from fleet.generation.runner import ServerEntry, run_local
 from fleet.generation.results import read_errors, read_rejects, shard_paths
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
-from conftest import wait_until
+from conftest import start_local_servers, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path
     import dataclasses
     from conftest import port_block
     from fleet.node import LocalNode
-    from fleet.servers import launch, plan_servers, stop_servers, wait_ready
+    from fleet.servers import stop_servers
 
     crash_at, n_rows = 70, 120
     assert n_rows <= (crash_at - 8) + (crash_at - 3), "server 1 could crash a second time"
@@ -202,14 +202,8 @@ def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path
         0: ["--max-running-requests", "1", "--tokens-per-s", "24"],   # 48 tokens: ~2 s a row
         1: ["--crash-after", str(crash_at)]})
     node = LocalNode("local")
-    specs = plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable)
-    entries = []
     try:
-        for spec in specs:
-            res = launch(node, cfg, spec)
-            ready = wait_ready(node, cfg, spec, res.pid)
-            entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
-                                       spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+        entries = start_local_servers(cfg)
         inp, out = tmp_path / "in.jsonl", tmp_path / "out"
         rows = write_input(inp, n_rows)
         if how == "in-process":
@@ -303,22 +297,16 @@ def test_sigstopped_server_is_detected_relaunched_and_readmitted(tmp_path: Path)
     Server 0 is slow (one row at a time) so the job outlasts the relaunch whatever the load."""
     from conftest import port_block
     from fleet.node import LocalNode
-    from fleet.servers import launch, plan_servers, stop_servers, wait_ready
+    from fleet.servers import stop_servers
 
     n_rows = 160
     base = port_block(2)
     cfg = sim_fleet(tmp_path, base, 2, extra_args_by_index={0: ["--max-running-requests", "1", "--tokens-per-s", "24"]})
     cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"stall_s": 1.0})})
     node = LocalNode("local")
-    specs = plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable)
-    entries, pids = [], []
+    pids: list[int] = []
     try:
-        for spec in specs:
-            res = launch(node, cfg, spec)
-            ready = wait_ready(node, cfg, spec, res.pid)
-            pids.append(res.pid)
-            entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
-                                       spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+        entries = start_local_servers(cfg, pids)
         inp, out = tmp_path / "in.jsonl", tmp_path / "out"
         rows = write_input(inp, n_rows)
         stopped: dict[str, float] = {}

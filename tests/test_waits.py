@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from conftest import start_local_servers, wait_until
 from fleet.config import FleetConfig
 from fleet.errors import CommandFailed, CommandTimeout
 from fleet.node import LocalNode
@@ -121,8 +121,8 @@ def test_stopped_launch_shell_during_a_relaunch_is_retried_and_the_job_ends(tmp_
     and is tried again; the server comes back and every row ends exactly once. Server 0 is slow
     (one row at a time), so the job outlasts the relaunches whatever the load."""
     from conftest import port_block
-    from fleet.generation.runner import ServerEntry, run_local
-    from fleet.servers import launch, plan_servers, stop_servers, wait_ready
+    from fleet.generation.runner import run_local
+    from fleet.servers import stop_servers
     from test_gen_runner import progress, result_ids, sim_fleet, wait_for, write_input
 
     bin_dir, arm, victim = _stopping_mkdir(tmp_path)
@@ -132,15 +132,9 @@ def test_stopped_launch_shell_during_a_relaunch_is_retried_and_the_job_ends(tmp_
     data["engine"]["env"] = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     cfg = FleetConfig(**data)
     node = LocalNode("local")
-    specs = plan_servers(cfg, cfg.nodes[0], [], model_path="/dev/shm/sim-model", python=sys.executable)
-    entries, pids = [], []
+    pids: list[int] = []
     try:
-        for spec in specs:
-            res = launch(node, cfg, spec)
-            ready = wait_ready(node, cfg, spec, res.pid)
-            pids.append(res.pid)
-            entries.append(ServerEntry(node="local", index=spec.index, url=ready.url, model="sim-model",
-                                       spec={k: v for k, v in vars(spec).items() if k != "api_key"}))
+        entries = start_local_servers(cfg, pids)
         inp, out = tmp_path / "in.jsonl", tmp_path / "out"
         rows = write_input(inp, 160)
         done: dict[str, bool] = {}
