@@ -239,7 +239,7 @@ def test_streamed_answers_are_the_same_rows_as_unstreamed(sims) -> None:
     got = []
     for stream in (False, True):
         store = MemStore()
-        d = Dispatcher([s.endpoint("s", stream=stream)], store, gen(), **fast())
+        d = Dispatcher([s.endpoint("s", stream=stream, streamed_rows=100)], store, gen(), **fast())   # every row
         summary = asyncio.run(d.run(items))
         assert summary.complete and summary.completed == 30 and not store.errors
         got.append({r["id"]: tuple(r.get(k) for k in keys) for r in store.results})

@@ -15,6 +15,7 @@ import urllib.request
 from typing import Any
 
 from fleet.generation.dispatch import Dispatcher
+from fleet.generation.rows import Request
 from test_gen_dispatch import MemStore, Sim, assert_exactly_once, fast, gen, rows, sims  # noqa: F401  (fixture)
 
 
@@ -48,3 +49,36 @@ def test_every_slot_is_refilled_before_another_row_is_answered_and_before_any_pr
     assert c["answered"] == n and c["full"] == n - k, c   # every answer but the tail's had every slot held
     assert c["interlopers"] == 0 and c["shared"] == 0, c
     assert d.servers[0].accept_len is None or d.servers[0].accept_len > 0   # the poller still polled, elsewhere
+
+
+def sim_streams(sim: Sim) -> dict[str, int]:
+    with urllib.request.urlopen(sim.url + "/sim/streams", timeout=10) as r:
+        counts: dict[str, int] = json.loads(r.read())
+    return counts
+
+
+def test_only_streamed_rows_per_server_are_streamed_and_their_chunks_keep_it_in(sims) -> None:
+    """Protects the engine's throughput on `transformers serve`, where the runner streams for
+    token progress: a streamed answer costs that engine's one busy thread an event per token, and
+    streaming every row in flight cost it a share of its tok/s on an H200 (bench/RESULTS.md,
+    issue 27). At most `Endpoint.streamed_rows` (2) of a server's rows are streamed at a time,
+    counted by the sim, the others answered whole; a streamed row that ends hands its place to the
+    next row sent, so the chunks still carry the server through rows twice `stall_s` long, to the
+    last wave (judged by finished rows, or by a probe that fails in 0.2 s, it would be taken out)."""
+    n, k = 32, 8
+    sim = sims("--tokens-per-s", "2", "--max-running-requests", str(k))
+    store = MemStore()
+    items = [Request(f"r{i}", i + 1, [{"role": "user", "content": f"question {i}"}],
+                     {"max_tokens": 6, "ignore_eos": True}) for i in range(n)]   # 3 s each
+    ep = sim.endpoint("a", stream=True)
+    assert ep.streamed_rows == 2
+    d = Dispatcher([ep], store, gen(max_concurrency_per_server=k, stall_s=1.5, stall_min_s=1, stall_max_s=1),
+                   **fast(stall_probe_timeout_s=0.2))
+    summary = asyncio.run(asyncio.wait_for(d.run(items), 120))
+    assert summary.complete and summary.completed == n and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    c = sim_streams(sim)
+    assert c["max_at_once"] == 2 and c["now"] == 0, c
+    assert n // k <= c["streamed"] < n // 2, c   # the place passes on: about 2 rows in every k
+    s = summary.servers[0]
+    assert (s["progress"], s["stalls"], s["downs"]) == ("stream", 0, 0), s

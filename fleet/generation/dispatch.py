@@ -350,11 +350,14 @@ class Dispatcher:
         srv.in_flight += 1
         srv.sent += 1
         f.sent = True
+        # streamed (its chunks are the server's token progress) while fewer than streamed_rows are
+        watch = srv.ep.stream and srv.streaming < srv.ep.streamed_rows
+        srv.streaming += watch
         try:
             # ignore: the session is None only once the server is out (recover, shutdown), and
             # the worker checked alive_in just before
             return await chat(srv.session, srv.ep.url, srv.ep.model, f.job.req, None, timeout,  # type: ignore[arg-type]
-                              self.health.max_bytes, srv.chunk if srv.ep.stream else None)
+                              self.health.max_bytes, srv.chunk if watch else None)
         except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
             return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
         except asyncio.CancelledError:
@@ -363,6 +366,7 @@ class Dispatcher:
             raise
         finally:
             srv.in_flight -= 1
+            srv.streaming -= watch
             self.hedge.end(f)
 
     def _landed(self, srv: ServerState, epoch: int, f: Flight, out: Outcome | None) -> bool:

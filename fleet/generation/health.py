@@ -24,7 +24,8 @@ fine, the attempt is charged and the row retried (`resolve_suspects`).
 
 The stall watchdog (`watchdog`): a server with rows in flight whose engine's token count
 (/metrics, read every few seconds on a connection of its own; or, for an engine without
-counters whose answers are streamed (`Endpoint.stream`), the chunks) has not moved, and that finished
+counters (`Endpoint.stream`), the chunks of the few rows streamed at a time, `streamed_rows`) has
+not moved, and that finished
 no row, for `stall_s` (30 s by default, whatever the row length) is *under suspicion*
 (`ServerState.under_suspicion`: its rows may be sent elsewhere meanwhile) and gets a generation
 probe (/health_generate, else a one-token chat); a failed probe marks it down. An engine that

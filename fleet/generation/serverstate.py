@@ -32,6 +32,11 @@ class Endpoint:
     max_running_requests: int | None = None  # fallback when /server_info does not say
     gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
     stream: bool = False                   # stream answers: each chunk is progress (engines without token counters)
+    # ... but only this many of its rows in flight at a time, the rest answered whole: on
+    # `transformers serve` every streamed token is an event built on the engine's one busy thread,
+    # so streaming all 64 rows cost the engine a share of its throughput (bench/RESULTS.md, issue 27);
+    # while any row decodes, these do too, so their chunks say as much as all of them would
+    streamed_rows: int = 2
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own data (launch spec, ...)
 
 
@@ -142,6 +147,7 @@ class ServerState:
         self.held_s = 0.0                # worker-seconds held back by the tail rule
         self.refreshes = 0               # rows given to a held server to refresh a stale estimate
         self.timeline = Timeline()
+        self.streaming = 0               # rows in flight sent streamed (at most ep.streamed_rows)
 
     def chunk(self) -> None:
         """A streamed answer's event arrived: token progress (`Endpoint.stream`)."""

@@ -48,6 +48,7 @@ class App:
             "/v1/completions": ("POST", gen.completions),
             "/generate": ("POST", gen.generate),
             "/sim/lockstep": ("GET", self.lockstep),
+            "/sim/streams": ("GET", self.streams),
         }
 
     # -- plumbing -----------------------------------------------------------------------
@@ -86,6 +87,11 @@ class App:
     def lockstep(self, req: Request, conn: HttpConnection) -> Resp:
         ls = self.engine.lockstep
         return json_resp(200, ls.counts()) if ls is not None else json_resp(404, {"detail": "no --lockstep-rows"})
+
+    def streams(self, req: Request, conn: HttpConnection) -> Resp:
+        """Streamed answers so far, open now, and the most open at once (tests/test_gen_refill.py)."""
+        e = self.engine
+        return json_resp(200, {"streamed": e.streams_total, "now": e.streams_now, "max_at_once": e.streams_max})
 
     def health(self, req: Request, conn: HttpConnection) -> Resp:
         return Resp(200 if self.engine.ready else 503, b"", TEXT)

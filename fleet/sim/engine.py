@@ -70,6 +70,10 @@ class Engine:
         self.generation_tokens_total = 0
         self.requests_total = 0
         self.finished_decode_tokens = 0  # decoded by finished or aborted requests
+        # streamed answers (GET /sim/streams): how many, and how many were open at once
+        self.streams_total = 0
+        self.streams_now = 0
+        self.streams_max = 0
         self.latency_buckets = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
         self.latency_counts = [0] * (len(self.latency_buckets) + 1)
         self.latency_sum = 0.0

@@ -192,6 +192,18 @@ class Generation:
                       last: bytes | Callable[[], bytes]) -> None:
         """Hold a slot and write SSE events: ``first``, one per token group, ``last``."""
         e = self.engine
+        e.streams_total += 1
+        e.streams_now += 1
+        e.streams_max = max(e.streams_max, e.streams_now)
+        try:
+            await self._stream_admitted(req, conn, plan, chunks, first, last)
+        finally:
+            e.streams_now -= 1
+
+    async def _stream_admitted(self, req: Request, conn: HttpConnection, plan: Plan,
+                               chunks: Callable[[list[str], int], bytes], first: bytes,
+                               last: bytes | Callable[[], bytes]) -> None:
+        e = self.engine
         if not e.try_admit():
             await e.admit()
         delay = e.start(plan)
