@@ -12,11 +12,14 @@ runs in this process beside the clients), then a discarded warm-up pass, then th
 `--order`:
 
   R  fleet's runner (`run_local`, in this process, as bench/gpu_bench.py runs it)
+  A  the same runner streaming every row in flight (`Endpoint.streamed_rows` unbounded), as it
+     did on `transformers serve` before issue 27's fix (it now streams 2 rows per server)
   S  fleet's runner in its own process, as a job runs it (`run_job` on a JobSpec), recorded there
   P  a plain saturating aiohttp client, the bench's own body ({model, messages, max_tokens,
      temperature}), `--concurrency` workers per server
   B  the same plain client sending the runner's exact request bytes (fleet's input reader and
      `client.chat`'s body), so that B and R differ in the client alone
+  T  the plain client streaming every row (B's bytes plus `stream`, `stream_options`)
 
 Per pass, what the engine saw as well as what the client did:
 
@@ -30,6 +33,15 @@ Per pass, what the engine saw as well as what the client did:
 - CPU seconds of this process (the client) and of the engine's processes, GPU utilisation
   (nvidia-smi every 200 ms in its own process), and any other process that used CPU;
 - each distinct request shape (the body's keys and every value but the messages).
+
+Beside them, what could move the engine's own cost per token between passes: a canary (a fixed
+pure-Python loop, in its own process pinned to a core of its own, timed every 0.5 s: the machine's
+speed for a CPU-bound thread), the engine's garbage collections (a `sitecustomize` on its
+PYTHONPATH, bench/gcwatch, counts them and their seconds) and its resident memory. `--pin` pins
+the engine's threads, this process, the canary and the GPU sampler to separate cores.
+
+Passes are sized from the warm-up pass's rate (the engine's steady rate) to `--seconds-per-pass`,
+in whole waves of the slots.
 
 Prints a markdown table and writes $OUT/busy.json and $OUT/busy_table.md.
 """
@@ -119,7 +131,9 @@ def install_runner_hooks() -> None:
         out = await chat(session, url, model, request, *a, **kw)
         if rec is not None:
             rec.reqs.append((id(asyncio.current_task()), t, time.monotonic(), out.completion_tokens or 0))
-            rec.shape({"model": model, "messages": None, **(request.params or {})})
+            streamed = (a[3] if len(a) > 3 else kw.get("on_chunk")) is not None
+            rec.shape({"model": model, "messages": None, **(request.params or {}),
+                       **({"stream": True, "stream_options": {"include_usage": True}} if streamed else {})})
         return out
 
     def traced_session(concurrency: int, *, api_key: str | None = None) -> Any:
@@ -212,6 +226,77 @@ with open(sys.argv[1], "w", buffering=1) as f:
 """
 
 
+CANARY = r"""
+import os, sys, time
+if len(sys.argv) > 2:
+    os.sched_setaffinity(0, {int(sys.argv[2])})
+def work():
+    x = 0
+    for i in range(200_000):
+        x += i * i
+    return x
+with open(sys.argv[1], "w", buffering=1) as f:
+    while True:
+        c, w = time.thread_time(), time.perf_counter()
+        work()
+        f.write(f"{time.time():.3f} {1e3 * (time.thread_time() - c):.3f} {1e3 * (time.perf_counter() - w):.3f}\n")
+        time.sleep(0.5)
+"""
+
+
+def canary_ms(path: Path, t_from: float, t_to: float) -> dict[str, float] | None:
+    """The canary's CPU ms per loop (median, max) in [t_from, t_to]: the same work every time, so
+    a larger number is a slower core for a CPU-bound Python thread (host load, clock)."""
+    try:
+        rows = [ln.split() for ln in path.read_text().splitlines()]
+    except OSError:
+        return None
+    cpu = [float(r[1]) for r in rows if len(r) == 3 and t_from <= float(r[0]) <= t_to]
+    return {"median": round(statistics.median(cpu), 2), "max": round(max(cpu), 2)} if cpu else None
+
+
+def gc_of(where: Path, pids: list[int]) -> dict[str, Any]:
+    """The engine's garbage collections so far (bench/gcwatch): counts and seconds per generation."""
+    counts, secs = [0, 0, 0], [0.0, 0.0, 0.0]
+    for pid in pids:
+        try:
+            d = json.loads((where / f"gc-{pid}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        counts = [a + b for a, b in zip(counts, d["counts"])]
+        secs = [a + b for a, b in zip(secs, d["secs"])]
+    return {"counts": counts, "secs": secs}
+
+
+def rss_mib(pids: list[int]) -> float:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return round(total / 2**20, 1)
+
+
+def pin(pids: list[int], cores: set[int]) -> None:
+    """Every thread of these processes (and their children) onto `cores`."""
+    import psutil
+
+    for pid in pids:
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                for t in p.threads():
+                    os.sched_setaffinity(t.id, cores)
+            except (psutil.Error, OSError):
+                pass
+
+
 def gpu_util(path: Path, t_from: float, t_to: float) -> float | None:
     try:
         lines = path.read_text().splitlines()
@@ -227,8 +312,19 @@ def gpu_util(path: Path, t_from: float, t_to: float) -> float | None:
 
 # ---------------------------------------------------------------------------- the clients
 
+def usage_of_stream(raw: bytes) -> int:
+    """completion_tokens of a streamed answer's usage event (the last one that has usage)."""
+    for line in reversed(raw.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            usage = json.loads(line[6:]).get("usage") or {}
+            if usage.get("completion_tokens"):
+                return int(usage["completion_tokens"])
+    return 0
+
+
 async def plain_pass(urls: list[str], bodies: list[bytes], concurrency: int, rec: Recorder) -> None:
-    """A saturating aiohttp client: `concurrency` workers per server, one queue, bodies sent as given."""
+    """A saturating aiohttp client: `concurrency` workers per server, one queue, bodies sent as
+    given (a body with `"stream": true` is read to its end and its usage event counted)."""
     import aiohttp
 
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -245,8 +341,13 @@ async def plain_pass(urls: list[str], bodies: list[bytes], concurrency: int, rec
             t = time.monotonic()
             async with session.post(f"{url}/v1/chat/completions", data=body,
                                     headers={"Content-Type": "application/json"}) as resp:
-                data = await resp.json(content_type=None)
-            tokens = (data.get("usage") or {}).get("completion_tokens") or 0 if resp.status == 200 else 0
+                raw = await resp.read()
+            if resp.status != 200:
+                tokens = 0
+            elif raw.startswith(b"data:"):
+                tokens = usage_of_stream(raw)
+            else:
+                tokens = (json.loads(raw).get("usage") or {}).get("completion_tokens") or 0
             rec.reqs.append((me, t, time.monotonic(), tokens))
 
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
@@ -268,8 +369,9 @@ def plain_bodies(rows: list[dict[str, Any]], model: str, max_tokens: int, rec: R
     return out
 
 
-def runner_bodies(cfg: Any, inp: Path, model: str, rec: Recorder) -> list[bytes]:
-    """The bytes fleet's runner sends for each row: its input reader, then `client.chat`'s body."""
+def runner_bodies(cfg: Any, inp: Path, model: str, rec: Recorder, stream: bool = False) -> list[bytes]:
+    """The bytes fleet's runner sends for each row: its input reader, then `client.chat`'s body
+    (`stream`: as `client.chat` sends a streamed one)."""
     from fleet.generation.inputs import iter_input
     from fleet.generation.jsonl import dumps
     from fleet.generation.rows import Request
@@ -278,6 +380,8 @@ def runner_bodies(cfg: Any, inp: Path, model: str, rec: Recorder) -> list[bytes]
     for req in iter_input(str(inp), cfg.generation):
         if isinstance(req, Request):
             body = {"model": model, "messages": req.messages, **(req.params or {})}
+            if stream:
+                body.update(stream=True, stream_options={"include_usage": True})
             rec.shape(body)
             out.append(dumps(body))
     return out
@@ -314,11 +418,24 @@ def runner_process(cfg: Any, entries: list[Any], inp: Path, out: Path, rec: Reco
     return rc
 
 
-def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path) -> int:
-    from fleet.generation.runner import run_local
+def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path, stream_all: bool = False) -> int:
+    """`stream_all` (kind A): every row in flight streamed, as the runner did before issue 27's fix."""
+    import fleet.generation.runner as runner_mod
+
+    endpoints = runner_mod._endpoints
+
+    def all_streamed(es: list[Any], stream: bool = False) -> list[Any]:
+        eps = endpoints(es, stream)
+        for ep in eps:
+            ep.streamed_rows = 10**6
+        return eps
 
     shutil.rmtree(out, ignore_errors=True)   # a fresh job each pass, not a resume
-    return run_local(cfg, inp, out, entries, relaunch=False, console=False)
+    runner_mod._endpoints = all_streamed if stream_all else endpoints   # type: ignore[assignment]
+    try:
+        return runner_mod.run_local(cfg, inp, out, entries, relaunch=False, console=False)
+    finally:
+        runner_mod._endpoints = endpoints   # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------- one pass
@@ -365,6 +482,7 @@ def summarize(rec: Recorder, t_call: float, t_ret: float, k_total: int) -> dict[
         "requests": len(reqs), "slots": len(by_slot), "tokens": tokens,
         "wall_s": round(t_ret - t_call, 2), "start_s": round(first - t_call, 3), "end_s": round(t_ret - last, 3),
         "span_s": round(span, 2), "tok_s_wall": round(tokens / (t_ret - t_call), 1),
+        "rows_s_wall": round(len(reqs) / (t_ret - t_call), 2),   # not from usage: a streamed answer's may differ
         "tok_s_span": round(tokens / span, 1) if span > 0 else 0.0,
         "mean_in_flight": round(busy / span, 2) if span > 0 else 0.0,
         "gap_ms": {"n": len(gaps), "p50": round(1e3 * pct(gaps, 0.5), 2), "p90": round(1e3 * pct(gaps, 0.9), 2),
@@ -374,6 +492,7 @@ def summarize(rec: Recorder, t_call: float, t_ret: float, k_total: int) -> dict[
         "first_answer_s": round(min(r[2] for r in reqs) - t_call, 2), "waves_done_at_s": waves,
         "pool_waits": rec.pool_waits, "pool_wait_s": round(rec.pool_wait_s, 3), "new_conns": rec.new_conns,
         "reused_conns": rec.reused, "shapes": rec.shapes,
+        "row_tokens": [min(r[3] for r in reqs), max(r[3] for r in reqs)],   # fixed-length rows: equal
     }
 
 
@@ -387,11 +506,12 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
     eng0, me0 = cpu_of(engine_pids), time.process_time()
     ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     th0, sw0, m0 = engine_threads(engine_pids), engine_switches(engine_pids), machine_cpu()
-    if kind == "R":
+    gc0 = gc_of(ctx["gc_dir"], engine_pids)
+    if kind in ("R", "A"):
         REC = rec
         t_call = time.monotonic()
         w0 = time.time()
-        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"))
+        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"), stream_all=kind == "A")
         t_ret = time.monotonic()
         REC = None
     elif kind == "S":
@@ -401,7 +521,7 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
         t_ret = time.monotonic()
     else:
         bodies = (plain_bodies(ctx["rows"], ctx["model"], ctx["max_tokens"], rec) if kind in ("P", "W")
-                  else runner_bodies(ctx["cfg"], ctx["inp"], ctx["model"], rec))
+                  else runner_bodies(ctx["cfg"], ctx["inp"], ctx["model"], rec, stream=kind == "T"))
         t_call = time.monotonic()
         w0 = time.time()
         asyncio.run(plain_pass(ctx["urls"], bodies, ctx["concurrency"], rec))
@@ -413,6 +533,7 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
     if kind == "S":   # the runner's own process (waited for, so counted in RUSAGE_CHILDREN)
         me1 = me0 + (ch1.ru_utime + ch1.ru_stime) - (ch0.ru_utime + ch0.ru_stime)
     th1, sw1, m1 = engine_threads(engine_pids), engine_switches(engine_pids), machine_cpu()
+    gc1 = gc_of(ctx["gc_dir"], engine_pids)
     after_all = cpu_table()
     res = summarize(rec, t_call, t_ret, ctx["concurrency"] * len(ctx["urls"]))
     wall = t_ret - t_call
@@ -421,6 +542,10 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
     res.update(kind=kind, rc=rc, client_cpu_s=round(me1 - me0, 2), engine_cpu_s=round(eng1 - eng0, 2),
                engine_cpu_share=round((eng1 - eng0) / wall, 2), gpu_util=gpu_util(ctx["gpu_log"], w0, w1),
                others=[(round(c, 2), cmd) for c, cmd in others if c >= 0.2],
+               canary_ms=canary_ms(ctx["canary_log"], w0, w1),
+               engine_gc={"counts": [b - a for a, b in zip(gc0["counts"], gc1["counts"])],
+                          "secs": [round(b - a, 3) for a, b in zip(gc0["secs"], gc1["secs"])]},
+               engine_rss_mib=rss_mib(engine_pids), streamed=sum(v for k, v in rec.shapes.items() if '"stream"' in k),
                engine_threads_cpu_s=sorted((round(th1[t] - th0.get(t, 0.0), 2) for t in th1), reverse=True)[:4],
                engine_ctx_switches={"voluntary": sw1[0] - sw0[0], "involuntary": sw1[1] - sw0[1]},
                machine={"busy_cores": round((sum(m1) - m1.idle - getattr(m1, "iowait", 0.0)
@@ -470,34 +595,42 @@ def bring_up(cfg: Any, gpus: int) -> tuple[list[Any], list[dict[str, Any]]]:
     return specs, up
 
 
-def neighbour_ratio(passes: list[dict[str, Any]], i: int, metric: str) -> float | None:
-    """Pass i over the mean of the nearest plain (P) pass of the same size before it and after it."""
+def neighbour_ratio(passes: list[dict[str, Any]], i: int, metric: str, side: str = "both") -> float | None:
+    """Pass i over the nearest plain (P) pass of the same size before it (`side` "before"), after
+    it ("after"), or the mean of the two ("both")."""
     size = passes[i]["size"]
     before = [p for p in passes[:i] if p["kind"] == "P" and p["size"] == size][-1:]
     after = [p for p in passes[i + 1:] if p["kind"] == "P" and p["size"] == size][:1]
-    near = [p[metric] for p in before + after]
+    near = [p[metric] for p in {"before": before, "after": after, "both": before + after}[side]]
     return round(passes[i][metric] / statistics.fmean(near), 3) if near else None
 
 
+def row(i: int, p: dict[str, Any], passes: list[dict[str, Any]]) -> str:
+    g = p["gap_ms"]
+    adj = ("" if p["kind"] == "P" else
+           " / ".join(str(neighbour_ratio(passes, i, "tok_s_wall", side)) for side in ("before", "after", "both")))
+    per_k = round(1000 * p["engine_threads_cpu_s"][0] / p["tokens"], 3) if p["engine_threads_cpu_s"] else None
+    # the engine (transformers serve) is one CPU-bound thread: tok/s = its busy share / its CPU per token,
+    # so this share says whether the client kept it busy whatever that cost was in this pass
+    busy = round(p["engine_threads_cpu_s"][0] / p["span_s"], 2) if p["engine_threads_cpu_s"] else None
+    can = p.get("canary_ms") or {}
+    gc = p.get("engine_gc") or {"counts": [0, 0, 0], "secs": [0, 0, 0]}
+    return (f"| {i} | {p['kind']}{'+' if p['size'] == 'long' else ''} | {p['rows']} | {p['wall_s']} | "
+            f"{p['start_s']} / {p['end_s']} | {p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | {p['rows_s_wall']} | {adj} | "
+            f"{p['mean_in_flight']} | {g['p50']} / {g['p99']} / {g['max']} | {p['pool_waits']} / {p['new_conns']} | "
+            f"{p.get('streamed', 0)} | {p['client_cpu_s']} | {per_k} | {busy} | {p['gpu_util']} | "
+            f"{can.get('median')} / {can.get('max')} | {sum(gc['counts'])} ({gc['counts'][2]}) / "
+            f"{round(sum(gc['secs']), 2)} | {p.get('engine_rss_mib')} | {p.get('row_tokens')} |")
+
+
 def table(passes: list[dict[str, Any]]) -> str:
-    lines = ["| pass | kind | rows | wall s | start s | end s | span s | tok/s wall | tok/s span | "
-             "÷ neighbouring P (wall / span) | mean in flight | slot gap p50 / p99 / max ms | idle slot share | "
-             "pool waits | new conns | client CPU s | engine busiest thread s per 1k tok | engine thread busy / span | "
-             "GPU util % | answer bursts (n / largest) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for i, p in enumerate(passes):
-        g = p["gap_ms"]
-        rw, rs = neighbour_ratio(passes, i, "tok_s_wall"), neighbour_ratio(passes, i, "tok_s_span")
-        per_k = round(1000 * p["engine_threads_cpu_s"][0] / p["tokens"], 3) if p["engine_threads_cpu_s"] else None
-        # the engine (transformers serve) is one CPU-bound thread: tok/s = its busy share / its CPU per token,
-        # so this share says whether the client kept it busy whatever that cost was in this pass
-        busy = round(p["engine_threads_cpu_s"][0] / p["span_s"], 2) if p["engine_threads_cpu_s"] else None
-        lines.append(f"| {i} | {p['kind']} | {p['rows']} | {p['wall_s']} | {p['start_s']} | {p['end_s']} | "
-                     f"{p['span_s']} | {p['tok_s_wall']:.0f} | {p['tok_s_span']:.0f} | "
-                     f"{'' if p['kind'] == 'P' else f'{rw} / {rs}'} | {p['mean_in_flight']} | "
-                     f"{g['p50']} / {g['p99']} / {g['max']} | {p['idle_share']} | {p['pool_waits']} | "
-                     f"{p['new_conns']} | {p['client_cpu_s']} | {per_k} | {busy} | {p['gpu_util']} | "
-                     f"{len(p['answer_bursts'])} / {max(p['answer_bursts'])} |")
+    lines = ["| pass | kind | rows | wall s | start / end s | tok/s wall | tok/s span | rows/s wall | "
+             "÷ P before / after / their mean (tok/s wall) | mean in flight | slot gap p50 / p99 / max ms | "
+             "pool waits / new conns | streamed requests | client CPU s | engine busiest thread s per 1k tok | "
+             "engine thread busy / span | GPU util % | canary CPU ms median / max | engine GCs (gen 2) / s | "
+             "engine RSS MiB | tokens per row min, max |",
+             "| --- " * 21 + "|"]
+    lines += [row(i, p, passes) for i, p in enumerate(passes)]
     for size in ("short", "long"):
         for metric in ("tok_s_wall", "tok_s_span"):
             by: dict[str, list[float]] = {}
@@ -509,6 +642,13 @@ def table(passes: list[dict[str, Any]]) -> str:
                 parts = [f"{k} {statistics.fmean(v):.0f} ({k} / P {statistics.fmean(v) / q:.3f})"
                          for k, v in sorted(by.items()) if k != "P"]
                 lines.append(f"\n{size} passes, {metric}: P {q:.0f}; " + "; ".join(parts))
+    for kind in ("R", "A", "S", "B", "T"):
+        adj = [r for i, p in enumerate(passes) if p["kind"] == kind
+               for r in (neighbour_ratio(passes, i, "tok_s_wall", "before"),
+                         neighbour_ratio(passes, i, "tok_s_wall", "after")) if r is not None]
+        if adj:
+            lines.append(f"\n{kind} ÷ each adjacent P (tok/s wall): min {min(adj)}, max {max(adj)}, "
+                         f"{sum(r >= 0.97 for r in adj)} of {len(adj)} at ≥ 0.97")
     shapes: dict[str, set[str]] = {}
     for p in passes:
         for sh in p["shapes"]:
@@ -516,6 +656,18 @@ def table(passes: list[dict[str, Any]]) -> str:
     lines.append("\nrequest shapes (body without messages): " +
                  "; ".join(f"{k}: {sorted(v)}" for k, v in sorted(shapes.items())))
     return "\n".join(lines)
+
+
+def write_inputs(args: argparse.Namespace, k: int, tok_s: float) -> dict[str, tuple[Path, list[Any], int]]:
+    """The passes' prompts, sized from a rate to --seconds-per-pass (and the long passes' size),
+    in whole waves of k rows: a pass that ends on a partial wave adds noise to its tok/s."""
+    inputs = {}
+    for tag, secs in {"": args.seconds_per_pass, "+": args.long_seconds_per_pass}.items():
+        n = args.rows or max(2 * k, k * round(tok_s * secs / args.max_tokens / k))
+        inp = Path(f"/tmp/gpu-busy-prompts{'-long' if tag else ''}.jsonl")
+        prompts(n, inp)
+        inputs[tag] = (inp, [json.loads(ln) for ln in inp.read_text().splitlines()], n)
+    return inputs
 
 
 def main() -> int:
@@ -535,6 +687,11 @@ def main() -> int:
     ap.add_argument("--sim", action="store_true", help="here: fleet's sim")
     ap.add_argument("--sim-tokens-per-s", type=float, default=200.0)
     ap.add_argument("--budget-s", type=float, default=540.0, help="no pass starts after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=1e9,
+                    help="a pass starts only if it would end before this many seconds at 0.6x its planned speed")
+    ap.add_argument("--pin", action="store_true",
+                    help="engine threads on the first half of the cores, this process, the GPU sampler and "
+                         "the canary each on cores of their own")
     ap.add_argument("--child-runner", nargs=2, metavar=("JOB", "REC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_runner:
@@ -557,10 +714,16 @@ def main() -> int:
     from fleet.generation.runner import ServerEntry
 
     cfg = make_cfg(args, model, gpus, free_port_block(gpus, start=31000))
-    gpu_log = out / "gpu_util.txt"
-    sampler = None
+    gpu_log, canary_log, gc_dir = out / "gpu_util.txt", out / "canary.txt", Path("/tmp/gpu-busy-gcwatch")
+    shutil.rmtree(gc_dir, ignore_errors=True)
+    gc_dir.mkdir(parents=True)
+    os.environ["FLEET_GCWATCH_DIR"] = str(gc_dir)   # the engine inherits it (bench/gcwatch)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "gcwatch"), os.environ.get("PYTHONPATH", "")])
+    ncpu = os.cpu_count() or 1
+    helpers = [subprocess.Popen([sys.executable, "-c", CANARY, str(canary_log),
+                                 *([str(ncpu - 1)] if args.pin else [])])]
     if not (args.cpu or args.sim):
-        sampler = subprocess.Popen([sys.executable, "-c", GPU_SAMPLER, str(gpu_log)])
+        helpers.append(subprocess.Popen([sys.executable, "-c", GPU_SAMPLER, str(gpu_log)]))
     install_runner_hooks()
     res: dict[str, Any] = {"args": vars(args)}
     try:
@@ -575,6 +738,12 @@ def main() -> int:
                 tree |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
             except psutil.Error:
                 pass
+        if args.pin:   # engine: first half; this process: the next quarter; sampler, canary: one each
+            pin(sorted(tree), set(range(ncpu // 2)))
+            os.sched_setaffinity(0, set(range(ncpu // 2, ncpu // 2 + ncpu // 4)))
+            pin([h.pid for h in helpers[1:]], {ncpu - 2})
+            res["pinned"] = {"engine": f"0-{ncpu // 2 - 1}", "client": f"{ncpu // 2}-{ncpu // 2 + ncpu // 4 - 1}",
+                             "sampler": ncpu - 2, "canary": ncpu - 1}
         entries = [ServerEntry(node=s.node, index=s.index, url=u["url"], model=u["model"], gpus=list(s.gpus))
                    for s, u in zip(specs, up)]
         urls = [u["url"] for u in up]
@@ -584,19 +753,12 @@ def main() -> int:
         ctx: dict[str, Any] = {"cfg": cfg, "entries": entries, "urls": urls, "model": model_id,
                                "max_tokens": args.max_tokens, "concurrency": args.concurrency,
                                "engine_pids": engine_pids, "engine_tree": tree, "gpu_log": gpu_log,
-                               "rows": probe_rows}
+                               "canary_log": canary_log, "gc_dir": gc_dir, "rows": probe_rows}
         probe = one_pass("W", ctx, -1)
-        # sized from the probe as bench/gpu_bench.py sizes its passes ("35-s", "120-s"), rounded to
-        # whole waves of k rows: a pass that ends on a partial wave adds noise to its tok/s
-        sizes = {"": args.seconds_per_pass, "+": args.long_seconds_per_pass}
-        inputs = {}
-        for tag, secs in sizes.items():
-            n = args.rows or max(2 * k, k * round(probe["tok_s_wall"] * secs / args.max_tokens / k))
-            inp = Path(f"/tmp/gpu-busy-prompts{'-long' if tag else ''}.jsonl")
-            prompts(n, inp)
-            inputs[tag] = (inp, [json.loads(ln) for ln in inp.read_text().splitlines()], n)
+        inputs = write_inputs(args, k, probe["tok_s_wall"])
         ctx.update(inp=inputs[""][0], rows=inputs[""][1])
         warm = one_pass("W", ctx, -2)   # discarded: the engine speeds up over its first minute
+        inputs = write_inputs(args, k, warm["tok_s_wall"])   # sized from the steady rate
         res.update(probe=probe, warmup=warm, rows_per_pass={t: v[2] for t, v in inputs.items()})
         print("probe", probe["tok_s_wall"], "warm-up", warm["tok_s_wall"], "rows per pass", res["rows_per_pass"],
               flush=True)
@@ -607,6 +769,10 @@ def main() -> int:
                 print("budget reached: passes stop here", flush=True)
                 break
             kind, tag = item.rstrip("+"), "+" if item.endswith("+") else ""
+            planned = inputs[tag][2] * args.max_tokens / max(1.0, warm["tok_s_wall"])
+            if time.monotonic() - t_start + planned / 0.6 > args.deadline_s:
+                print(f"a {planned:.0f}-s pass might not end before the deadline: it is skipped", flush=True)
+                continue
             ctx.update(inp=inputs[tag][0], rows=inputs[tag][1])
             p = one_pass(kind, ctx, i)
             p["size"] = "long" if tag else "short"
@@ -617,7 +783,8 @@ def main() -> int:
                                                       "mean_in_flight", "gap_ms", "idle_share", "pool_waits",
                                                       "new_conns", "client_cpu_s", "engine_cpu_share",
                                                       "engine_threads_cpu_s", "machine", "gpu_util",
-                                                      "waves_done_at_s", "others")},
+                                                      "waves_done_at_s", "others", "canary_ms", "engine_gc",
+                                                      "engine_rss_mib", "streamed", "row_tokens")},
                   "answer bursts", len(p["answer_bursts"]), max(p["answer_bursts"]), "send bursts",
                   len(p["send_bursts"]), max(p["send_bursts"]), flush=True)
         res["passes"] = passes
@@ -630,8 +797,8 @@ def main() -> int:
             shutil.copy(server_paths(cfg.nodes[0].workdir, cfg.name, i).log, out / f"server{i}.log") \
                 if Path(server_paths(cfg.nodes[0].workdir, cfg.name, i).log).exists() else None
         stop_servers(LocalNode(), cfg, cfg.nodes[0])
-        if sampler is not None:
-            sampler.kill()
+        for h in helpers:
+            h.kill()
     md = table(res["passes"])
     print(md, flush=True)
     (out / "busy_table.md").write_text(md + "\n")
