@@ -14,6 +14,7 @@ runs in this process beside the clients), then a discarded warm-up pass, then th
   R  fleet's runner (`run_local`, in this process, as bench/gpu_bench.py runs it)
   A  the same runner streaming every row in flight (`Endpoint.streamed_rows` unbounded), as it
      did on `transformers serve` before issue 27's fix (it now streams 2 rows per server)
+  N  the same runner streaming no row (`streamed_rows` 0: no token progress; a control only)
   S  fleet's runner in its own process, as a job runs it (`run_job` on a JobSpec), recorded there
   P  a plain saturating aiohttp client, the bench's own body ({model, messages, max_tokens,
      temperature}), `--concurrency` workers per server
@@ -418,8 +419,9 @@ def runner_process(cfg: Any, entries: list[Any], inp: Path, out: Path, rec: Reco
     return rc
 
 
-def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path, stream_all: bool = False) -> int:
-    """`stream_all` (kind A): every row in flight streamed, as the runner did before issue 27's fix."""
+def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path, streamed_rows: int | None = None) -> int:
+    """`streamed_rows`: the rows streamed at a time per server instead of the runner's own (kind A:
+    every row, as the runner did before issue 27's fix; kind N: none)."""
     import fleet.generation.runner as runner_mod
 
     endpoints = runner_mod._endpoints
@@ -427,11 +429,11 @@ def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path, stream_all: b
     def all_streamed(es: list[Any], stream: bool = False) -> list[Any]:
         eps = endpoints(es, stream)
         for ep in eps:
-            ep.streamed_rows = 10**6
+            ep.streamed_rows = streamed_rows
         return eps
 
     shutil.rmtree(out, ignore_errors=True)   # a fresh job each pass, not a resume
-    runner_mod._endpoints = all_streamed if stream_all else endpoints   # type: ignore[assignment]
+    runner_mod._endpoints = endpoints if streamed_rows is None else all_streamed   # type: ignore[assignment]
     try:
         return runner_mod.run_local(cfg, inp, out, entries, relaunch=False, console=False)
     finally:
@@ -507,11 +509,12 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
     ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     th0, sw0, m0 = engine_threads(engine_pids), engine_switches(engine_pids), machine_cpu()
     gc0 = gc_of(ctx["gc_dir"], engine_pids)
-    if kind in ("R", "A"):
+    if kind in ("R", "A", "N"):
         REC = rec
         t_call = time.monotonic()
         w0 = time.time()
-        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"), stream_all=kind == "A")
+        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"), 
+                        streamed_rows={"A": 10**6, "N": 0}.get(kind))
         t_ret = time.monotonic()
         REC = None
     elif kind == "S":
@@ -642,7 +645,7 @@ def table(passes: list[dict[str, Any]]) -> str:
                 parts = [f"{k} {statistics.fmean(v):.0f} ({k} / P {statistics.fmean(v) / q:.3f})"
                          for k, v in sorted(by.items()) if k != "P"]
                 lines.append(f"\n{size} passes, {metric}: P {q:.0f}; " + "; ".join(parts))
-    for kind in ("R", "A", "S", "B", "T"):
+    for kind in ("R", "A", "N", "S", "B", "T"):
         adj = [r for i, p in enumerate(passes) if p["kind"] == kind
                for r in (neighbour_ratio(passes, i, "tok_s_wall", "before"),
                          neighbour_ratio(passes, i, "tok_s_wall", "after")) if r is not None]
