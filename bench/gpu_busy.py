@@ -513,7 +513,7 @@ def one_pass(kind: str, ctx: dict[str, Any], n: int) -> dict[str, Any]:
         REC = rec
         t_call = time.monotonic()
         w0 = time.time()
-        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"), 
+        rc = runner_run(ctx["cfg"], ctx["entries"], ctx["inp"], Path(f"/tmp/gpu-busy-out-{n}"),
                         streamed_rows={"A": 10**6, "N": 0}.get(kind))
         t_ret = time.monotonic()
         REC = None

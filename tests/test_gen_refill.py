@@ -82,3 +82,22 @@ def test_only_streamed_rows_per_server_are_streamed_and_their_chunks_keep_it_in(
     assert n // k <= c["streamed"] < n // 2, c   # the place passes on: about 2 rows in every k
     s = summary.servers[0]
     assert (s["progress"], s["stalls"], s["downs"]) == ("stream", 0, 0), s
+
+
+def test_nothing_is_streamed_once_rows_finish_well_within_stall_s(sims) -> None:
+    """Protects the engine's throughput on `transformers serve` with short rows: even 2 streamed
+    rows in flight cost it a wake-up of its HTTP thread at every decode step (10-15 % of its
+    tok/s on an H200, bench/RESULTS.md, issue 27). Once a server's last rows (8 at least) each
+    finished in under a quarter of stall_s, finished rows are its progress and nothing more is
+    streamed (counted by the sim): only the rows sent before that are."""
+    n, k = 320, 16
+    sim = sims("--tokens-per-s", "400", "--max-running-requests", str(k))
+    store = MemStore()
+    items = rows(n, 8)   # 20 ms each, stall_s 30 s
+    d = Dispatcher([sim.endpoint("a", stream=True)], store, gen(max_concurrency_per_server=k), **fast())
+    summary = asyncio.run(asyncio.wait_for(d.run(items), 120))
+    assert summary.complete and summary.completed == n and not store.errors
+    assert_exactly_once(store, [r.id for r in items])
+    c = sim_streams(sim)
+    assert 1 <= c["streamed"] <= 2 + 8, c   # the first rows, and refills before 8 had finished
+    assert summary.servers[0]["stalls"] == 0

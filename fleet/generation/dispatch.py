@@ -351,7 +351,9 @@ class Dispatcher:
         srv.sent += 1
         f.sent = True
         # streamed (its chunks are the server's token progress) while fewer than streamed_rows are
-        watch = srv.ep.stream and srv.streaming < srv.ep.streamed_rows
+        # and its rows are too long to show progress by finishing
+        watch = (srv.ep.stream and srv.streaming < srv.ep.streamed_rows
+                 and not self.health.rows_show_progress(srv))
         srv.streaming += watch
         try:
             # ignore: the session is None only once the server is out (recover, shutdown), and

@@ -24,8 +24,8 @@ fine, the attempt is charged and the row retried (`resolve_suspects`).
 
 The stall watchdog (`watchdog`): a server with rows in flight whose engine's token count
 (/metrics, read every few seconds on a connection of its own; or, for an engine without
-counters (`Endpoint.stream`), the chunks of the few rows streamed at a time, `streamed_rows`) has
-not moved, and that finished
+counters (`Endpoint.stream`), the chunks of the few rows streamed at a time, `streamed_rows`, while
+its rows are long: `rows_show_progress`) has not moved, and that finished
 no row, for `stall_s` (30 s by default, whatever the row length) is *under suspicion*
 (`ServerState.under_suspicion`: its rows may be sent elsewhere meanwhile) and gets a generation
 probe (/health_generate, else a one-token chat); a failed probe marks it down. An engine that
@@ -409,6 +409,14 @@ class ServerHealth:
         finally:
             for session in sessions.values():
                 await session.close()
+
+    def rows_show_progress(self, srv: ServerState) -> bool:
+        """Its rows finish often enough to be its progress: each of its last 8-64 took under a
+        quarter of stall_s. Then nothing is streamed to it (`Endpoint.stream`): on `transformers
+        serve` a streamed row in flight costs the engine a wake-up of its HTTP thread at every
+        decode step, two such rows about 10-15 % of its tok/s on an H200 (bench/RESULTS.md, issue
+        27), and a wedged engine still finishes no row for stall_s."""
+        return len(srv.lats) >= 8 and max(srv.lats) < self.gen.stall_s / 4
 
     def note_done(self, srv: ServerState, latency_s: float) -> None:
         """A request finished on `srv`: the watchdog's clock and the row-time estimate."""

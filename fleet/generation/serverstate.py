@@ -32,10 +32,10 @@ class Endpoint:
     max_running_requests: int | None = None  # fallback when /server_info does not say
     gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
     stream: bool = False                   # stream answers: each chunk is progress (engines without token counters)
-    # ... but only this many of its rows in flight at a time, the rest answered whole: on
-    # `transformers serve` every streamed token is an event built on the engine's one busy thread,
-    # so streaming all 64 rows cost the engine a share of its throughput (bench/RESULTS.md, issue 27);
-    # while any row decodes, these do too, so their chunks say as much as all of them would
+    # ... but only this many of its rows in flight at a time, the rest answered whole, and none
+    # once its rows finish quickly (ServerHealth.rows_show_progress): on `transformers serve` streaming
+    # all 64 rows cost the engine 25-30 % of its tok/s (bench/RESULTS.md, issue 27); while any row
+    # decodes, these do too, so their chunks say as much as all of them would
     streamed_rows: int = 2
     extra: dict[str, Any] = field(default_factory=dict)  # the caller's own data (launch spec, ...)
 
