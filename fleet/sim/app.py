@@ -49,6 +49,8 @@ class App:
             "/generate": ("POST", gen.generate),
             "/sim/lockstep": ("GET", self.lockstep),
         }
+        if getattr(args, "openai_only", False):   # a plain OpenAI-compatible server: none of SGLang's own paths
+            self.routes = {k: v for k, v in self.routes.items() if k.startswith("/v1/")}
 
     # -- plumbing -----------------------------------------------------------------------
 
