@@ -333,6 +333,9 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
         if not (input and output):
             return failed("action 'generate' needs the parameters input and output")
         return for_deployment(_generate(cfg, input, output, retry_errors, node_wait_s, t0))
+    if action == "bringup" and not cfg.launches_servers:   # no venv, no staging, no server for nothing
+        return Completed(message="servers.count = 0: this config launches no server (it generates through its "
+                                 f"{len(cfg.endpoints)} endpoint(s)); nothing to bring up", data=[])
     try:
         # Every action that launches, probes or stops servers holds its nodes; a long-running
         # action (generation) must not: it would block bring-ups and revalidations for days.

@@ -209,3 +209,18 @@ def test_one_job_mixes_fleet_launched_servers_and_an_endpoint(tmp_path: Path, st
     manifest = json.loads((out / "manifest.json").read_text())
     urls = {s["name"]: s.get("url") for s in manifest["servers"]}
     assert urls["endpoint/ext"] == ext.url, urls
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_bringup_of_an_endpoints_only_config_builds_nothing(tmp_path: Path) -> None:
+    """servers.count = 0 launches no server: `fleet up` on such a config must not build a venv,
+    stage the model into the RAM disk or write launch records for servers that will never run."""
+    from flows.fleet import fleet
+
+    cfg = FleetConfig(name="t", nodes=[{"name": "local", "workdir": str(tmp_path / "work"),
+                                        "ramdisk": str(tmp_path / "shm")}],
+                      venv={"path": str(tmp_path / "venv")}, model={"source": str(tmp_path / "model")},
+                      servers={"count": 0}, endpoints=[{"name": "x", "url": "http://127.0.0.1:9"}])
+    state = fleet(config=cfg, action="bringup", return_state=True)
+    assert state.is_completed() and "nothing to bring up" in (state.message or ""), state.message
+    assert not any(p.exists() for p in (tmp_path / "work", tmp_path / "shm", tmp_path / "venv"))
