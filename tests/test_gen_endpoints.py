@@ -224,3 +224,22 @@ def test_bringup_of_an_endpoints_only_config_builds_nothing(tmp_path: Path) -> N
     state = fleet(config=cfg, action="bringup", return_state=True)
     assert state.is_completed() and "nothing to bring up" in (state.message or ""), state.message
     assert not any(p.exists() for p in (tmp_path / "work", tmp_path / "shm", tmp_path / "venv"))
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_an_endpoint_key_comes_from_a_prefect_secret_block() -> None:
+    """`api_key_secret` names a Secret block: the flow's process reads it through its installed
+    credential store (the Prefect one) and hands it to the runner under the endpoint's variable;
+    a block that is not there is one clear error naming it, before any job starts."""
+    from prefect.blocks.system import Secret
+
+    import tasks.nodes  # noqa: F401  (installs the Prefect credential store, as the flow's tasks do)
+    from fleet.generation.endpoints import endpoint_keys
+
+    Secret(value="sk-from-block-4d2").save("endpoint-key-test", overwrite=True)
+    cfg = FleetConfig(endpoints=[{"name": "a", "url": "http://h:1"},
+                                 {"name": "b", "url": "http://h:2", "api_key_secret": "endpoint-key-test"}])
+    assert endpoint_keys(cfg) == {"ENDPOINT_API_KEY_1": "sk-from-block-4d2"}
+    missing = FleetConfig(endpoints=[{"name": "b", "url": "http://h:2", "api_key_secret": "no-such-block"}])
+    with pytest.raises(ConfigError, match="no-such-block"):
+        endpoint_keys(missing)

@@ -100,7 +100,7 @@ async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
     (a plain OpenAI-compatible one: a router, a deployment fleet did not start) is healthy when
     /v1/models answers 200. An endpoint given no model takes the first id /v1/models lists."""
     health = await _status(ep, session, "/health")
-    if health not in (200, 404):
+    if health is None or health >= 500:   # 503: starting or shutting down
         return f"not answering {ep.url}/health" + (f" (HTTP {health})" if health else "")
     try:
         # /health needs no key on SGLang; /v1/models does: a wrong key shows here, not on every row
@@ -108,8 +108,8 @@ async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
             body = await read_capped(r, PROBE_MAX_BYTES)
             if r.status in (401, 403):
                 return f"HTTP {r.status} from /v1/models: the server refuses our API key"
-            if health == 404 and r.status != 200:
-                return f"{ep.url} has no /health and its /v1/models answered HTTP {r.status}"
+            if health != 200 and r.status != 200:   # no /health (404, or a gateway's 401 for any other path)
+                return f"{ep.url}/health answered HTTP {health} and its /v1/models HTTP {r.status}"
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, TooLarge):
         return f"not answering {ep.url}/v1/models"
     if not ep.model:
@@ -123,16 +123,18 @@ async def ping(ep: Endpoint, session: aiohttp.ClientSession | None = None, path:
                timeout: float = 10.0, missing_ok: bool = False) -> bool:
     """True when the server answers `path` with 200 (`/v1/models`: any answer at all; with
     `missing_ok`, a 404 falls back to /health — vLLM and transformers have no /health_generate —
-    and a 404 there to /v1/models answering 200: a plain OpenAI server has neither)."""
+    and a 4xx there to /v1/models answering 200: a plain OpenAI server has neither)."""
     own = session is None
     session = session or aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}
                                                if ep.api_key else None)
     try:
         async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             await read_capped(r, PROBE_MAX_BYTES)
+            if missing_ok and path == "/health" and 400 <= r.status < 500:
+                # a plain OpenAI server has no /health (404; a gateway may answer 401 for any
+                # path it does not serve): /v1/models answering 200 is its health
+                return await _status(ep, session, "/v1/models", timeout) == 200
             if r.status == 404 and missing_ok:
-                if path == "/health":   # a plain OpenAI server: answering /v1/models is its health
-                    return await _status(ep, session, "/v1/models", timeout) == 200
                 return await ping(ep, session, "/health", timeout, missing_ok=True)
             return r.status == 200 or path == "/v1/models"
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, TooLarge):  # RuntimeError: session closed

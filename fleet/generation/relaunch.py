@@ -90,7 +90,7 @@ def _healthy(ep: Endpoint, timeout: float = 10.0) -> bool:
     headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
     try:
         status = httpx.get(ep.url + "/health", timeout=timeout, headers=headers).status_code
-        if status not in (200, 404):
+        if status >= 500 or status < 200:   # 503: starting or shutting down; 4xx: no /health here
             return False
         if status == 200 and ep.model:
             return True
