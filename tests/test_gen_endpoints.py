@@ -138,7 +138,9 @@ def test_an_openai_only_endpoint_that_goes_away_and_comes_back_is_readmitted_row
     key = "sk-standin-31f0"
     # slow enough (about 9 s for the job) that it is killed mid-job, not after it
     standin = standins("--openai-only", "--tokens-per-s", "40", "--model-name", "their-model", key=key).start()
-    cfg = FleetConfig(servers={"count": 0}, engine={"kind": "sim"}, generation={"max_tokens": 24},
+    # max_in_flight is the endpoint's own (a router's sum over its workers): above the per-server cap
+    cfg = FleetConfig(servers={"count": 0}, engine={"kind": "sim"},
+                      generation={"max_tokens": 24, "max_concurrency_per_server": 4},
                       smoke={"first_timeout_s": 10, "timeout_s": 5, "attempts": 2, "backoff_s": 0.1},
                       endpoints=[{"name": "standin", "url": standin.url, "api_key_env": "STANDIN_KEY",
                                   "max_in_flight": 8}])
@@ -175,6 +177,7 @@ def test_an_openai_only_endpoint_that_goes_away_and_comes_back_is_readmitted_row
                  if s["name"] == "endpoint/standin")
     assert final["downs"] >= 1 and final["restarts"] >= 1 and final["requests"] > done_while_away, final
     assert final["progress"] == "stream", final   # no /metrics: its streamed chunks are the progress
+    assert final["concurrency"] == 8, final
     assert manifest["counts"]["completed"] == 240 and not manifest["counts"].get("errors"), manifest["counts"]
     # the model name, not in the config, was read from its /v1/models
     assert [s["model"] for s in manifest["servers"]] == ["their-model"]
