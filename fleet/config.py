@@ -251,7 +251,7 @@ class VenvConfig(_Section):
 class ServersConfig(_Section):
     """How many servers, where they listen."""
 
-    count: int | None = Field(None, ge=1, le=1024, description="Servers per node (default: one per GPU group; 1 on a node without GPUs).")
+    count: int | None = Field(None, ge=0, le=1024, description="Servers per node (default: one per GPU group; 1 on a node without GPUs; 0: none, generation uses the [[endpoints]] only).")
     tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per server (tp size).")
     base_port: int = Field(30000, ge=1024, le=65535, description="Port of server 0; server i listens on base_port + i.")
     ports: list[int] | None = Field(None, description="Explicit ports, one per server (overrides base_port).")
@@ -389,6 +389,44 @@ class GenerationConfig(_Section):
 
 ENV_PREFIX = "FLEET_"
 
+class EndpointConfig(_Section):
+    """An OpenAI-compatible server fleet did not start (an SGLang router, a vLLM deployment, a
+    shared endpoint): the job's rows go to it beside (or instead of) the servers fleet launches."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
+                      description="Short name (a-z, 0-9, -): the server is `endpoint/NAME` in tables, progress and each row.")
+    url: str = Field(description="Base URL as the runner's node reaches it, e.g. http://10.0.0.5:30000 (a trailing /v1 is dropped; no credentials in it).")
+    model: str | None = Field(None, min_length=1, description="The model name requests carry (default: the first id its /v1/models lists).")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable, where the flow runs, that holds its API key (handed to the runner through a 0600 file, never argv or job.json).")
+    api_key_secret: str | None = Field(None, pattern=r"^[a-z0-9-]+$", description="Name of a Prefect Secret block that holds its API key (instead of api_key_env).")
+    max_in_flight: int | None = Field(None, ge=1, le=100000, description="Requests in flight to it (default: its /server_info max_running_requests, else generation.max_concurrency_per_server). An SGLang router: the sum over its workers.")
+    engine: Literal["openai", "sglang", "vllm", "transformers", "sim"] = Field("openai", description="What serves it, for the stall watchdog's progress signal: sglang, vllm and sim count tokens at /metrics; openai (anything else, a router) and transformers stream their answers, each chunk is progress.")
+
+    @field_validator("url", mode="after")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        no_control(v, "endpoints[].url")
+        parts = urlsplit(v.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"endpoints[].url must be an http:// or https:// URL with a host (got {v!r})")
+        if parts.username or parts.password:
+            # a URL is written to job.json, progress, the manifest and every row: never a secret
+            raise ValueError("endpoints[].url must not carry credentials; give the key with api_key_env or "
+                             "api_key_secret")
+        if parts.query or parts.fragment:
+            raise ValueError(f"endpoints[].url takes no query or fragment (got {v!r})")
+        url = v.strip().rstrip("/")
+        return url[:-3].rstrip("/") if url.endswith("/v1") else url
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> EndpointConfig:
+        if self.api_key_env and self.api_key_secret:
+            raise ValueError(f"endpoint {self.name!r}: give either 'api_key_env' or 'api_key_secret', not both")
+        return self
+
+
 # FLEET_* variables that are not config keys: the env source skips them (FLEET_VENV would
 # otherwise be read as the whole [venv] section). Every other FLEET_* variable is read as
 # config, so one that names no setting is an error, like an unknown TOML key (a misspelled
@@ -427,6 +465,7 @@ class FleetConfig(BaseSettings):
     servers: ServersConfig = Field(default_factory=ServersConfig, description="Servers per node and their ports.")
     smoke: SmokeConfig = Field(default_factory=SmokeConfig, description="Smoke test of each server.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Batch generation defaults.")
+    endpoints: list[EndpointConfig] = Field(default_factory=list, description="OpenAI-compatible servers fleet did not start, used by generation beside (or, with servers.count = 0, instead of) the ones it launches.")
 
     @classmethod
     def settings_customise_sources(
@@ -488,6 +527,25 @@ class FleetConfig(BaseSettings):
                                  f"fleet sets; give each setting as its own flag in {where} instead (fleet checks "
                                  f"those)")
         return self
+
+    @model_validator(mode="after")
+    def _endpoints_fit(self) -> FleetConfig:
+        names = [e.name for e in self.endpoints]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"endpoint names must be unique; repeated: {dup}")
+        if self.servers.count == 0 and not self.endpoints:
+            raise ValueError("servers.count = 0 launches no server: name the servers to use in [[endpoints]], or "
+                             "let fleet launch some (servers.count >= 1)")
+        if self.endpoints and len(self.nodes) > 1:
+            raise ValueError("[[endpoints]] join a one-node job (its runner runs on that node); this config has "
+                             f"{len(self.nodes)} nodes: keep one node, or run the endpoints in a config of their own")
+        return self
+
+    @property
+    def launches_servers(self) -> bool:
+        """False when generation uses only [[endpoints]] (servers.count = 0): nothing to bring up."""
+        return self.servers.count != 0
 
     def fingerprint(self) -> str:
         """Stable short hash of the config (secrets excluded), for manifests and cache keys."""
@@ -628,7 +686,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             continue
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
-        secret = any(str(p) in ("api_key", "env", "private_key") for p in loc)
+        # an endpoint's url is refused when it carries credentials: never echo it
+        secret = any(str(p) in ("api_key", "env", "private_key", "url") for p in loc)
         shown = "" if secret or isinstance(given, dict | list) or given is None else f" (got {given!r})"
         lines.append(f"{where}: {key}: {msg}{shown}")
     return "\n".join(lines)

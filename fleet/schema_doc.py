@@ -28,15 +28,18 @@ def _default(field: Any) -> str:
     return f"`{field.default!r}`"
 
 
+_TABLE_LISTS = {"nodes": "one local node", "endpoints": "none"}   # list fields: their default, in words
+
+
 def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, f in model.model_fields.items():
         sub = next((t for t in (getattr(f.annotation, "__args__", ()) or (f.annotation,))
                     if isinstance(t, type) and issubclass(t, BaseModel)), None)
         key = prefix + name
-        if sub is not None and name == "nodes":
-            out.append(f"| `nodes` | list of tables `[[nodes]]` | one local node | {f.description} |")
-            out += rows(sub, "nodes[].")
+        if sub is not None and name in _TABLE_LISTS:
+            out.append(f"| `{name}` | list of tables `[[{name}]]` | {_TABLE_LISTS[name]} | {f.description} |")
+            out += rows(sub, f"{name}[].")
             continue
         if sub is not None:
             out += rows(sub, key + ".")

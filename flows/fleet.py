@@ -257,13 +257,16 @@ def _write_summary(cfg: FleetConfig, rows: list[ServerRow], failures: list[str],
 
 def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], specs: list[ServerSpec],
                     input: str, output: str, retry_errors: bool) -> Any:
-    """Push the job through the servers that came up: one runner, on the node that has them."""
+    """Push the job through the servers that came up and the config's [[endpoints]]: one runner,
+    on the node that has the servers (endpoints only: the config's node)."""
     from tasks.generate import generate
 
     logger = get_run_logger()
     by_node: dict[str, list[ServerSpec]] = {}
     for spec in specs:
         by_node.setdefault(spec.node, []).append(spec)
+    if not by_node and cfg.endpoints:
+        by_node[cfg.nodes[0].name] = []   # the endpoints alone (the config allows one node with them)
     if not by_node:
         return failed("no server came up; nothing to generate with: " + " | ".join(failures),
                       [r.as_dict() for r in rows])
@@ -330,6 +333,9 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
         if not (input and output):
             return failed("action 'generate' needs the parameters input and output")
         return for_deployment(_generate(cfg, input, output, retry_errors, node_wait_s, t0))
+    if action == "bringup" and not cfg.launches_servers:   # no venv, no staging, no server for nothing
+        return Completed(message="servers.count = 0: this config launches no server (it generates through its "
+                                 f"{len(cfg.endpoints)} endpoint(s)); nothing to bring up", data=[])
     try:
         # Every action that launches, probes or stops servers holds its nodes; a long-running
         # action (generation) must not: it would block bring-ups and revalidations for days.
@@ -350,6 +356,7 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
 
 def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:
     """Check the job before any server starts, bring up (holding the nodes), then run the job (not holding them)."""
+    from fleet.generation.endpoints import endpoint_keys
     from fleet.generation.validate import plan_job
     from tasks.nodes import node_for
 
@@ -361,11 +368,19 @@ def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, nod
             return failed(f"generate: {exc.one_line()}")
         if plan.verdict == "done":
             return Completed(message=plan.message, data={"output": plan.output, "state": "done", **(plan.done or {})})
-        # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not: it
-        # would block bring-ups and revalidations for days.
-        with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
-            rows, failures, specs = bringup(cfg)
-        _write_summary(cfg, rows, failures, t0)
+        try:
+            endpoint_keys(cfg)   # a missing endpoint key fails now, before any server starts
+        except FleetError as exc:
+            return failed(f"generate: {exc.one_line()}")
+        rows: list[ServerRow] = []
+        failures: list[str] = []
+        specs: list[ServerSpec] = []
+        if cfg.launches_servers:   # servers.count = 0: the [[endpoints]] only, nothing to bring up
+            # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not: it
+            # would block bring-ups and revalidations for days.
+            with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
+                rows, failures, specs = bringup(cfg)
+            _write_summary(cfg, rows, failures, t0)
         result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors)
         if interrupted():
             # The job phase holds no node lock (whose release parks the bring-up): a job that ended

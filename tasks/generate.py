@@ -19,6 +19,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, JobConflict
+from fleet.generation.endpoints import endpoint_keys
 from fleet.generation.jobdir import job_dir
 from fleet.generation.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
@@ -54,7 +55,7 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
     t0 = time.monotonic()
     remote_input = node_input(cfg, node_name, input_path)
     handle = start_job(node, cfg, node_cfg, input_path=remote_input, output=output, specs=specs,
-                       retry_errors=retry_errors, facts=facts)
+                       retry_errors=retry_errors, facts=facts, endpoint_keys=endpoint_keys(cfg))
     logger.info("%s runner pid %d on %s (output %s, log %s)",
                 "re-attached to" if handle.attached else "started", handle.pid, node_name, output, handle.log)
     # Called from sync code it returns the id (its type also covers async callers' coroutine).

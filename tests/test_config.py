@@ -98,7 +98,7 @@ def test_bad_value_in_a_whole_section_env_var_names_it(tmp_path: Path, monkeypat
 
 def test_file_errors_still_name_the_file_when_env_is_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blaming env vars must not steal the file's own errors: each line names its real source."""
-    p = write(tmp_path, "[servers]\ncount = 0\n")
+    p = write(tmp_path, "[servers]\ncount = -1\n")
     monkeypatch.setenv("FLEET_SMOKE__ATTEMPTS", "many")
     with pytest.raises(ConfigError) as e:
         load_config(p)
@@ -108,7 +108,7 @@ def test_file_errors_still_name_the_file_when_env_is_set(tmp_path: Path, monkeyp
 
 
 @pytest.mark.parametrize("var, needle", [
-    ("FLEET_SERVER__BASE_PORT", "unknown key 'server' at the top level; allowed there: engine, generation, "),
+    ("FLEET_SERVER__BASE_PORT", "unknown key 'server' at the top level; allowed there: endpoints, engine, generation, "),
     ("FLEET_SERVERS__BASE_PROT", "unknown key 'base_prot' in servers; allowed there: api_key, base_port,"),
     ("FLEET_ENGINE__SIM__SPEED", "unknown key 'speed' in engine.sim;"),
     ("FLEET_NODES__0__WORKDIR", "nodes is a list: set it whole (FLEET_NODES=<JSON list>) or in the TOML file"),

@@ -284,8 +284,12 @@ def test_only_the_engine_without_counters_is_streamed() -> None:
     assert {k: p.stream_progress for k, p in PROFILES.items()} == {
         "sglang": False, "vllm": False, "transformers": True, "sim": False}
     entry = ServerEntry(node="n", index=0, url="http://127.0.0.1:1", model="m")
-    assert [e.stream for e in _endpoints([entry], stream=PROFILES["transformers"].stream_progress)] == [True]
-    assert [e.stream for e in _endpoints([entry])] == [False]
+    assert [e.stream for e in _endpoints([entry], "transformers")] == [True]
+    assert [e.stream for e in _endpoints([entry], "sim")] == [False]
+    # an endpoint fleet did not start streams unless its engine counts tokens ([[endpoints]] engine)
+    endpoint = ServerEntry(node="endpoint", index=0, url="http://127.0.0.1:1", model="m", engine="openai")
+    assert [e.stream for e in _endpoints([endpoint, ServerEntry(**{**endpoint.__dict__, "engine": "sglang"})],
+                                         "sim")] == [True, False]
 
 
 def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:

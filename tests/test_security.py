@@ -633,3 +633,54 @@ def test_runner_gets_the_real_engine_env_back_for_a_relaunch(monkeypatch: pytest
         monkeypatch.setenv(k, v)
     back = fleet_config(masked)
     assert back.api_key() == "sk-run-1" and back.engine.env_values() == {"HF_TOKEN": "hf_run_2"}
+
+
+def test_an_endpoint_key_appears_nowhere_after_an_endpoints_only_job(tmp_path: Path, prefect_api, capfd,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint fleet did not start (`[[endpoints]]`, here a `fleet sim` the test runs with a
+    key) takes its key from an environment variable where the flow runs; the runner needs it on
+    its node. It must travel only through the detached runner's 0600 environment file: never in
+    job.json, progress, the manifest, the rows, an artifact, a flow-run parameter or log, the
+    captured output, or any command line. The flow's generate action also runs such a config
+    with nothing to bring up (servers.count = 0: no server launched, no launch record)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    from flows.fleet import fleet
+    from test_gen_endpoints import StandIn, prompts
+
+    key = "sk-endpoint-8c1d4e7f20"
+    monkeypatch.setenv("THEIR_ROUTER_KEY", key)
+    standin = StandIn(tmp_path, "--tokens-per-s", "5000", "--model-name", "their-model", key=key)
+    work = tmp_path / "work"
+    cfg = FleetConfig(name="t", nodes=[{"name": "local", "workdir": str(work)}], engine={"kind": "sim"},
+                      servers={"count": 0}, generation={"max_tokens": 16},
+                      endpoints=[{"name": "router", "url": standin.url + "/v1", "api_key_env": "THEIR_ROUTER_KEY",
+                                  "max_in_flight": 32}])
+    inp, out = prompts(tmp_path / "in.jsonl", 60), tmp_path / "out"
+    try:
+        with CmdlineWatcher() as watch:
+            standin.start()
+            state = fleet(config=cfg, action="generate", input=str(inp), output=str(out), return_state=True)
+            res = state.result(raise_on_failure=False)
+            assert state.is_completed(), res
+            assert (res["completed"], res["errors"]) == (60, 0)
+    finally:
+        standin.kill()
+    assert not (work / "servers").exists() or not list((work / "servers").iterdir())   # nothing launched
+    job = json.loads(next(work.glob("jobs/*/job.json")).read_text())
+    assert [s.get("label") for s in job["servers"]] == ["endpoint/router"]
+    assert job["servers"][0]["api_key_env"] == "ENDPOINT_API_KEY_0"
+    leaked = {pid: cmd for pid, cmd in watch.seen.items() if key in cmd}
+    assert any("fleet.generation.runner" in cmd for cmd in watch.seen.values()) and not leaked, leaked
+    assert not _scan_tree(work, [key]) and not _scan_tree(out, [key])
+    with get_client(sync_client=True) as client:
+        run_id = state.state_details.flow_run_id
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        assert key not in json.dumps([fr.parameters for fr in runs], default=str)
+        arts = [a for a in client.read_artifacts() if a.flow_run_id == run_id]
+        assert arts and key not in json.dumps([[a.data, a.description, a.key] for a in arts], default=str)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        assert logs and not any(key in lg.message for lg in logs)
+    captured = capfd.readouterr()
+    assert key not in captured.out + captured.err

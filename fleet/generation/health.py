@@ -125,6 +125,8 @@ class ServerHealth:
 
     # ------------------------------------------------------------------ admission, down, recovery
     def concurrency(self, srv: ServerState) -> int:
+        if srv.ep.max_in_flight:   # set by hand for an endpoint (a router: the sum of its workers)
+            return srv.ep.max_in_flight
         reported = probes.max_running(srv.info) or srv.ep.max_running_requests
         cap = self.gen.max_concurrency_per_server
         return max(1, min(reported, cap)) if reported else cap

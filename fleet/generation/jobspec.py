@@ -27,10 +27,13 @@ class ServerEntry:
     gpus: list[int] = field(default_factory=list)
     max_running_requests: int | None = None    # from the launch log, when /server_info does not say
     spec: dict[str, Any] | None = None         # ServerSpec fields except api_key: enables relaunch
+    label: str | None = None                   # its name when not node/index (an endpoint: "endpoint/NAME")
+    max_in_flight: int | None = None           # an endpoint's own concurrency (config endpoints[].max_in_flight)
+    engine: str | None = None                  # an endpoint's engine, for its progress signal (None: the config's)
 
     @property
     def name(self) -> str:
-        return f"{self.node}/{self.index}"
+        return self.label or f"{self.node}/{self.index}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ServerEntry:

@@ -6,8 +6,8 @@ than `PROBE_MAX_BYTES` of an answer (a server must not fill the runner's memory 
 
 | check | asks | used for |
 | --- | --- | --- |
-| `ping` | a path answers 200 (`/v1/models`: anything) | a connection failure: is the server there at all? recovery without a callback |
-| `usable` | /health, then /v1/models with our key | admission: healthy and takes our key |
+| `ping` | a path answers 200 (`/v1/models`: anything; with `missing_ok`, /health_generate → /health → /v1/models) | a connection failure: is the server there at all? recovery without a callback |
+| `usable` | /health (none: /v1/models answers 200), then /v1/models with our key; an endpoint without a model: the first id listed | admission: healthy and takes our key |
 | `server_info` | /server_info (or /get_server_info) | the server's max running requests, speculative stats |
 | `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
 | `answer_probe` | a one-token chat, its answer judged like a row's | after an invalid answer: the row's fault or the server's? |
@@ -29,8 +29,8 @@ from fleet.generation.client import Outcome, TooLarge, parse_completion, read_ca
 from fleet.generation.jsonl import dumps, loads
 from fleet.generation.serverstate import Endpoint
 
-__all__ = ["PROBE_MAX_BYTES", "STATS_PATHS", "accept_len", "answer_probe", "generation_probe", "max_running", "ping",
-           "server_info", "token_count", "usable"]
+__all__ = ["PROBE_MAX_BYTES", "STATS_PATHS", "accept_len", "answer_probe", "first_model", "generation_probe",
+           "max_running", "ping", "server_info", "token_count", "usable"]
 
 PROBE_MAX_BYTES = 4 << 20   # /server_info of a big deployment is tens of KiB
 
@@ -73,33 +73,69 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
     return {}
 
 
+def first_model(body: bytes) -> str | None:
+    """The first model id of a /v1/models answer (`{"data": [{"id": …}]}`), None when it lists none."""
+    try:
+        doc = loads(body)
+    except (ValueError, RecursionError):
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    mid = first.get("id") if isinstance(first, dict) else None
+    return mid if isinstance(mid, str) and mid.strip() else None
+
+
+async def _status(ep: Endpoint, session: aiohttp.ClientSession, path: str, timeout: float = 10.0) -> int | None:
+    """The HTTP status `path` answers (its body read and dropped), None when it does not answer."""
+    try:
+        async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            await read_capped(r, PROBE_MAX_BYTES)
+            return r.status
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, TooLarge):  # RuntimeError: session closed
+        return None
+
+
 async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
-    """None when the server is healthy and takes our key; else why not."""
-    if not await ping(ep, session, "/health"):
-        return f"not answering {ep.url}/health"
+    """None when the server is healthy and takes our key; else why not. A server without /health
+    (a plain OpenAI-compatible one: a router, a deployment fleet did not start) is healthy when
+    /v1/models answers 200. An endpoint given no model takes the first id /v1/models lists."""
+    health = await _status(ep, session, "/health")
+    if health is None or health >= 500:   # 503: starting or shutting down
+        return f"not answering {ep.url}/health" + (f" (HTTP {health})" if health else "")
     try:
         # /health needs no key on SGLang; /v1/models does: a wrong key shows here, not on every row
         async with session.get(ep.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            await read_capped(r, PROBE_MAX_BYTES)
+            body = await read_capped(r, PROBE_MAX_BYTES)
             if r.status in (401, 403):
                 return f"HTTP {r.status} from /v1/models: the server refuses our API key"
+            if health != 200 and r.status != 200:   # no /health (404, or a gateway's 401 for any other path)
+                return f"{ep.url}/health answered HTTP {health} and its /v1/models HTTP {r.status}"
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, TooLarge):
         return f"not answering {ep.url}/v1/models"
+    if not ep.model:
+        ep.model = (first_model(body) if r.status == 200 else None) or ""
+        if not ep.model:
+            return f"{ep.url}/v1/models names no model (HTTP {r.status}): set the endpoint's model in the config"
     return None
 
 
 async def ping(ep: Endpoint, session: aiohttp.ClientSession | None = None, path: str = "/health",
                timeout: float = 10.0, missing_ok: bool = False) -> bool:
     """True when the server answers `path` with 200 (`/v1/models`: any answer at all; with
-    `missing_ok`, a 404 falls back to /health: vLLM and transformers have no /health_generate)."""
+    `missing_ok`, a 404 falls back to /health — vLLM and transformers have no /health_generate —
+    and a 4xx there to /v1/models answering 200: a plain OpenAI server has neither)."""
     own = session is None
     session = session or aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}
                                                if ep.api_key else None)
     try:
         async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             await read_capped(r, PROBE_MAX_BYTES)
+            if missing_ok and path == "/health" and 400 <= r.status < 500:
+                # a plain OpenAI server has no /health (404; a gateway may answer 401 for any
+                # path it does not serve): /v1/models answering 200 is its health
+                return await _status(ep, session, "/v1/models", timeout) == 200
             if r.status == 404 and missing_ok:
-                return await ping(ep, session, "/health", timeout)
+                return await ping(ep, session, "/health", timeout, missing_ok=True)
             return r.status == 200 or path == "/v1/models"
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, RuntimeError, TooLarge):  # RuntimeError: session closed
         return False

@@ -1,6 +1,7 @@
 """The job's servers seen from the runner, on their node: is one alive (its pid), and bring one
 back when the dispatcher takes it out (`JobServers.on_down`): relaunch it with its spec on the
-same GPUs, or, without a spec, wait until it answers /health and a smoke again."""
+same GPUs, or, without a spec (a server fleet did not start: an `[[endpoints]]` entry), wait
+until it answers its health check and a smoke again — never relaunched."""
 
 from __future__ import annotations
 
@@ -79,6 +80,29 @@ def _generation_answers(ep: Endpoint, timeout: float = 20.0) -> bool:
         return False
 
 
+def _healthy(ep: Endpoint, timeout: float = 10.0) -> bool:
+    """/health answers 200; a server without one (a plain OpenAI server) when /v1/models does.
+    An endpoint given no model takes the first id /v1/models lists (none listed: not usable)."""
+    import httpx
+
+    from fleet.generation.probes import first_model
+
+    headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
+    try:
+        status = httpx.get(ep.url + "/health", timeout=timeout, headers=headers).status_code
+        if status >= 500 or status < 200:   # 503: starting or shutting down; 4xx: no /health here
+            return False
+        if status == 200 and ep.model:
+            return True
+        r = httpx.get(ep.url + "/v1/models", timeout=timeout, headers=headers)
+    except httpx.HTTPError:
+        return False
+    if r.status_code != 200:
+        return False
+    ep.model = ep.model or first_model(r.content) or ""
+    return bool(ep.model)
+
+
 class JobServers:
     """Liveness and relaunch of the job's servers, on this node (the runner runs on it)."""
 
@@ -113,15 +137,10 @@ class JobServers:
         return await _in_daemon_thread(self._relaunch, ep, e)
 
     def _healthy_and_smoked(self, ep: Endpoint) -> bool:
-        import httpx
-
         from fleet.errors import FleetError
         from fleet.smoke import smoke
 
-        try:
-            if httpx.get(ep.url + "/health", timeout=10).status_code != 200:
-                return False
-        except httpx.HTTPError:
+        if not _healthy(ep):
             return False
         try:
             smoke(ep.url, ep.model, self.cfg.smoke, node=ep.name, api_key=ep.api_key,

@@ -95,21 +95,27 @@ def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, d
     return out
 
 
-def runner_secret_env(cfg: FleetConfig) -> dict[str, str]:
+def runner_secret_env(cfg: FleetConfig, endpoint_keys: dict[str, str] | None = None) -> dict[str, str]:
     """The secrets the runner needs, as environment: job.json holds them masked, and the runner
-    relaunches servers with the real engine.env. Delivered through start_detached's 0600 env
+    relaunches servers with the real engine.env; `endpoint_keys` (`fleet.generation.endpoints.
+    endpoint_keys`) are the [[endpoints]]' keys. Delivered through start_detached's 0600 env
     file, never argv."""
     key = cfg.api_key()
     env = {"FLEET_API_KEY": key} if key else {}
     if cfg.engine.env:
         env["FLEET_ENGINE_ENV"] = json.dumps(cfg.engine.env_values())
+    env.update(endpoint_keys or {})
     return env
 
 
 def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
               specs: list[ServerSpec], retry_errors: bool = False,
-              facts: dict[int, dict[str, Any]] | None = None) -> JobHandle:
-    """Start the runner detached on the node, or re-attach to the one already running for `output`."""
+              facts: dict[int, dict[str, Any]] | None = None,
+              endpoint_keys: dict[str, str] | None = None) -> JobHandle:
+    """Start the runner detached on the node, or re-attach to the one already running for `output`.
+    Its servers: `specs` (launched by fleet) and the config's [[endpoints]] (their keys in
+    `endpoint_keys`, see `fleet.generation.endpoints`)."""
+    from fleet.generation.endpoints import endpoint_entries
     from fleet.workdir import ensure_workdir
 
     ensure_workdir(node, node_cfg.workdir)
@@ -133,12 +139,13 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     prefix = runner_command(node, cfg, node_cfg)
     job = {
         "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
-        "input": input_path, "output": output, "servers": server_entries(cfg, specs, facts),
+        "input": input_path, "output": output,
+        "servers": server_entries(cfg, specs, facts) + endpoint_entries(cfg),
         "retry_errors": retry_errors, "relaunch": True,
     }
     node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
     node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
-    env = runner_secret_env(cfg)
+    env = runner_secret_env(cfg, endpoint_keys)
     env["PYTHONUNBUFFERED"] = "1"
     det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                               env=env, cwd=jdir)

@@ -20,7 +20,11 @@ JOB.json (`JobSpec`):
       "servers": [                     # one per server, see `ServerEntry`
         {"node": "gpu1", "index": 0, "url": "http://127.0.0.1:30000", "model": "qwen",
          "api_key_env": "FLEET_API_KEY", "gpus": [0], "max_running_requests": 64,
-         "spec": {...ServerSpec fields but api_key...}}      # spec: only to relaunch it
+         "spec": {...ServerSpec fields but api_key...}},     # spec: only to relaunch it
+        {"node": "endpoint", "index": 0, "label": "endpoint/router",   # an [[endpoints]] entry:
+         "url": "http://10.0.0.5:30000", "model": "",                   # no spec, never relaunched;
+         "api_key_env": "ENDPOINT_API_KEY_0", "max_in_flight": 512,     # model "": /v1/models' first
+         "engine": "openai"}                                            # engine: its progress signal
       ],
       "retry_errors": false,
       "relaunch": true,                # relaunch a dead server with its spec (else: wait for it)
@@ -31,7 +35,7 @@ JOB.json (`JobSpec`):
     }
 
 The API key is never in the file: it comes from the environment variable each server
-entry names (default FLEET_API_KEY).
+entry names (default FLEET_API_KEY; an endpoint's ENDPOINT_API_KEY_<i>).
 
 Exit codes: 0 every row fed ended in results/errors/rejects, or a clean stop on a
 signal; 1 the job failed (a store that cannot write, an unreadable input, every row
@@ -84,15 +88,25 @@ __all__ = ["JobSpec", "ServerEntry", "main", "run_job", "run_local"]
 _SIGNALS = ("SIGTERM", "SIGINT")
 
 
-def _endpoints(entries: list[ServerEntry], stream: bool = False) -> list[Endpoint]:
-    """The dispatcher's endpoints, each with the API key its entry names (from the environment);
-    `stream`: answers are streamed (the engine profile's `stream_progress`)."""
+def _streams(engine: str) -> bool:
+    """Are answers streamed for token progress? The engine profile says; a plain OpenAI server
+    (an endpoint's engine "openai": a router, a deployment fleet knows nothing of) streams: its
+    chunks are the one progress signal every such server gives."""
+    from fleet.engines import PROFILES
+
+    profile = PROFILES.get(engine)
+    return True if profile is None else profile.stream_progress
+
+
+def _endpoints(entries: list[ServerEntry], engine: str) -> list[Endpoint]:
+    """The dispatcher's endpoints, each with the API key its entry names (from the environment)
+    and its progress signal (its own engine, else the config's `engine`)."""
     endpoints = []
     for e in entries:
         key = os.environ.get(e.api_key_env) if e.api_key_env else None
         endpoints.append(Endpoint(name=e.name, url=e.url.rstrip("/"), model=e.model, api_key=key,
-                                  max_running_requests=e.max_running_requests, gpus=max(1, len(e.gpus)),
-                                  stream=stream, extra={"entry": e}))
+                                  max_running_requests=e.max_running_requests, max_in_flight=e.max_in_flight,
+                                  gpus=max(1, len(e.gpus)), stream=_streams(e.engine or engine), extra={"entry": e}))
     return endpoints
 
 
@@ -186,9 +200,7 @@ class _Run:
         self.done = self.store.done_ids()   # live: grows as rows end, read by the input thread
         if len(self.done):
             log.info("resuming: %d ids already done are skipped", len(self.done))
-        from fleet.engines import get_profile
-
-        self.endpoints = _endpoints(self.job.servers, stream=get_profile(self.cfg.engine.kind).stream_progress)
+        self.endpoints = _endpoints(self.job.servers, self.cfg.engine.kind)
         servers = JobServers(self.cfg, self.job.servers, self.job.relaunch)
         self.guarded = GuardedStore(self.store, self.fail)
         self._disp = Dispatcher(self.endpoints, self.guarded, self.gen, on_server_down=servers.on_down,
@@ -454,8 +466,10 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
 def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],
               *, retry_errors: bool = False, relaunch: bool = True, flush_interval_s: float | None = None,
               progress_interval_s: float = 2.0, console_interval_s: float = 5.0, stop_grace_s: float = 60.0,
-              install_signals: bool = False, console: bool = False, dispatch: dict[str, Any] | None = None) -> int:
-    """Run a job in this process (tests, `fleet generate` on a local node without detaching)."""
+              install_signals: bool = False, console: bool = False, dispatch: dict[str, Any] | None = None,
+              endpoint_keys: dict[str, str] | None = None) -> int:
+    """Run a job in this process (tests, `fleet generate` on a local node without detaching);
+    `endpoint_keys`: the [[endpoints]]' keys (`fleet.generation.endpoints.endpoint_keys`)."""
     job = JobSpec(
         config=cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), input=str(input), output=str(output),
         servers=[s if isinstance(s, ServerEntry) else ServerEntry.from_dict(s) for s in servers],
@@ -465,8 +479,9 @@ def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: 
     )
     from fleet.generation.remote import runner_secret_env
 
-    saved = {k: os.environ.get(k) for k in ("FLEET_API_KEY", "FLEET_ENGINE_ENV")}
-    os.environ.update(runner_secret_env(cfg))
+    env = runner_secret_env(cfg, endpoint_keys)
+    saved = {k: os.environ.get(k) for k in ("FLEET_API_KEY", "FLEET_ENGINE_ENV", *env)}
+    os.environ.update(env)
     try:
         return asyncio.run(run_job(job, install_signals=install_signals, console=console))
     finally:

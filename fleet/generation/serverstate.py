@@ -30,6 +30,7 @@ class Endpoint:
     model: str                             # the "model" field requests carry
     api_key: str | None = None
     max_running_requests: int | None = None  # fallback when /server_info does not say
+    max_in_flight: int | None = None       # the concurrency, whatever the server says (an endpoint's own setting)
     gpus: int = 1                          # GPUs the server uses (for GPU-hour cost)
     stream: bool = False                   # stream answers: each chunk is progress (engines without token counters)
     # ... but only this many of its rows in flight at a time, the rest answered whole, and none

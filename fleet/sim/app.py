@@ -50,6 +50,8 @@ class App:
             "/sim/lockstep": ("GET", self.lockstep),
             "/sim/streams": ("GET", self.streams),
         }
+        if getattr(args, "openai_only", False):   # a plain OpenAI-compatible server: none of SGLang's own paths
+            self.routes = {k: v for k, v in self.routes.items() if k.startswith("/v1/")}
 
     # -- plumbing -----------------------------------------------------------------------
 

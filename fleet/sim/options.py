@@ -29,6 +29,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a("--api-key", default=None,
       help="require 'Authorization: Bearer KEY' (not on /health*, /metrics, like SGLang); "
            "default: the environment variable FLEET_ENGINE_API_KEY (how fleet passes it: not in argv)")
+    a("--openai-only", action="store_true",
+      help="answer only the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions), 404 elsewhere: "
+           "a server with no /health, /metrics or /server_info (a hosted endpoint, a router)")
     a("--speculative-algorithm", default=None,
       help="e.g. EAGLE: report an accept length in logs, /server_info and /metrics")
     a("--oom-at-start", nargs="?", const="kv-pool", default=None, choices=("kv-pool", "weights"),
