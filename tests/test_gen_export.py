@@ -80,7 +80,7 @@ def test_data_checks_on_an_empty_job(tmp_path):
 
 def test_export_openai_batch(job, tmp_path):
     dest = tmp_path / "out" / "batch_output.jsonl"
-    assert export(job, "openai-batch", dest) == 7
+    assert export(job, "openai-batch", dest).rows == 7
     lines = read_lines(dest)
     ok = {ln["custom_id"]: ln for ln in lines if ln["error"] is None}
     assert set(ok) == set("abcdef")
@@ -104,7 +104,7 @@ def test_export_openai_batch(job, tmp_path):
 
 def test_export_jsonl_is_flat_and_pandas_reads_it(job, tmp_path):
     dest = tmp_path / "flat.jsonl"
-    assert export(job, "jsonl", dest) == 6
+    assert export(job, "jsonl", dest).rows == 6
     lines = read_lines(dest)
     assert set(lines[0]) == set(RESULT_SCHEMA.names)
     e = next(ln for ln in lines if ln["id"] == "e")
@@ -115,7 +115,7 @@ def test_export_jsonl_is_flat_and_pandas_reads_it(job, tmp_path):
 
 def test_export_sharegpt_with_tool_history(job, tmp_path):
     dest = tmp_path / "sharegpt.jsonl.gz"
-    assert export(job, "sharegpt", dest) == 6
+    assert export(job, "sharegpt", dest).rows == 6
     by_id = {ln["id"]: ln for ln in read_lines(dest)}
     assert by_id["a"]["conversations"] == [
         {"from": "human", "value": "question a"},
@@ -139,8 +139,8 @@ def specforge_problem(line: dict) -> str | None:
     """SpecForge's acceptance of a regenerated-data line, written from its documented rules
     (scripts/regenerate_train_data.py output, scripts/conversation_validation.py): status
     "success"; `conversations` a non-empty list of {role, content}; system turns only before the
-    first user turn; then user and assistant alternating, starting with user; user/system
-    content a non-empty string, assistant content a string."""
+    first user turn; then user and assistant alternating, starting with user; every content a
+    non-empty string (assistant turns included: its check refuses an empty answer)."""
     if line.get("status") != "success":
         return "status must be 'success'"
     conv = line.get("conversations")
@@ -151,10 +151,7 @@ def specforge_problem(line: dict) -> str | None:
         if not isinstance(m, dict):
             return f"message {i} must be an object"
         role, content = m.get("role"), m.get("content")
-        if role == "assistant":
-            if not isinstance(content, str):
-                return f"message {i} content must be a string"
-        elif not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str) or not content.strip():
             return f"message {i} content must be a non-empty string"
         if role == "system" and not saw_user:
             continue
@@ -176,10 +173,10 @@ def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tm
                                    {"role": "assistant", "content": "2", "reasoning_content": "add"},
                                    {"role": "user", "content": "2/1?"}]))
     dest = tmp_path / "regen.jsonl"
-    n = export(job, "specforge", dest)
+    n = export(job, "specforge", dest).rows
     lines = read_lines(dest)
-    assert n == len(lines) == 5  # a b c d h; e and f hold tool turns
-    assert [specforge_problem(ln) for ln in lines] == [None] * 5
+    assert n == len(lines) == 4  # a b d h; c is an empty answer, e and f hold tool turns
+    assert [specforge_problem(ln) for ln in lines] == [None] * 4
     sg = {ln["id"]: ln for ln in read_lines(_export(job, "sharegpt", tmp_path / "sg.jsonl"))}
     assert sg["h"]["conversations"][2] == {"from": "gpt", "value": "2", "reasoning_content": "add"}
     h = next(ln for ln in lines if ln["id"] == "h")
@@ -190,9 +187,10 @@ def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tm
         {"role": "assistant", "content": "Two."}]
     a = next(ln for ln in lines if ln["id"] == "a")
     assert a["conversations"][-1] == {"role": "assistant", "content": "Hello world", "reasoning_content": "I should greet."}
-    skipped = read_lines(tmp_path / "regen_skipped.jsonl")
-    assert {ln["id"] for ln in skipped} == {"e", "f"}
-    assert all(ln["status"] == "skipped" and "tool" in ln["error"] for ln in skipped)
+    skipped = {ln["id"]: ln for ln in read_lines(tmp_path / "regen_skipped.jsonl")}
+    assert set(skipped) == {"c", "e", "f"} and all(ln["status"] == "skipped" for ln in skipped.values())
+    assert "tool" in skipped["e"]["error"] and "tool" in skipped["f"]["error"]
+    assert skipped["c"]["error"] == "SpecForge would refuse it: messages[1] (assistant): empty content"
     # a later export with nothing to skip removes the stale skipped file
     only_a = tmp_path / "only_a"
     with ResultStore(only_a) as s:
@@ -224,7 +222,7 @@ def test_export_speculators_reads_as_its_conversations_and_loads_with_datasets(j
     (`--train-data-path x.jsonl`): every turn role/content with tool calls and reasoning
     kept, `tools` at the top level; and `datasets` loads it (and the specforge file) offline."""
     dest = tmp_path / "spec.jsonl"
-    assert export(job, "speculators", dest) == 6
+    assert export(job, "speculators", dest).rows == 6
     by_id = {ln["id"]: ln for ln in read_lines(dest)}
     f = speculators_conversation(by_id["f"]["conversations"])
     assert [m["role"] for m in f] == ["system", "user", "assistant", "tool", "assistant"]
@@ -238,7 +236,7 @@ def test_export_speculators_reads_as_its_conversations_and_loads_with_datasets(j
     export(job, "specforge", tmp_path / "sf.jsonl")
     for path in (dest, tmp_path / "sf.jsonl"):
         ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
-        assert len(ds) >= 4 and ds[0]["conversations"][0]["role"] == "user"
+        assert len(ds) >= 3 and ds[0]["conversations"][0]["role"] == "user"
 
 
 def test_export_is_atomic_and_replaces(job, tmp_path):

@@ -159,6 +159,7 @@ def iter_input(
         return
     dflt = param_defaults(defaults)
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    rules = defaults.input_rules if defaults is not None else "openai"
     limit = defaults.limit if defaults is not None else None
     seen = _SeenIds()
     rows = parquet_rows(path, st) if is_parquet(path) else jsonl_rows(path, st)  # InputError: no such file, a directory
@@ -181,7 +182,7 @@ def iter_input(
                 if skip_ids is not None and skip_ids(rid):
                     st.skipped += 1
                     continue
-            msgs, own, extra = shape(obj, all_turns)
+            msgs, own, extra = shape(obj, all_turns, rules)
             if rid is None:
                 rid = content_id(msgs, own)
                 first = seen.first_line(digest(rid), line)
