@@ -317,3 +317,121 @@ def test_plan_format_and_validation():
         args = {"completions": 1, "avg_output_tokens": 1, "tokens_per_s": 1, "gpus": 1} | bad
         with pytest.raises(ValueError):
             plan(**args)
+
+
+@pytest.fixture
+def flagged_job(tmp_path) -> Path:
+    """Four conversations: clean, cut at max_tokens, looping, both."""
+    out = tmp_path / "flagged"
+    with ResultStore(out) as s:
+        s.add_result(row("ok", "Fine.", "stop", 2))
+        s.add_result(row("cut", "half an ans", "length", 512, flags=["truncated"]))
+        s.add_result(row("loop", "la la la la la la la la", "stop", 80, flags=["repetition"]))
+        s.add_result(row("both", "la la la la la la la la", "length", 512, flags=["truncated", "repetition"]))
+    write_manifest(out, {"state": "done"})
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_trainer_exports_leave_flagged_conversations_out(flagged_job, tmp_path, fmt):
+    """issue 24: with the drafter recipe (truncated/repetition = "flag") the training file held
+    looping and cut answers unmarked. A trainer format leaves a flagged conversation out by
+    default, writes it (and its flags) to DEST_flagged.jsonl, counts it by flag in the
+    summary and the job's manifest; `keep_flagged` keeps all, or only the flags named."""
+    dest = tmp_path / "train.jsonl"
+    s = export(flagged_job, fmt, dest)
+    assert [ln["id"] for ln in read_lines(dest)] == ["ok"] and s.rows == 1
+    side = {ln["id"]: ln["flags"] for ln in read_lines(tmp_path / "train_flagged.jsonl")}
+    assert side == {"cut": ["truncated"], "loop": ["repetition"], "both": ["truncated", "repetition"]}
+    assert s.flagged_left_out == 3 and s.left_out_by_flag == {"truncated": 2, "repetition": 2}
+    assert s.files["flagged"] == str(tmp_path / "train_flagged.jsonl")
+    m = json.loads((flagged_job / "manifest.json").read_text())
+    assert m["exports"][str(dest)]["flagged_left_out"] == 3 and m["state"] == "done"
+    s = export(flagged_job, fmt, dest, keep_flagged={"truncated"})
+    assert [ln["id"] for ln in read_lines(dest)] == ["ok", "cut"] and s.flagged_kept == 1
+    assert {ln["id"] for ln in read_lines(tmp_path / "train_flagged.jsonl")} == {"loop", "both"}
+    s = export(flagged_job, fmt, dest, keep_flagged=True)
+    assert s.rows == 4 and s.flagged_left_out == 0 and s.flagged_kept == 3
+    assert not (tmp_path / "train_flagged.jsonl").exists(), "a stale side file would describe another export"
+
+
+def test_non_trainer_formats_keep_flagged_rows(flagged_job, tmp_path):
+    """jsonl, sharegpt and openai-batch carry every row: their readers have the flags column."""
+    for fmt in ("jsonl", "sharegpt", "openai-batch"):
+        assert export(flagged_job, fmt, tmp_path / f"{fmt}.jsonl").rows == 4  # type: ignore[arg-type]
+    assert not list(tmp_path.glob("*_flagged.jsonl"))
+
+
+def test_cli_export_prints_what_it_left_out(flagged_job, tmp_path, capsys):
+    """`fleet export` says how many conversations it left out, by flag, and where they went."""
+    from fleet.cli import main
+
+    dest = tmp_path / "t.jsonl"
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest)]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 rows" in out
+    assert f"left out 3 flagged conversation(s) (repetition: 2, truncated: 2) -> {tmp_path / 't_flagged.jsonl'}" in out
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest), "--keep-flagged"]) == 0
+    assert "wrote 4 rows" in capsys.readouterr().out
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest),
+                 "--keep-flagged", "truncated,repetition"]) == 0
+    assert "wrote 4 rows" in capsys.readouterr().out
+
+
+def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(tmp_path):
+    """issue 24: SpecForge writes DEST_error.jsonl and DEST_skipped.jsonl as the input row plus
+    "status" and "error", keys in the input's order; so does the specforge export: failed and
+    quality-rejected rows to _error, input rejects to _skipped, each read back from the input;
+    and a completed row keeps the input's key order too."""
+    from fleet.config import GenerationConfig
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import Reject
+
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"}]
+    rows = [{"source": "s1", "conversations": conv, "id": "r1", "category": "c"},
+            {"id": "r2", "conversations": conv, "lang": "en"},
+            {"conversations": conv, "source": "s3", "id": "r3"},
+            {"id": "r4", "conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+             "source": "s4"}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gen = GenerationConfig(regenerate="all-turns", input_rules="specforge")
+    items = list(iter_input(inp, gen))
+    out = tmp_path / "job"
+    with ResultStore(out) as s:
+        r1 = next(i for i in items if not isinstance(i, Reject) and i.id == "r1")
+        s.add_result(row("r1", "new", "stop", 1, messages=r1.messages[:1], extra=r1.extra))
+        s.add_error("r2", error="HTTP 400: too long", attempts=1, line=2, status=400)
+        s.add_quality_reject(row("r3", "<think>x</think>", "stop", 1), ["think_markers"], line=3)
+        for item in items:
+            if isinstance(item, Reject):
+                s.add_reject(item)
+    write_manifest(out, {"input": {"path": str(inp)}})
+    dest = tmp_path / "sf.jsonl"
+    s = export(out, "specforge", dest)
+    assert s.rows == 1 and s.errors == 2 and s.skipped == 1
+    (done,) = read_lines(dest)
+    assert list(done) == ["source", "conversations", "id", "category", "status"]
+    assert done["conversations"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "new"}]
+    errors = read_lines(tmp_path / "sf_error.jsonl")
+    assert errors == [{**rows[1], "status": "error", "error": "HTTP 400: too long"},
+                      {**rows[2], "status": "error", "error": "rejected by the quality gate(s): think_markers"}]
+    assert [list(e) for e in errors] == [[*rows[1], "status", "error"], [*rows[2], "status", "error"]]
+    (skipped,) = read_lines(tmp_path / "sf_skipped.jsonl")
+    assert skipped == {**rows[3], "status": "skipped",
+                       "error": "SpecForge would refuse it: messages[1]: expected an assistant turn, "
+                                "got two user turns in a row"}
+    # the input moved away: the lines hold what fleet kept (the id; the reject's raw row)
+    inp.rename(tmp_path / "gone.jsonl")
+    export(out, "specforge", dest)
+    assert read_lines(tmp_path / "sf_error.jsonl")[0] == {"id": "r2", "status": "error", "error": "HTTP 400: too long"}
+    assert read_lines(tmp_path / "sf_skipped.jsonl")[0]["source"] == "s4"
+
+
+def test_speculators_export_keeps_the_input_fields(tmp_path):
+    """issue 24: the speculators export dropped the input's extra fields (`source`)."""
+    out = tmp_path / "job"
+    with ResultStore(out) as s:
+        s.add_result(row("a", "Hi", "stop", 1, extra={"source": "sharegpt", "turn_count": 1}))
+    (line,) = read_lines(_export(out, "speculators", tmp_path / "s.jsonl"))
+    assert line["source"] == "sharegpt" and line["turn_count"] == 1 and line["id"] == "a"

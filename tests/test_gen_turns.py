@@ -207,9 +207,13 @@ def test_the_drafter_example_config_and_sample_give_a_specforge_file(tmp_path: P
     assert run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.2) == 0
     acc = account(inp, out, cfg.generation)
     assert acc["ok"] and acc["rejects"] == 2 and acc["completed"] + acc["quality_rejects"] == 20, acc
-    n = export(out, "specforge", tmp_path / "train.jsonl")
+    s = export(out, "specforge", tmp_path / "train.jsonl")
     lines = read_lines(tmp_path / "train.jsonl")
-    assert n == len(lines) == acc["completed"] and all(specforge_problem(ln) is None for ln in lines)
+    assert s.rows == len(lines) and all(specforge_problem(ln) is None for ln in lines)
+    # every input row in exactly one of the four files, as SpecForge's own run leaves them
+    assert s.rows + s.flagged_left_out + s.skipped + s.errors == 22 and s.skipped == acc["rejects"]
+    assert s.flagged_left_out == sum(1 for _ in read_lines(tmp_path / "train_flagged.jsonl")) >= 1
+    assert all(ln["status"] == "skipped" and ln["conversations"] for ln in read_lines(tmp_path / "train_skipped.jsonl"))
     assert all(ln["source"] == "tutor-mix" and "ORIGINAL" not in json.dumps(ln) for ln in lines)
     assert all("older model" not in json.dumps(ln) for ln in lines), "an input assistant turn leaked"
     assert all(m.get("reasoning_content") for ln in lines for m in ln["conversations"] if m["role"] == "assistant")
