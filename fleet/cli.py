@@ -189,7 +189,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 # fleet.generation.export.FORMATS, spelled out: importing it (pyarrow) would slow every --help
-EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
+EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens"]
 
 
 def _positive_int(text: str) -> int:
@@ -445,7 +445,8 @@ def _export_command(sub: Subparsers) -> None:
                                    "format (atomic write; a .gz destination is compressed).")
     p.add_argument("dir", help="the generation output directory (holds shards/)")
     p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
-                   help="specforge: SpecForge's regenerated-data JSONL; speculators: vLLM speculators' conversations")
+                   help="specforge: SpecForge's regenerated-data JSONL; speculators: vLLM speculators' conversations; "
+                        "speculators-tokens: its pre-tokenized rows, from the token ids the engine returned")
     p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.jsonl for jsonl, DIR/export.FORMAT.jsonl "
                                                           "for the others)")
     p.add_argument("--keep-flagged", nargs="?", const="all", default=None, metavar="FLAG,...",

@@ -384,8 +384,10 @@ def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(t
     quality-rejected rows to _error, input rejects to _skipped, each read back from the input;
     and a completed row keeps the input's key order too."""
     from fleet.config import GenerationConfig
+    from fleet.generation.client import Outcome
     from fleet.generation.inputs import iter_input
     from fleet.generation.rows import Reject
+    from fleet.generation.work import RowPlan
 
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"}]
     rows = [{"source": "s1", "conversations": conv, "id": "r1", "category": "c"},
@@ -400,7 +402,9 @@ def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(t
     out = tmp_path / "job"
     with ResultStore(out) as s:
         r1 = next(i for i in items if not isinstance(i, Reject) and i.id == "r1")
-        s.add_result(row("r1", "new", "stop", 1, messages=r1.messages[:1], extra=r1.extra))
+        work = RowPlan(gen).work(r1)   # the runner's path from a request to its result row
+        assert not work.advance(Outcome("ok", status=200, completion="new", finish_reason="stop"), 1)
+        s.add_result(work.result(Outcome("ok", status=200, completion="new", finish_reason="stop"), "n/0")[0])
         s.add_error("r2", error="HTTP 400: too long", attempts=1, line=2, status=400)
         s.add_quality_reject(row("r3", "<think>x</think>", "stop", 1), ["think_markers"], line=3)
         for item in items:

@@ -136,6 +136,7 @@ def _check_conversations(out: Path, n: int) -> list[dict[str, Any]]:
         assert all("ORIGINAL" not in (m["content"] or "") for m in msgs), r["id"]
         assert all(m["content"] for m in msgs if m["role"] == "assistant")
         assert r["turns"] == 3 and r["completion"] and json.loads(r["extra"]) == {"topic": int(i) % 3}
+        assert r["key_order"] == ["id", "topic", "conversations"]
     return rows
 
 

@@ -30,7 +30,15 @@
   --data`, `load_raw_dataset`): the input row's other fields, ``"id"``, ``"conversations":
   [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}, …]``, ``"tools"?``.
 
-**Flagged conversations** (`specforge`, `speculators`: the formats a trainer reads as they are):
+- ``speculators-tokens``: speculators' pre-tokenized rows, as its `regenerate-responses` writes
+  them, from the token ids the engine returned (`generation.return_token_ids`, vLLM's
+  `return_token_ids`): one line per generated turn, ``{"id": "<id>_gen<j>", "primary_id",
+  "input_ids": prompt as rendered + completion as sampled, "loss_mask": 0 … 0 1 … 1,
+  "metadata"}``. The drafter learns the tokens the target sampled, not a re-tokenization of
+  their text (which can differ). A row without token ids goes to ``<dest>_skipped.jsonl``.
+
+**Flagged conversations** (`specforge`, `speculators`, `speculators-tokens`: the formats a trainer
+reads as they are):
 a row whose `flags` column holds a quality flag (a turn cut at max_tokens, a looping answer,
 see `fleet.generation.gates`) is left out and written to ``<dest>_flagged.jsonl`` — the same
 line plus ``"flags"`` — unless `keep_flagged` keeps it (True: every flag; a set: those flags).
@@ -62,8 +70,8 @@ from fleet.generation.trainerrules import specforge_problem
 
 __all__ = ["export", "ExportSummary", "FORMATS", "TRAINER_FORMATS", "side_path"]
 
-Format = Literal["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
-FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt", "specforge", "speculators")
+Format = Literal["openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens"]
+FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens")
 
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 
@@ -130,7 +138,7 @@ def _flat_line(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     out["messages"] = _messages(row)
     out["params"] = params_from_arrow(row.get("params"))
-    out["extra"] = input_fields(row.get("extra"))[0] or None
+    out["extra"] = input_fields(row)[0] or None
     return out
 
 
@@ -189,22 +197,41 @@ def _conversation(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[
     return [_role_content(m) for m in raw], raw
 
 
-def _specforge_line(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def _specforge_line(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     conv, raw = _conversation(row)
-    fields, order = input_fields(row.get("extra"))
+    fields, order = input_fields(row)
     out = handed_back(fields, order, row["id"], conv, _tools(row))
     problem = specforge_problem(raw)
     if problem is not None:
         out["status"] = "skipped"
         out["error"] = f"SpecForge would refuse it: {problem}"
-        return out, False
+        return [out], False
     out["status"] = "success"
+    return [out], True
+
+
+def _speculators_line(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    fields, order = input_fields(row)
+    return [handed_back(fields, order, row["id"], _conversation(row)[0], _tools(row))], True
+
+
+NO_TOKEN_IDS = ("no token ids stored for this row: the engine returned none (set generation.return_token_ids = "
+                "true, on an engine that honours it, e.g. vLLM)")
+
+
+def _speculators_token_lines(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """speculators' pre-tokenized rows, as its `regenerate-responses` writes them: one per generated
+    turn, the prompt as the engine rendered it (loss_mask 0), then the tokens it sampled (1)."""
+    turns = row.get("token_ids")
+    if not turns:
+        return [{"id": row["id"], "status": "skipped", "error": NO_TOKEN_IDS}], False
+    out = []
+    for j, t in enumerate(turns):
+        prompt, completion = t["prompt"] or [], t["completion"] or []
+        out.append({"id": f"{row['id']}_gen{j}", "primary_id": row["id"],
+                    "input_ids": [*prompt, *completion], "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                    "metadata": {"turn": j + 1, "turns": len(turns), "server": row.get("server")}})
     return out, True
-
-
-def _speculators_line(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    fields, order = input_fields(row.get("extra"))
-    return handed_back(fields, order, row["id"], _conversation(row)[0], _tools(row)), True
 
 
 def _model_name(out_dir: str | Path) -> str | None:
@@ -220,7 +247,7 @@ def _model_name(out_dir: str | Path) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-TRAINER_FORMATS: tuple[str, ...] = ("specforge", "speculators")
+TRAINER_FORMATS: tuple[str, ...] = ("specforge", "speculators", "speculators-tokens")
 
 
 @dataclass
@@ -229,11 +256,12 @@ class ExportSummary:
 
     format: str
     dest: str
-    rows: int = 0                                   # lines in DEST (errors included for openai-batch)
+    rows: int = 0                                   # lines in DEST (errors included for openai-batch; one per
+                                                    # turn for speculators-tokens)
     flagged_left_out: int = 0                       # rows in DEST_flagged.jsonl
     left_out_by_flag: dict[str, int] = field(default_factory=dict)   # flag -> rows left out carrying it
     flagged_kept: int = 0                           # rows in DEST that carry a flag (kept on request)
-    skipped: int = 0                                # lines in DEST_skipped.jsonl (specforge)
+    skipped: int = 0                                # rows in DEST_skipped.jsonl (trainer formats)
     errors: int = 0                                 # lines in DEST_error.jsonl (specforge)
     files: dict[str, str] = field(default_factory=dict)   # side file kind -> path (those written)
 
@@ -260,33 +288,35 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     if fmt not in TRAINER_FORMATS:
         keep = True
     model = _model_name(out_dir) if fmt == "openai-batch" else None
-    convert: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] = {
-        "openai-batch": lambda r: (_openai_line(r, model), True),
-        "jsonl": lambda r: (_flat_line(r), True),
-        "sharegpt": lambda r: (_sharegpt_line(r), True),
+    convert: Callable[[dict[str, Any]], tuple[list[dict[str, Any]], bool]] = {
+        "openai-batch": lambda r: ([_openai_line(r, model)], True),
+        "jsonl": lambda r: ([_flat_line(r)], True),
+        "sharegpt": lambda r: ([_sharegpt_line(r)], True),
         "specforge": _specforge_line,
         "speculators": _speculators_line,
+        "speculators-tokens": _speculators_token_lines,
     }[fmt]
     summary = ExportSummary(fmt, str(dest))
     sides = {k: side_path(dest, k) for k in ("flagged", "skipped", "error")}
     spec = fmt == "specforge"
     with _Atomic(dest) as f, _Atomic(sides["flagged"], keep_empty=False) as flagged, \
-            _Atomic(sides["skipped"] if spec else None, keep_empty=False) as skipped, \
+            _Atomic(sides["skipped"] if fmt in TRAINER_FORMATS else None, keep_empty=False) as skipped, \
             _Atomic(sides["error"] if spec else None, keep_empty=False) as error:
         for batch in iter_results(out_dir):
             for r in batch.to_pylist():
-                rec, ok = convert(r)
+                recs, ok = convert(r)
+                lines = b"".join(dumps(rec) + b"\n" for rec in recs)
                 if not ok:
-                    skipped.write(dumps(rec) + b"\n")
+                    skipped.write(lines)
                     summary.skipped += 1
                 elif _left_out(r.get("flags"), keep):
-                    flagged.write(dumps({**rec, "flags": r["flags"]}) + b"\n")
+                    flagged.write(b"".join(dumps({**rec, "flags": r["flags"]}) + b"\n" for rec in recs))
                     summary.flagged_left_out += 1
                     for g in r["flags"]:
                         summary.left_out_by_flag[g] = summary.left_out_by_flag.get(g, 0) + 1
                 else:
-                    f.write(dumps(rec) + b"\n")
-                    summary.rows += 1
+                    f.write(lines)
+                    summary.rows += len(recs)
                     summary.flagged_kept += bool(r.get("flags")) and fmt in TRAINER_FORMATS
         _trailers(out_dir, fmt, f, error, skipped, summary)
     summary.files = {k: str(p) for k, p in sides.items() if p.exists()}

@@ -27,6 +27,7 @@ KNOWN_PARAMS = frozenset({
     "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "chat_template_kwargs", "reasoning_effort", "separate_reasoning", "skip_special_tokens",
     "min_tokens", "ignore_eos", "regex", "ebnf", "json_schema", "n", "model", "stream", "stream_options",
+    "return_token_ids",
 })
 _DROPPED_PARAMS = ("model", "stream", "stream_options", "n")
 
@@ -246,8 +247,9 @@ def row_id(row: dict[str, Any], keys: tuple[str, ...]) -> str | None:
 Shape = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]
 
 
-# In `extra`: the input row's top-level keys in their order, when an export that hands the row
-# back (specforge) could not tell it from the default "id", "conversations", then the others.
+# In `Request.extra` (split out into the result's `key_order` column, `work.RowWork.result`): the
+# input row's top-level keys in their order, when an export that hands the row back (specforge)
+# could not tell it from the default "id", "conversations", then the others.
 KEY_ORDER = "_fleet_key_order"
 
 
@@ -382,6 +384,8 @@ def param_defaults(cfg: GenerationConfig | None) -> dict[str, Any]:
 
         cfg = GenerationConfig()
     d: dict[str, Any] = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
+    if cfg.return_token_ids:
+        d["return_token_ids"] = True
     for k in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
               "stop", "chat_template_kwargs"):
         v = getattr(cfg, k)

@@ -5,8 +5,8 @@ Its three files are: DEST (the input row with `conversations` replaced and `"sta
 DEST_skipped.jsonl (the input row with `"status": "skipped"` and `"error"`); every line keeps
 the input row's key order. `fleet export --format specforge` writes the same set:
 
-- `handed_back`: a result row's input fields (the `extra` column, with the key order the
-  input reader kept in it) around the new conversation;
+- `handed_back`: a result row's input fields (the `extra` column, in the input's key order
+  kept in `key_order`) around the new conversation;
 - `side_lines`: errors.jsonl and quality_rejects.jsonl as DEST_error.jsonl lines, and
   rejects.jsonl as DEST_skipped.jsonl lines, each the *input row* read back from the job's
   input (the manifest's `input.path`, at the line each record names). When the input cannot
@@ -34,11 +34,14 @@ _ID_KEYS = ("id", "custom_id")
 _CONVERSATION_KEYS = ("conversations", "messages", "body")
 
 
-def input_fields(extra: Any) -> tuple[dict[str, Any], list[str] | None]:
-    """The input row's other fields (the `extra` column, decoded) and its key order, if kept."""
+def input_fields(row: dict[str, Any]) -> tuple[dict[str, Any], list[str] | None]:
+    """A result row's input fields (the `extra` column, decoded) and the input's key order
+    (`key_order`), if kept."""
+    extra = row.get("extra")
     fields = dict(loads(extra) if isinstance(extra, str | bytes) else extra or {})
-    order = fields.pop(KEY_ORDER, None)
-    return fields, order if isinstance(order, list) else None
+    fields.pop(KEY_ORDER, None)
+    order = row.get("key_order")
+    return fields, list(order) if order else None
 
 
 def handed_back(fields: dict[str, Any], order: list[str] | None, rid: str, conv: list[dict[str, Any]],
@@ -127,13 +130,16 @@ def side_lines(out_dir: str | Path) -> tuple[Iterator[dict[str, Any]], Iterator[
     want = {r["line"] for r in [*errors, *quality, *rejects] if isinstance(r.get("line"), int)}
     rows = _input_rows(_input_path(out_dir), want)
 
+    def input_row(rec: dict[str, Any]) -> Any:
+        line = rec.get("line")
+        return rows[line] if line in rows else {"id": rec.get("id")}
+
     def error_lines() -> Iterator[dict[str, Any]]:
         for rec in errors:
-            yield _with_status(rows.get(rec.get("line"), {"id": rec.get("id")}), "error", str(rec.get("error")))
+            yield _with_status(input_row(rec), "error", str(rec.get("error")))
         for rec in quality:
             reasons = ", ".join(rec.get("reasons") or [])
-            yield _with_status(rows.get(rec.get("line"), {"id": rec.get("id")}), "error",
-                               f"rejected by the quality gate(s): {reasons}")
+            yield _with_status(input_row(rec), "error", f"rejected by the quality gate(s): {reasons}")
 
     def skipped_lines() -> Iterator[dict[str, Any]]:
         for rec in rejects:
