@@ -61,7 +61,7 @@ def run(name: str, inp: Path, out: Path, entries: list[Any], rules: str, keep: b
     from fleet.config import FleetConfig
     from fleet.generation.checks import account
     from fleet.generation.export import export
-    from fleet.generation.results import iter_results
+    from fleet.generation.results import iter_results, read_errors, read_quality_rejects
     from fleet.generation.runner import run_local
 
     cfg = FleetConfig(name="b", engine={"kind": "sim"}, generation={
@@ -74,7 +74,10 @@ def run(name: str, inp: Path, out: Path, entries: list[Any], rules: str, keep: b
     m = json.loads((out / "manifest.json").read_text())
     tokens = [int(t) for b in iter_results(out, ["completion_tokens"]) for t in b.column(0).to_pylist()]
     ideal = max(sum(tokens) / (SLOTS * sum(speeds)), max(tokens) / max(speeds))
-    requests = sum(s.get("requests", 0) for s in m["servers"])
+    # requests sent (every turn, gate retry and failed try): each row's `attempts`, wherever it ended
+    requests = sum(int(a or 0) for b in iter_results(out, ["attempts"]) for a in b.column(0).to_pylist())
+    requests += sum(int(r.get("attempts") or 0) for r in [*read_errors(out), *read_quality_rejects(out)])
+    assert m["state"] == "done", m["state"]
     rows = sum(1 for _ in open(inp))
     s = export(out, "specforge", out / "train.jsonl", keep_flagged=keep)
     acc = account(inp, out, cfg.generation)

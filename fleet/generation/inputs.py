@@ -28,7 +28,13 @@ Rules (each one documented here because it decides what ends up generated):
   see `fleet.generation.work`, and the turn order is checked: the conversation may not open
   with an assistant turn nor hold two in a row).
 - **Extra fields.** A row's other top-level keys (source, category, ...) are kept in
-  `Request.extra` (the `extra` column), for exports that hand the input row back.
+  `Request.extra` (the `extra` column), for exports that hand the input row back; for a ShareGPT
+  row whose keys are not in the order "id", "conversations", the others, the order too
+  (`rowshapes.KEY_ORDER`, stored in the `key_order` column): SpecForge keeps it.
+- **Trainer rules.** `generation.input_rules = "specforge"` also rejects what SpecForge's
+  conversation check refuses (`fleet.generation.trainerrules`: two user turns in a row, an
+  empty user or system message, tool turns, content parts, ...), so no request is spent on a
+  row the trainer would drop; the reason starts "SpecForge would refuse it:".
 - **Limit.** `generation.limit = N` reads only the first N rows (blank lines not counted).
 - **Ids.** `custom_id`, else `id` (a string, or an integer turned into its decimal string).
   A row without one gets `content_id(messages, row params)`: "h-" + the first 24 hex digits
