@@ -376,6 +376,9 @@ def test_cli_export_prints_what_it_left_out(flagged_job, tmp_path, capsys):
     assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest),
                  "--keep-flagged", "truncated,repetition"]) == 0
     assert "wrote 4 rows" in capsys.readouterr().out
+    # a misspelt flag would keep nothing it names and leave the user believing otherwise
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest), "--keep-flagged", "truncate"]) != 0
+    assert "unknown flag(s) truncate" in capsys.readouterr().err
 
 
 def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(tmp_path):

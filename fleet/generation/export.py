@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fleet.generation.durable import fsync
+from fleet.generation.gates import GATES
 from fleet.generation.jsonl import dumps, loads
 from fleet.generation.manifest import read_manifest, write_manifest
 from fleet.generation.results import iter_results, read_errors
@@ -285,6 +286,9 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     if not (Path(out_dir) / "shards").is_dir():
         raise FileNotFoundError(f"{out_dir} holds no generation results (no shards/ directory)")
     keep: bool | frozenset[str] = keep_flagged if isinstance(keep_flagged, bool) else frozenset(keep_flagged)
+    if not isinstance(keep, bool) and not keep <= set(GATES):
+        raise ValueError(f"--keep-flagged: unknown flag(s) {', '.join(sorted(keep - set(GATES)))}; "
+                         f"the flags are the quality gates: {', '.join(GATES)}")
     if fmt not in TRAINER_FORMATS:
         keep = True
     model = _model_name(out_dir) if fmt == "openai-batch" else None
