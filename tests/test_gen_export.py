@@ -356,10 +356,15 @@ def test_trainer_exports_leave_flagged_conversations_out(flagged_job, tmp_path, 
 
 
 def test_non_trainer_formats_keep_flagged_rows(flagged_job, tmp_path):
-    """jsonl, sharegpt and openai-batch carry every row: their readers have the flags column."""
+    """jsonl, sharegpt and openai-batch carry every row: their readers have the flags column; and
+    they leave a trainer export's side files alone (only a file's own format may replace them)."""
     for fmt in ("jsonl", "sharegpt", "openai-batch"):
-        assert export(flagged_job, fmt, tmp_path / f"{fmt}.jsonl").rows == 4  # type: ignore[arg-type]
+        s = export(flagged_job, fmt, tmp_path / f"{fmt}.jsonl")  # type: ignore[arg-type]
+        assert s.rows == 4 and s.files == {}
     assert not list(tmp_path.glob("*_flagged.jsonl"))
+    export(flagged_job, "specforge", tmp_path / "jsonl.jsonl")
+    export(flagged_job, "jsonl", tmp_path / "jsonl.jsonl")
+    assert len(read_lines(tmp_path / "jsonl_flagged.jsonl")) == 3
 
 
 def test_cli_export_prints_what_it_left_out(flagged_job, tmp_path, capsys):

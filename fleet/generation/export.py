@@ -301,11 +301,11 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
         "speculators-tokens": _speculators_token_lines,
     }[fmt]
     summary = ExportSummary(fmt, str(dest))
-    sides = {k: side_path(dest, k) for k in ("flagged", "skipped", "error")}
-    spec = fmt == "specforge"
-    with _Atomic(dest) as f, _Atomic(sides["flagged"], keep_empty=False) as flagged, \
-            _Atomic(sides["skipped"] if fmt in TRAINER_FORMATS else None, keep_empty=False) as skipped, \
-            _Atomic(sides["error"] if spec else None, keep_empty=False) as error:
+    trainer, spec = fmt in TRAINER_FORMATS, fmt == "specforge"
+    # the side files this format has (only those: a jsonl export leaves a specforge one's alone)
+    sides = {k: _Atomic(side_path(dest, k) if on else None, keep_empty=False)
+             for k, on in (("flagged", trainer), ("skipped", trainer), ("error", spec))}
+    with _Atomic(dest) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
         for batch in iter_results(out_dir):
             for r in batch.to_pylist():
                 recs, ok = convert(r)
@@ -323,7 +323,7 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
                     summary.rows += len(recs)
                     summary.flagged_kept += bool(r.get("flags")) and fmt in TRAINER_FORMATS
         _trailers(out_dir, fmt, f, error, skipped, summary)
-    summary.files = {k: str(p) for k, p in sides.items() if p.exists()}
+    summary.files = {k: str(a.dest) for k, a in sides.items() if a.dest is not None and a.used}
     _record(out_dir, summary)
     return summary
 
@@ -374,6 +374,7 @@ class _Atomic:
     def __init__(self, dest: Path | None, keep_empty: bool = True) -> None:
         self.dest = dest
         self.keep_empty = keep_empty
+        self.used = False
 
     def __enter__(self) -> Any:
         if self.dest is None:
