@@ -189,7 +189,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 # fleet.generation.export.FORMATS, spelled out: importing it (pyarrow) would slow every --help
-EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
+EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens"]
 
 
 def _positive_int(text: str) -> int:
@@ -276,12 +276,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fleet.generation.export import export
 
     dest = args.dest or export_dest(args.dir, args.format)
+    keep = args.keep_flagged
     try:
-        n = export(args.dir, args.format, dest)
+        s = export(args.dir, args.format, dest,
+                   keep_flagged=True if keep == "all" else frozenset(keep.split(",")) if keep else False)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fleet export: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    print(f"wrote {n} rows to {dest}")
+    print(f"wrote {s.rows} rows to {dest}")
+    if s.flagged_left_out:
+        by_flag = ", ".join(f"{g}: {n}" for g, n in sorted(s.left_out_by_flag.items()))
+        print(f"left out {s.flagged_left_out} flagged conversation(s) ({by_flag}) -> {s.files['flagged']} "
+              "(--keep-flagged [FLAG,...] keeps them)")
+    if s.flagged_kept:
+        print(f"kept {s.flagged_kept} flagged conversation(s) (--keep-flagged)")
+    for kind, n in (("skipped", s.skipped), ("error", s.errors)):
+        if n:
+            print(f"{n} {kind} row(s) -> {s.files[kind]}")
     return 0
 
 
@@ -434,9 +445,13 @@ def _export_command(sub: Subparsers) -> None:
                                    "format (atomic write; a .gz destination is compressed).")
     p.add_argument("dir", help="the generation output directory (holds shards/)")
     p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
-                   help="specforge: SpecForge's regenerated-data JSONL; speculators: vLLM speculators' conversations")
+                   help="specforge: SpecForge's regenerated-data JSONL; speculators: vLLM speculators' conversations; "
+                        "speculators-tokens: its pre-tokenized rows, from the token ids the engine returned")
     p.add_argument("-o", "--dest", default=None, help="destination file (default DIR/export.jsonl for jsonl, DIR/export.FORMAT.jsonl "
                                                           "for the others)")
+    p.add_argument("--keep-flagged", nargs="?", const="all", default=None, metavar="FLAG,...",
+                   help="specforge/speculators: keep conversations with a quality flag (all flags, or only those "
+                        "named, e.g. truncated); by default they go to DEST_flagged.jsonl")
     p.set_defaults(func=cmd_export)
 
 

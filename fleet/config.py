@@ -363,6 +363,8 @@ class GenerationConfig(_Section):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Default chat_template_kwargs (e.g. enable_thinking).")
     reasoning_effort: dict[str, float] | None = Field(None, description="Per-row random reasoning_effort (gpt-oss style): choice -> weight, e.g. {low = 4, medium = 4, high = 2}; drawn from the row id (seeded, stable across resumes) unless the row sets its own.")
     regenerate: Literal["last-turn", "all-turns"] = Field("last-turn", description="'last-turn': generate the answer to the conversation as given (a trailing assistant turn is dropped); 'all-turns': regenerate every assistant turn in order, each request holding the regenerated earlier turns.")
+    return_token_ids: bool = Field(False, description="Ask the engine for the token ids of each answer (the request field return_token_ids of vLLM and of recent SGLang: the prompt as rendered, the completion as sampled) and store them per turn (the token_ids column), for `fleet export --format speculators-tokens`.")
+    input_rules: Literal["openai", "specforge"] = Field("openai", description="Which rows are rejects at input: 'openai': what an OpenAI-compatible server refuses; 'specforge': also what SpecForge's conversation check refuses (two user turns in a row, an empty user or system message, tool turns, content parts), before any request is spent on them.")
     limit: int | None = Field(None, ge=1, description="Read only the first N input rows (try a job on a few rows; raise it later to go on).")
     quality: QualityConfig = Field(default_factory=QualityConfig, description="Per-row quality gates.")
 

@@ -447,6 +447,7 @@ SLOW_S: dict[str, float] = {
     "test_deployments.py::test_default_config_is_read_relative_to_the_repo": 39,
     "test_security.py::test_secrets_appear_nowhere_after_a_bringup_over_ssh": 37,
     "test_revalidate.py::test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup": 33,
+    "test_speculators_real.py::test_speculators_loaders_take_both_exports": 97,   # -n 0 at load 13, install included
     "test_bringup.py::test_all_healthy_local_with_artifacts": 29,
     "test_gen_job_faults.py::test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte": 28,
     "test_tinymodel.py::test_transformers_serve_chat_completion": 28,

@@ -87,6 +87,20 @@ def test_the_strict_reading_coerces_nothing_and_keeps_only_what_it_validated() -
     assert parse_answer(vllm).reasoning_content == "why" and parse_answer(vllm).content == ""
 
 
+def test_token_ids_are_read_where_vllm_and_sglang_put_them() -> None:
+    """issue 24: with return_token_ids vLLM sends `prompt_token_ids` beside the choices and
+    SGLang inside the choice; both, and the choice's sampled `token_ids`, are kept; a negative or
+    non-integer id makes the answer invalid (nothing untyped reaches the token_ids column)."""
+    msg = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6]}
+    vllm = parse_answer({"choices": [msg], "prompt_token_ids": [1, 2]})
+    sglang = parse_answer({"choices": [{**msg, "prompt_token_ids": [1, 2]}]})
+    assert (vllm.prompt_token_ids, vllm.token_ids) == (sglang.prompt_token_ids, sglang.token_ids) == ([1, 2], [5, 6])
+    assert parse_answer({"choices": [{"message": {"content": "hi"}}]}).token_ids is None
+    for bad in ([-1], ["5"], [1.5], "5 6"):
+        with pytest.raises(ValueError, match="token_ids"):
+            parse_answer({"choices": [{**msg, "token_ids": bad}]})
+
+
 def test_statuses_no_chat_endpoint_gives_are_invalid_not_the_rows_fault() -> None:
     """Protects: a 201, 204, 302 or 600 was 'permanent' (the row straight to errors) — a broken server
     could empty the input into the errors file. Now they are invalid answers, the server's fault."""

@@ -208,7 +208,7 @@ def test_merge_first_wins_and_every_id_once(tmp_path: Path) -> None:
                            "shards": m["counts"]["shards"]}
     from fleet.generation.export import export
 
-    assert export(tmp_path / "out", "jsonl", tmp_path / "x.jsonl") == 20
+    assert export(tmp_path / "out", "jsonl", tmp_path / "x.jsonl").rows == 20
 
 
 def test_chunk_rows_follow_the_measured_rate_and_shrink_to_the_tail() -> None:

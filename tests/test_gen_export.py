@@ -80,7 +80,7 @@ def test_data_checks_on_an_empty_job(tmp_path):
 
 def test_export_openai_batch(job, tmp_path):
     dest = tmp_path / "out" / "batch_output.jsonl"
-    assert export(job, "openai-batch", dest) == 7
+    assert export(job, "openai-batch", dest).rows == 7
     lines = read_lines(dest)
     ok = {ln["custom_id"]: ln for ln in lines if ln["error"] is None}
     assert set(ok) == set("abcdef")
@@ -104,7 +104,7 @@ def test_export_openai_batch(job, tmp_path):
 
 def test_export_jsonl_is_flat_and_pandas_reads_it(job, tmp_path):
     dest = tmp_path / "flat.jsonl"
-    assert export(job, "jsonl", dest) == 6
+    assert export(job, "jsonl", dest).rows == 6
     lines = read_lines(dest)
     assert set(lines[0]) == set(RESULT_SCHEMA.names)
     e = next(ln for ln in lines if ln["id"] == "e")
@@ -115,7 +115,7 @@ def test_export_jsonl_is_flat_and_pandas_reads_it(job, tmp_path):
 
 def test_export_sharegpt_with_tool_history(job, tmp_path):
     dest = tmp_path / "sharegpt.jsonl.gz"
-    assert export(job, "sharegpt", dest) == 6
+    assert export(job, "sharegpt", dest).rows == 6
     by_id = {ln["id"]: ln for ln in read_lines(dest)}
     assert by_id["a"]["conversations"] == [
         {"from": "human", "value": "question a"},
@@ -139,8 +139,8 @@ def specforge_problem(line: dict) -> str | None:
     """SpecForge's acceptance of a regenerated-data line, written from its documented rules
     (scripts/regenerate_train_data.py output, scripts/conversation_validation.py): status
     "success"; `conversations` a non-empty list of {role, content}; system turns only before the
-    first user turn; then user and assistant alternating, starting with user; user/system
-    content a non-empty string, assistant content a string."""
+    first user turn; then user and assistant alternating, starting with user; every content a
+    non-empty string (assistant turns included: its check refuses an empty answer)."""
     if line.get("status") != "success":
         return "status must be 'success'"
     conv = line.get("conversations")
@@ -151,10 +151,7 @@ def specforge_problem(line: dict) -> str | None:
         if not isinstance(m, dict):
             return f"message {i} must be an object"
         role, content = m.get("role"), m.get("content")
-        if role == "assistant":
-            if not isinstance(content, str):
-                return f"message {i} content must be a string"
-        elif not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str) or not content.strip():
             return f"message {i} content must be a non-empty string"
         if role == "system" and not saw_user:
             continue
@@ -176,10 +173,10 @@ def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tm
                                    {"role": "assistant", "content": "2", "reasoning_content": "add"},
                                    {"role": "user", "content": "2/1?"}]))
     dest = tmp_path / "regen.jsonl"
-    n = export(job, "specforge", dest)
+    n = export(job, "specforge", dest).rows
     lines = read_lines(dest)
-    assert n == len(lines) == 5  # a b c d h; e and f hold tool turns
-    assert [specforge_problem(ln) for ln in lines] == [None] * 5
+    assert n == len(lines) == 4  # a b d h; c is an empty answer, e and f hold tool turns
+    assert [specforge_problem(ln) for ln in lines] == [None] * 4
     sg = {ln["id"]: ln for ln in read_lines(_export(job, "sharegpt", tmp_path / "sg.jsonl"))}
     assert sg["h"]["conversations"][2] == {"from": "gpt", "value": "2", "reasoning_content": "add"}
     h = next(ln for ln in lines if ln["id"] == "h")
@@ -190,9 +187,10 @@ def test_export_specforge_lines_pass_its_validator_and_keep_extra_fields(job, tm
         {"role": "assistant", "content": "Two."}]
     a = next(ln for ln in lines if ln["id"] == "a")
     assert a["conversations"][-1] == {"role": "assistant", "content": "Hello world", "reasoning_content": "I should greet."}
-    skipped = read_lines(tmp_path / "regen_skipped.jsonl")
-    assert {ln["id"] for ln in skipped} == {"e", "f"}
-    assert all(ln["status"] == "skipped" and "tool" in ln["error"] for ln in skipped)
+    skipped = {ln["id"]: ln for ln in read_lines(tmp_path / "regen_skipped.jsonl")}
+    assert set(skipped) == {"c", "e", "f"} and all(ln["status"] == "skipped" for ln in skipped.values())
+    assert "tool" in skipped["e"]["error"] and "tool" in skipped["f"]["error"]
+    assert skipped["c"]["error"] == "SpecForge would refuse it: messages[1] (assistant): empty content"
     # a later export with nothing to skip removes the stale skipped file
     only_a = tmp_path / "only_a"
     with ResultStore(only_a) as s:
@@ -224,7 +222,7 @@ def test_export_speculators_reads_as_its_conversations_and_loads_with_datasets(j
     (`--train-data-path x.jsonl`): every turn role/content with tool calls and reasoning
     kept, `tools` at the top level; and `datasets` loads it (and the specforge file) offline."""
     dest = tmp_path / "spec.jsonl"
-    assert export(job, "speculators", dest) == 6
+    assert export(job, "speculators", dest).rows == 6
     by_id = {ln["id"]: ln for ln in read_lines(dest)}
     f = speculators_conversation(by_id["f"]["conversations"])
     assert [m["role"] for m in f] == ["system", "user", "assistant", "tool", "assistant"]
@@ -238,7 +236,7 @@ def test_export_speculators_reads_as_its_conversations_and_loads_with_datasets(j
     export(job, "specforge", tmp_path / "sf.jsonl")
     for path in (dest, tmp_path / "sf.jsonl"):
         ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
-        assert len(ds) >= 4 and ds[0]["conversations"][0]["role"] == "user"
+        assert len(ds) >= 3 and ds[0]["conversations"][0]["role"] == "user"
 
 
 def test_export_is_atomic_and_replaces(job, tmp_path):
@@ -319,3 +317,133 @@ def test_plan_format_and_validation():
         args = {"completions": 1, "avg_output_tokens": 1, "tokens_per_s": 1, "gpus": 1} | bad
         with pytest.raises(ValueError):
             plan(**args)
+
+
+@pytest.fixture
+def flagged_job(tmp_path) -> Path:
+    """Four conversations: clean, cut at max_tokens, looping, both."""
+    out = tmp_path / "flagged"
+    with ResultStore(out) as s:
+        s.add_result(row("ok", "Fine.", "stop", 2))
+        s.add_result(row("cut", "half an ans", "length", 512, flags=["truncated"]))
+        s.add_result(row("loop", "la la la la la la la la", "stop", 80, flags=["repetition"]))
+        s.add_result(row("both", "la la la la la la la la", "length", 512, flags=["truncated", "repetition"]))
+    write_manifest(out, {"state": "done"})
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_trainer_exports_leave_flagged_conversations_out(flagged_job, tmp_path, fmt):
+    """issue 24: with the drafter recipe (truncated/repetition = "flag") the training file held
+    looping and cut answers unmarked. A trainer format leaves a flagged conversation out by
+    default, writes it (and its flags) to DEST_flagged.jsonl, counts it by flag in the
+    summary and the job's manifest; `keep_flagged` keeps all, or only the flags named."""
+    dest = tmp_path / "train.jsonl"
+    s = export(flagged_job, fmt, dest)
+    assert [ln["id"] for ln in read_lines(dest)] == ["ok"] and s.rows == 1
+    side = {ln["id"]: ln["flags"] for ln in read_lines(tmp_path / "train_flagged.jsonl")}
+    assert side == {"cut": ["truncated"], "loop": ["repetition"], "both": ["truncated", "repetition"]}
+    assert s.flagged_left_out == 3 and s.left_out_by_flag == {"truncated": 2, "repetition": 2}
+    assert s.files["flagged"] == str(tmp_path / "train_flagged.jsonl")
+    m = json.loads((flagged_job / "manifest.json").read_text())
+    assert m["exports"][str(dest)]["flagged_left_out"] == 3 and m["state"] == "done"
+    s = export(flagged_job, fmt, dest, keep_flagged={"truncated"})
+    assert [ln["id"] for ln in read_lines(dest)] == ["ok", "cut"] and s.flagged_kept == 1
+    assert {ln["id"] for ln in read_lines(tmp_path / "train_flagged.jsonl")} == {"loop", "both"}
+    s = export(flagged_job, fmt, dest, keep_flagged=True)
+    assert s.rows == 4 and s.flagged_left_out == 0 and s.flagged_kept == 3
+    assert not (tmp_path / "train_flagged.jsonl").exists(), "a stale side file would describe another export"
+
+
+def test_non_trainer_formats_keep_flagged_rows(flagged_job, tmp_path):
+    """jsonl, sharegpt and openai-batch carry every row: their readers have the flags column; and
+    they leave a trainer export's side files alone (only a file's own format may replace them)."""
+    for fmt in ("jsonl", "sharegpt", "openai-batch"):
+        s = export(flagged_job, fmt, tmp_path / f"{fmt}.jsonl")  # type: ignore[arg-type]
+        assert s.rows == 4 and s.files == {}
+    assert not list(tmp_path.glob("*_flagged.jsonl"))
+    export(flagged_job, "specforge", tmp_path / "jsonl.jsonl")
+    export(flagged_job, "jsonl", tmp_path / "jsonl.jsonl")
+    assert len(read_lines(tmp_path / "jsonl_flagged.jsonl")) == 3
+
+
+def test_cli_export_prints_what_it_left_out(flagged_job, tmp_path, capsys):
+    """`fleet export` says how many conversations it left out, by flag, and where they went."""
+    from fleet.cli import main
+
+    dest = tmp_path / "t.jsonl"
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest)]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 rows" in out
+    assert f"left out 3 flagged conversation(s) (repetition: 2, truncated: 2) -> {tmp_path / 't_flagged.jsonl'}" in out
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest), "--keep-flagged"]) == 0
+    assert "wrote 4 rows" in capsys.readouterr().out
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest),
+                 "--keep-flagged", "truncated,repetition"]) == 0
+    assert "wrote 4 rows" in capsys.readouterr().out
+    # a misspelt flag would keep nothing it names and leave the user believing otherwise
+    assert main(["export", str(flagged_job), "--format", "specforge", "-o", str(dest), "--keep-flagged", "truncate"]) != 0
+    assert "unknown flag(s) truncate" in capsys.readouterr().err
+
+
+def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(tmp_path):
+    """issue 24: SpecForge writes DEST_error.jsonl and DEST_skipped.jsonl as the input row plus
+    "status" and "error", keys in the input's order; so does the specforge export: failed and
+    quality-rejected rows to _error, input rejects to _skipped, each read back from the input;
+    and a completed row keeps the input's key order too."""
+    from fleet.config import GenerationConfig
+    from fleet.generation.client import Outcome
+    from fleet.generation.inputs import iter_input
+    from fleet.generation.rows import Reject
+    from fleet.generation.work import RowPlan
+
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"}]
+    rows = [{"source": "s1", "conversations": conv, "id": "r1", "category": "c"},
+            {"id": "r2", "conversations": conv, "lang": "en"},
+            {"conversations": conv, "source": "s3", "id": "r3"},
+            {"id": "r4", "conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+             "source": "s4"}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gen = GenerationConfig(regenerate="all-turns", input_rules="specforge")
+    items = list(iter_input(inp, gen))
+    out = tmp_path / "job"
+    with ResultStore(out) as s:
+        r1 = next(i for i in items if not isinstance(i, Reject) and i.id == "r1")
+        work = RowPlan(gen).work(r1)   # the runner's path from a request to its result row
+        assert not work.advance(Outcome("ok", status=200, completion="new", finish_reason="stop"), 1)
+        s.add_result(work.result(Outcome("ok", status=200, completion="new", finish_reason="stop"), "n/0")[0])
+        s.add_error("r2", error="HTTP 400: too long", attempts=1, line=2, status=400)
+        s.add_quality_reject(row("r3", "<think>x</think>", "stop", 1), ["think_markers"], line=3)
+        for item in items:
+            if isinstance(item, Reject):
+                s.add_reject(item)
+    write_manifest(out, {"input": {"path": str(inp)}})
+    dest = tmp_path / "sf.jsonl"
+    s = export(out, "specforge", dest)
+    assert s.rows == 1 and s.errors == 2 and s.skipped == 1
+    (done,) = read_lines(dest)
+    assert list(done) == ["source", "conversations", "id", "category", "status"]
+    assert done["conversations"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "new"}]
+    errors = read_lines(tmp_path / "sf_error.jsonl")
+    assert errors == [{**rows[1], "status": "error", "error": "HTTP 400: too long"},
+                      {**rows[2], "status": "error", "error": "rejected by the quality gate(s): think_markers"}]
+    assert [list(e) for e in errors] == [[*rows[1], "status", "error"], [*rows[2], "status", "error"]]
+    (skipped,) = read_lines(tmp_path / "sf_skipped.jsonl")
+    assert skipped == {**rows[3], "status": "skipped",
+                       "error": "SpecForge would refuse it: messages[1]: expected an assistant turn, "
+                                "got two user turns in a row"}
+    # the input moved away: the lines hold what fleet kept (the id; the reject's raw row)
+    inp.rename(tmp_path / "gone.jsonl")
+    export(out, "specforge", dest)
+    assert read_lines(tmp_path / "sf_error.jsonl")[0] == {"id": "r2", "status": "error", "error": "HTTP 400: too long"}
+    assert read_lines(tmp_path / "sf_skipped.jsonl")[0]["source"] == "s4"
+
+
+def test_speculators_export_keeps_the_input_fields(tmp_path):
+    """issue 24: the speculators export dropped the input's extra fields (`source`)."""
+    out = tmp_path / "job"
+    with ResultStore(out) as s:
+        s.add_result(row("a", "Hi", "stop", 1, extra={"source": "sharegpt", "turn_count": 1}))
+    (line,) = read_lines(_export(out, "speculators", tmp_path / "s.jsonl"))
+    assert line["source"] == "sharegpt" and line["turn_count"] == 1 and line["id"] == "a"

@@ -136,6 +136,7 @@ def _check_conversations(out: Path, n: int) -> list[dict[str, Any]]:
         assert all("ORIGINAL" not in (m["content"] or "") for m in msgs), r["id"]
         assert all(m["content"] for m in msgs if m["role"] == "assistant")
         assert r["turns"] == 3 and r["completion"] and json.loads(r["extra"]) == {"topic": int(i) % 3}
+        assert r["key_order"] == ["id", "topic", "conversations"]
     return rows
 
 
@@ -207,9 +208,13 @@ def test_the_drafter_example_config_and_sample_give_a_specforge_file(tmp_path: P
     assert run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.2) == 0
     acc = account(inp, out, cfg.generation)
     assert acc["ok"] and acc["rejects"] == 2 and acc["completed"] + acc["quality_rejects"] == 20, acc
-    n = export(out, "specforge", tmp_path / "train.jsonl")
+    s = export(out, "specforge", tmp_path / "train.jsonl")
     lines = read_lines(tmp_path / "train.jsonl")
-    assert n == len(lines) == acc["completed"] and all(specforge_problem(ln) is None for ln in lines)
+    assert s.rows == len(lines) and all(specforge_problem(ln) is None for ln in lines)
+    # every input row in exactly one of the four files, as SpecForge's own run leaves them
+    assert s.rows + s.flagged_left_out + s.skipped + s.errors == 22 and s.skipped == acc["rejects"]
+    assert s.flagged_left_out == sum(1 for _ in read_lines(tmp_path / "train_flagged.jsonl")) >= 1
+    assert all(ln["status"] == "skipped" and ln["conversations"] for ln in read_lines(tmp_path / "train_skipped.jsonl"))
     assert all(ln["source"] == "tutor-mix" and "ORIGINAL" not in json.dumps(ln) for ln in lines)
     assert all("older model" not in json.dumps(ln) for ln in lines), "an input assistant turn leaked"
     assert all(m.get("reasoning_content") for ln in lines for m in ln["conversations"] if m["role"] == "assistant")
@@ -227,3 +232,44 @@ def test_a_failed_turn_sends_the_conversation_to_errors_naming_the_turn(tmp_path
     (err,) = [json.loads(ln) for ln in (out / "errors.jsonl").read_text().splitlines()]
     assert err["id"] == "c0" and err["status"] == 400 and err["error"].startswith("turn 3 of 3: HTTP 400")
     assert len(read_results(out)) == 0 and account(inp, out, cfg.generation)["ok"]
+
+
+def test_token_ids_as_sampled_reach_speculators_pretokenized_rows(tmp_path: Path, sims) -> None:  # noqa: F811
+    """issue 24: fleet could not write the pre-tokenized rows speculators' own regeneration
+    writes (input_ids, loss_mask from the ids the target *sampled*); re-tokenizing the text can
+    differ. With generation.return_token_ids the sim (like vLLM) returns prompt_token_ids and
+    the choice's token_ids; each turn's are stored, and `speculators-tokens` makes one row per
+    turn: the rendered prompt (mask 0), then exactly the sampled ids (mask 1)."""
+    from fleet.generation.export import export
+    from fleet.sim.generation import _token_id, prompt_token_ids
+    from test_gen_export import read_lines
+
+    s = sims()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    _write(inp, 6)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"},
+                      generation={"max_tokens": 24, "regenerate": "all-turns", "return_token_ids": True,
+                                  "chat_template_kwargs": {"enable_thinking": True}})
+    entry = [ServerEntry(node="local", index=0, url=s.url, model="sim-model")]
+    assert run_local(cfg, inp, out, entry, flush_interval_s=0.5, progress_interval_s=0.2) == 0
+    rows = {r["id"]: r for r in _check_conversations(out, 6)}
+    summary = export(out, "speculators-tokens", tmp_path / "tok.jsonl", keep_flagged=True)
+    lines = read_lines(tmp_path / "tok.jsonl")
+    assert summary.rows == len(lines) == 18 and summary.skipped == 0
+    for ln in lines:
+        rid, j = ln["primary_id"], int(ln["id"].rsplit("_gen", 1)[1])
+        msgs = [message_from_arrow(m) for m in rows[rid]["messages"]]
+        answers = [m for m in msgs if m["role"] == "assistant"] + [
+            {"content": rows[rid]["completion"], "reasoning_content": rows[rid]["reasoning_content"]}]
+        sampled = [_token_id(w) for w in (answers[j]["reasoning_content"] or "").split() + answers[j]["content"].split()]
+        slot = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
+        sent = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs[:slot[j]]]
+        prompt = prompt_token_ids(sent)
+        assert ln["input_ids"] == prompt + sampled and ln["loss_mask"] == [0] * len(prompt) + [1] * len(sampled)
+    # without the option nothing is stored, and the export says why instead of writing rows
+    out2 = tmp_path / "out2"
+    cfg2 = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 8})
+    assert run_local(cfg2, inp, out2, entry, flush_interval_s=0.5, progress_interval_s=0.2) == 0
+    s2 = export(out2, "speculators-tokens", tmp_path / "none.jsonl")
+    assert s2.rows == 0 and s2.skipped == 6
+    assert "return_token_ids" in read_lines(tmp_path / "none_skipped.jsonl")[0]["error"]

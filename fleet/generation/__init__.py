@@ -5,6 +5,7 @@ Data layer (no network, no orchestrator):
     inputs.py   stream JSONL / JSONL.gz / Parquet rows -> Request | Reject (ids, defaults, duplicates)
       rows.py       Request, Reject, InputStats; content ids and id digests
       rowshapes.py  the three row shapes -> messages and params; every check that rejects a row; defaults
+      trainerrules.py  what SpecForge's conversation check refuses (input_rules = "specforge", the export)
       sources.py    JSONL (plain, gzip) and Parquet readers; the errors of a corrupt or truncated input
       resume.py     a planned resume: the lines still to run, from the ids alone
     store.py    ResultStore: exactly-once results keyed by id, atomic Parquet shards, resume
@@ -15,7 +16,9 @@ Data layer (no network, no orchestrator):
       dirlock.py    DIR/.lock: one runner per directory
       jsonl.py, durable.py  the JSON codec (orjson) and JSON lines, fsync and atomic replace
     manifest.py manifest.json: a pure builder from one run's facts; read and write
-    export.py   openai-batch / jsonl / sharegpt / specforge / speculators files from a job's output
+    export.py   openai-batch / jsonl / sharegpt / specforge / speculators(-tokens) files from a job's output;
+                flagged conversations left out of the trainer formats
+      trainerfiles.py  the input row handed back (key order); SpecForge's _error / _skipped files
     checks.py   data checks for drafter training sets; quality counts; the exactly-once accounting
     gates.py    per-answer quality gates (empty, missing reasoning, <think> left, cut, loops)
     plan.py     wall time and $ per M tokens of a job, before it runs

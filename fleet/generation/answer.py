@@ -20,7 +20,7 @@ test and the runner's client both use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,14 +57,20 @@ class _Message(_Strict):
     tool_calls: list[_ToolCall] | None = None
 
 
+_TokenIds = list[Annotated[int, Field(ge=0, lt=1 << 31)]]
+
+
 class _Choice(_Strict):
     message: _Message
     finish_reason: str | None = Field(None, max_length=256)
+    token_ids: _TokenIds | None = None          # with return_token_ids (vLLM, SGLang): the ids it sampled
+    prompt_token_ids: _TokenIds | None = None   # SGLang puts the prompt's ids in the choice
 
 
 class _Completion(_Strict):
     choices: list[_Choice] = Field(min_length=1)
     usage: _Usage | None = None
+    prompt_token_ids: _TokenIds | None = None   # vLLM puts them here: the prompt as it rendered it
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,8 @@ class Answer:
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 def _why(exc: ValidationError) -> str:
@@ -118,4 +126,6 @@ def parse_answer(body: bytes | bytearray | str | dict[str, Any]) -> Answer:
         finish_reason=choice.finish_reason,
         prompt_tokens=usage.prompt_tokens if usage is not None else None,
         completion_tokens=usage.completion_tokens if usage is not None else None,
+        prompt_token_ids=doc.prompt_token_ids if doc.prompt_token_ids is not None else choice.prompt_token_ids,
+        token_ids=choice.token_ids,
     )

@@ -70,6 +70,8 @@ class Outcome:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids (vLLM): the rendered prompt
+    token_ids: list[int] | None = None          # ... and the completion's ids as sampled
     latency_s: float = 0.0
     started_at: float = 0.0                # wall clock (time.time()) when the request was sent
     finished_at: float = 0.0
@@ -151,6 +153,7 @@ def parse_completion(body: bytes | bytearray | str | dict[str, Any], out: Outcom
     a = parse_answer(body)
     out.completion, out.reasoning_content, out.tool_calls = a.content, a.reasoning_content, a.tool_calls
     out.finish_reason, out.prompt_tokens, out.completion_tokens = a.finish_reason, a.prompt_tokens, a.completion_tokens
+    out.prompt_token_ids, out.token_ids = a.prompt_token_ids, a.token_ids
 
 
 class TooLarge(ValueError):

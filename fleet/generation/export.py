@@ -18,16 +18,33 @@
   and `tool_calls` when present;
   `tools` (from the stored params) goes at the top level.
 - ``specforge``: what SpecForge's `scripts/regenerate_train_data.py` writes, so its training
-  scripts take it as is: the input row's other fields, then ``"id"``, ``"conversations"``
-  (``role``/``content`` messages, the generated answer last, ``reasoning_content`` on every
-  assistant turn that has one) and ``"status": "success"``; ``tools`` at the top level when
-  the row had them. SpecForge's conversation check takes only system (first), then user and
-  assistant turns alternating, with non-empty text: a row with tool turns or content parts
-  goes to ``<dest>_skipped.jsonl`` with ``"status": "skipped"`` and the ``"error"``, as
-  SpecForge does with rows it cannot take.
-- ``speculators``: the conversation file vLLM's speculators reads (`--train-data-path` of
-  its `preprocess_data.py` / `data_generation_offline.py`): ``{"id", "conversations":
-  [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}, …], "tools"?}``.
+  scripts take it as is: the input row (its other fields, in the input's key order) with
+  ``"conversations"`` replaced by the regenerated ``role``/``content`` messages
+  (``reasoning_content`` on every assistant turn that has one) and ``"status": "success"``;
+  ``tools`` at the top level when the row had them. Beside it, as SpecForge does
+  (`fleet.generation.trainerfiles`): ``<dest>_error.jsonl`` (the input row of every failed or
+  quality-rejected row, ``"status": "error"``, ``"error"``) and ``<dest>_skipped.jsonl`` (the
+  input row of every input reject, and the generated row SpecForge's conversation check would
+  refuse — tool turns, content parts, an empty answer — ``"status": "skipped"``, ``"error"``).
+- ``speculators``: the conversation file vLLM speculators reads (`speculators prepare-data
+  --data`, `load_raw_dataset`): the input row's other fields, ``"id"``, ``"conversations":
+  [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}, …]``, ``"tools"?``.
+
+- ``speculators-tokens``: speculators' pre-tokenized rows, as its `regenerate-responses` writes
+  them, from the token ids the engine returned (`generation.return_token_ids`, vLLM's
+  `return_token_ids`): one line per generated turn, ``{"id": "<id>_gen<j>", "primary_id",
+  "input_ids": prompt as rendered + completion as sampled, "loss_mask": 0 … 0 1 … 1,
+  "metadata"}``. The drafter learns the tokens the target sampled, not a re-tokenization of
+  their text (which can differ). A row without token ids goes to ``<dest>_skipped.jsonl``.
+
+**Flagged conversations** (`specforge`, `speculators`, `speculators-tokens`: the formats a trainer
+reads as they are):
+a row whose `flags` column holds a quality flag (a turn cut at max_tokens, a looping answer,
+see `fleet.generation.gates`) is left out and written to ``<dest>_flagged.jsonl`` — the same
+line plus ``"flags"`` — unless `keep_flagged` keeps it (True: every flag; a set: those flags).
+The other formats keep every row (their consumers read the `flags` column, or not).
+Side files that would be empty are not written (an older one is removed). The summary
+(`ExportSummary`) goes into the job's manifest under ``exports`` (keyed by the destination).
 
 The destination is written to DEST.tmp, fsync'd and renamed: a reader never sees half a
 file. A destination ending in ``.gz`` is gzip-compressed.
@@ -38,20 +55,24 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from fleet.generation.durable import fsync
+from fleet.generation.gates import GATES
 from fleet.generation.jsonl import dumps, loads
-from fleet.generation.manifest import read_manifest
+from fleet.generation.manifest import read_manifest, write_manifest
 from fleet.generation.results import iter_results, read_errors
 from fleet.generation.schema import message_from_arrow, params_from_arrow
+from fleet.generation.trainerfiles import handed_back, input_fields, side_lines
+from fleet.generation.trainerrules import specforge_problem
 
-__all__ = ["export", "FORMATS"]
+__all__ = ["export", "ExportSummary", "FORMATS", "TRAINER_FORMATS", "side_path"]
 
-Format = Literal["openai-batch", "jsonl", "sharegpt", "specforge", "speculators"]
-FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt", "specforge", "speculators")
+Format = Literal["openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens"]
+FORMATS: tuple[str, ...] = ("openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens")
 
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 
@@ -118,7 +139,7 @@ def _flat_line(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     out["messages"] = _messages(row)
     out["params"] = params_from_arrow(row.get("params"))
-    out["extra"] = _json(row.get("extra"))
+    out["extra"] = input_fields(row)[0] or None
     return out
 
 
@@ -171,53 +192,47 @@ def _role_content(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _specforge_problem(conv: list[dict[str, Any]], raw: list[dict[str, Any]]) -> str | None:
-    """Why SpecForge's conversation check would refuse `conv`, or None (its documented rules:
-    system only before the first user turn, then user and assistant alternating, user and
-    system text non-empty, assistant content a string)."""
-    expected, saw_user = "user", False
-    for i, (m, r) in enumerate(zip(conv, raw)):
-        role = m["role"]
-        if not isinstance(r.get("content", ""), str) and r.get("content") is not None:
-            return f"message {i}: content parts (not text) cannot be expressed for SpecForge"
-        if m.get("tool_calls") or role == "tool":
-            return f"message {i}: tool calls and tool turns are not part of SpecForge's conversation format"
-        if role != "assistant" and not m["content"].strip():
-            return f"message {i} ({role}): empty content"
-        if role == "system" and not saw_user:
-            continue
-        if role != expected:
-            return f"message {i}: expected a {expected} turn, got {role}"
-        saw_user = True
-        expected = "assistant" if role == "user" else "user"
-    return None if saw_user else "no user turn"
-
-
-def _specforge_line(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def _conversation(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The whole conversation, generated answer last: as role/content turns, and as stored."""
     raw = _messages(row) + [_answer(row)]
-    conv = [_role_content(m) for m in raw]
-    out: dict[str, Any] = dict(_json(row.get("extra")) or {})
-    out["id"] = row["id"]
-    tools = _tools(row)
-    if tools:
-        out["tools"] = tools
-    out["conversations"] = conv
-    problem = _specforge_problem(conv, raw)
+    return [_role_content(m) for m in raw], raw
+
+
+def _specforge_line(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    conv, raw = _conversation(row)
+    fields, order = input_fields(row)
+    out = handed_back(fields, order, row["id"], conv, _tools(row))
+    problem = specforge_problem(raw)
     if problem is not None:
         out["status"] = "skipped"
-        out["error"] = problem
-        return out, False
+        out["error"] = f"SpecForge would refuse it: {problem}"
+        return [out], False
     out["status"] = "success"
+    return [out], True
+
+
+def _speculators_line(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    fields, order = input_fields(row)
+    return [handed_back(fields, order, row["id"], _conversation(row)[0], _tools(row))], True
+
+
+NO_TOKEN_IDS = ("no token ids stored for this row: the engine returned none (set generation.return_token_ids = "
+                "true, on an engine that honours it, e.g. vLLM)")
+
+
+def _speculators_token_lines(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """speculators' pre-tokenized rows, as its `regenerate-responses` writes them: one per generated
+    turn, the prompt as the engine rendered it (loss_mask 0), then the tokens it sampled (1)."""
+    turns = row.get("token_ids")
+    if not turns:
+        return [{"id": row["id"], "status": "skipped", "error": NO_TOKEN_IDS}], False
+    out = []
+    for j, t in enumerate(turns):
+        prompt, completion = t["prompt"] or [], t["completion"] or []
+        out.append({"id": f"{row['id']}_gen{j}", "primary_id": row["id"],
+                    "input_ids": [*prompt, *completion], "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                    "metadata": {"turn": j + 1, "turns": len(turns), "server": row.get("server")}})
     return out, True
-
-
-def _speculators_line(row: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": row["id"],
-                           "conversations": [_role_content(m) for m in _messages(row) + [_answer(row)]]}
-    tools = _tools(row)
-    if tools:
-        out["tools"] = tools
-    return out
 
 
 def _model_name(out_dir: str | Path) -> str | None:
@@ -233,53 +248,122 @@ def _model_name(out_dir: str | Path) -> str | None:
     return names.pop() if len(names) == 1 else None
 
 
-def export(out_dir: str | Path, fmt: Format, dest: str | Path) -> int:
-    """Write the job in `out_dir` to `dest` as `fmt`; return the rows written (errors included
-    for openai-batch). Streams shard by shard; the write is atomic."""
+TRAINER_FORMATS: tuple[str, ...] = ("specforge", "speculators", "speculators-tokens")
+
+
+@dataclass
+class ExportSummary:
+    """What one export wrote and left out."""
+
+    format: str
+    dest: str
+    rows: int = 0                                   # lines in DEST (errors included for openai-batch; one per
+                                                    # turn for speculators-tokens)
+    flagged_left_out: int = 0                       # rows in DEST_flagged.jsonl
+    left_out_by_flag: dict[str, int] = field(default_factory=dict)   # flag -> rows left out carrying it
+    flagged_kept: int = 0                           # rows in DEST that carry a flag (kept on request)
+    skipped: int = 0                                # rows in DEST_skipped.jsonl (trainer formats)
+    errors: int = 0                                 # lines in DEST_error.jsonl (specforge)
+    files: dict[str, str] = field(default_factory=dict)   # side file kind -> path (those written)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _left_out(flags: list[str] | None, keep: bool | frozenset[str]) -> bool:
+    if not flags or keep is True:
+        return False
+    return keep is False or not set(flags) <= keep
+
+
+def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
+           keep_flagged: bool | Collection[str] = False) -> ExportSummary:
+    """Write the job in `out_dir` to `dest` as `fmt` (see the module docstring). Streams shard by
+    shard; every file is written atomically."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     dest = Path(dest)
     if not (Path(out_dir) / "shards").is_dir():
         raise FileNotFoundError(f"{out_dir} holds no generation results (no shards/ directory)")
+    keep: bool | frozenset[str] = keep_flagged if isinstance(keep_flagged, bool) else frozenset(keep_flagged)
+    if not isinstance(keep, bool) and not keep <= set(GATES):
+        raise ValueError(f"--keep-flagged: unknown flag(s) {', '.join(sorted(keep - set(GATES)))}; "
+                         f"the flags are the quality gates: {', '.join(GATES)}")
+    if fmt not in TRAINER_FORMATS:
+        keep = True
     model = _model_name(out_dir) if fmt == "openai-batch" else None
-    convert: Callable[[dict[str, Any]], Any] = {
-        "openai-batch": lambda r: _openai_line(r, model),
-        "jsonl": _flat_line,
-        "sharegpt": _sharegpt_line,
+    convert: Callable[[dict[str, Any]], tuple[list[dict[str, Any]], bool]] = {
+        "openai-batch": lambda r: ([_openai_line(r, model)], True),
+        "jsonl": lambda r: ([_flat_line(r)], True),
+        "sharegpt": lambda r: ([_sharegpt_line(r)], True),
         "specforge": _specforge_line,
         "speculators": _speculators_line,
+        "speculators-tokens": _speculators_token_lines,
     }[fmt]
-    with _Atomic(dest) as f, _Atomic(skipped_path(dest) if fmt == "specforge" else None, keep_empty=False) as skipped:
-        n = 0
+    summary = ExportSummary(fmt, str(dest))
+    trainer, spec = fmt in TRAINER_FORMATS, fmt == "specforge"
+    # the side files this format has (only those: a jsonl export leaves a specforge one's alone)
+    sides = {k: _Atomic(side_path(dest, k) if on else None, keep_empty=False)
+             for k, on in (("flagged", trainer), ("skipped", trainer), ("error", spec))}
+    with _Atomic(dest) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
         for batch in iter_results(out_dir):
-            lines, side = [], []
             for r in batch.to_pylist():
-                rec = convert(r)
-                if fmt == "specforge":
-                    rec, ok = rec
-                    if not ok:
-                        side.append(dumps(rec) + b"\n")
-                        continue
-                lines.append(dumps(rec) + b"\n")
-            f.write(b"".join(lines))
-            n += len(lines)
-            if side:
-                skipped.write(b"".join(side))
-        if fmt == "openai-batch":
-            for rec in read_errors(out_dir):
-                f.write(dumps(_openai_error_line(rec)) + b"\n")
-                n += 1
-    return n
+                recs, ok = convert(r)
+                lines = b"".join(dumps(rec) + b"\n" for rec in recs)
+                if not ok:
+                    skipped.write(lines)
+                    summary.skipped += 1
+                elif _left_out(r.get("flags"), keep):
+                    flagged.write(b"".join(dumps({**rec, "flags": r["flags"]}) + b"\n" for rec in recs))
+                    summary.flagged_left_out += 1
+                    for g in r["flags"]:
+                        summary.left_out_by_flag[g] = summary.left_out_by_flag.get(g, 0) + 1
+                else:
+                    f.write(lines)
+                    summary.rows += len(recs)
+                    summary.flagged_kept += bool(r.get("flags")) and fmt in TRAINER_FORMATS
+        _trailers(out_dir, fmt, f, error, skipped, summary)
+    summary.files = {k: str(a.dest) for k, a in sides.items() if a.dest is not None and a.used}
+    _record(out_dir, summary)
+    return summary
 
 
-def skipped_path(dest: str | Path) -> Path:
-    """Where `specforge` puts rows SpecForge cannot take: DEST's name with `_skipped` before `.jsonl`."""
+def _trailers(out_dir: str | Path, fmt: str, f: Any, error: Any, skipped: Any, summary: ExportSummary) -> None:
+    """What follows the completed rows: openai-batch's error lines; specforge's error and skipped files."""
+    if fmt == "openai-batch":
+        for rec in read_errors(out_dir):
+            f.write(dumps(_openai_error_line(rec)) + b"\n")
+            summary.rows += 1
+    elif fmt == "specforge":
+        errors, rejects = side_lines(out_dir)
+        for line in errors:
+            error.write(dumps(line) + b"\n")
+            summary.errors += 1
+        for line in rejects:
+            skipped.write(dumps(line) + b"\n")
+            summary.skipped += 1
+
+
+def _record(out_dir: str | Path, summary: ExportSummary) -> None:
+    """Note the export in the job's manifest (`exports`, keyed by destination): what it left out."""
+    try:
+        m = read_manifest(out_dir)
+    except (OSError, ValueError):
+        return
+    if m is None:
+        return
+    m.setdefault("exports", {})[summary.dest] = summary.as_dict()
+    write_manifest(out_dir, m)
+
+
+def side_path(dest: str | Path, kind: str) -> Path:
+    """A side file of an export: DEST's name with `_KIND` before `.jsonl` (`train_flagged.jsonl`)."""
     dest = Path(dest)
     name = dest.name
     for suffix in (".jsonl.gz", ".jsonl", ".gz"):
         if name.endswith(suffix):
-            return dest.with_name(name[: -len(suffix)] + "_skipped" + suffix)
-    return dest.with_name(name + "_skipped")
+            return dest.with_name(name[: -len(suffix)] + f"_{kind}" + suffix)
+    return dest.with_name(name + f"_{kind}")
 
 
 class _Atomic:
@@ -290,6 +374,7 @@ class _Atomic:
     def __init__(self, dest: Path | None, keep_empty: bool = True) -> None:
         self.dest = dest
         self.keep_empty = keep_empty
+        self.used = False
 
     def __enter__(self) -> Any:
         if self.dest is None:

@@ -28,7 +28,13 @@ Rules (each one documented here because it decides what ends up generated):
   see `fleet.generation.work`, and the turn order is checked: the conversation may not open
   with an assistant turn nor hold two in a row).
 - **Extra fields.** A row's other top-level keys (source, category, ...) are kept in
-  `Request.extra` (the `extra` column), for exports that hand the input row back.
+  `Request.extra` (the `extra` column), for exports that hand the input row back; for a ShareGPT
+  row whose keys are not in the order "id", "conversations", the others, the order too
+  (`rowshapes.KEY_ORDER`, stored in the `key_order` column): SpecForge keeps it.
+- **Trainer rules.** `generation.input_rules = "specforge"` also rejects what SpecForge's
+  conversation check refuses (`fleet.generation.trainerrules`: two user turns in a row, an
+  empty user or system message, tool turns, content parts, ...), so no request is spent on a
+  row the trainer would drop; the reason starts "SpecForge would refuse it:".
 - **Limit.** `generation.limit = N` reads only the first N rows (blank lines not counted).
 - **Ids.** `custom_id`, else `id` (a string, or an integer turned into its decimal string).
   A row without one gets `content_id(messages, row params)`: "h-" + the first 24 hex digits
@@ -159,6 +165,7 @@ def iter_input(
         return
     dflt = param_defaults(defaults)
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    rules = defaults.input_rules if defaults is not None else "openai"
     limit = defaults.limit if defaults is not None else None
     seen = _SeenIds()
     rows = parquet_rows(path, st) if is_parquet(path) else jsonl_rows(path, st)  # InputError: no such file, a directory
@@ -181,7 +188,7 @@ def iter_input(
                 if skip_ids is not None and skip_ids(rid):
                     st.skipped += 1
                     continue
-            msgs, own, extra = shape(obj, all_turns)
+            msgs, own, extra = shape(obj, all_turns, rules)
             if rid is None:
                 rid = content_id(msgs, own)
                 first = seen.first_line(digest(rid), line)

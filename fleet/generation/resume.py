@@ -106,6 +106,7 @@ def _scan_ids(path: Path, defaults: GenerationConfig | None) -> _IdScan:
     """One pass over the lines reading only each row's id; a row with a string id is the hot
     path (parse, look up, append: nothing else), any other row is validated as `iter_input` does."""
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    rules = defaults.input_rules if defaults is not None else "openai"
     limit = defaults.limit if defaults is not None else None
     digests, where = array("Q"), array("I")
     rejects: dict[int, str] = {}
@@ -142,7 +143,7 @@ def _scan_ids(path: Path, defaults: GenerationConfig | None) -> _IdScan:
                 n -= 1
                 break
             try:
-                rid = _slow_row_id(obj, all_turns)
+                rid = _slow_row_id(obj, all_turns, rules)
             except Bad as bad:
                 rejects[n] = str(bad.args[0])
                 continue
@@ -156,7 +157,7 @@ def _scan_ids(path: Path, defaults: GenerationConfig | None) -> _IdScan:
     return _IdScan(digests=digests, lines=where, rejects=rejects, rows=n - blank, blank=blank, error=error)
 
 
-def _slow_row_id(obj: Any, all_turns: bool) -> str:
+def _slow_row_id(obj: Any, all_turns: bool, rules: str) -> str:
     """The id of a row off the hot path (an integer id; no id: its content id, which needs the
     row validated). Raises Bad for a row to reject."""
     if isinstance(obj, Bad):
@@ -165,7 +166,7 @@ def _slow_row_id(obj: Any, all_turns: bool) -> str:
         raise Bad(f"row is not a JSON object (got {type_name(obj)})")
     rid = row_id(obj, ("custom_id", "id"))
     if rid is None:
-        rid = content_id(*shape(obj, all_turns)[:2])
+        rid = content_id(*shape(obj, all_turns, rules)[:2])
     return rid
 
 
@@ -221,6 +222,7 @@ def iter_planned(path: Path, defaults: GenerationConfig | None, plan: ResumePlan
     """The second pass of a planned resume: read only the planned lines, in order."""
     dflt = param_defaults(defaults)
     all_turns = defaults is not None and defaults.regenerate == "all-turns"
+    rules = defaults.input_rules if defaults is not None else "openai"
     st.rows += plan.rows
     st.blank += plan.blank
     st.skipped += plan.skipped
@@ -239,7 +241,7 @@ def iter_planned(path: Path, defaults: GenerationConfig | None, plan: ResumePlan
                 st.rejects += 1
                 yield Reject(line=n, id=None, reason=reason, raw=raw_text(line))
             else:
-                item = _planned_row(n, line, plan.first_at.get(n), dflt, all_turns)
+                item = _planned_row(n, line, plan.first_at.get(n), dflt, all_turns, rules)
                 if isinstance(item, Reject):
                     st.rejects += 1
                 else:
@@ -251,7 +253,8 @@ def iter_planned(path: Path, defaults: GenerationConfig | None, plan: ResumePlan
         raise plan.error
 
 
-def _planned_row(n: int, line: bytes, first: int | None, dflt: dict[str, Any], all_turns: bool) -> Request | Reject:
+def _planned_row(n: int, line: bytes, first: int | None, dflt: dict[str, Any], all_turns: bool,
+                 rules: str) -> Request | Reject:
     """One planned line: a request, a reject from validation, or a duplicate (`first`: its first line)."""
     rid: str | None = None
     try:
@@ -259,7 +262,7 @@ def _planned_row(n: int, line: bytes, first: int | None, dflt: dict[str, Any], a
         rid = row_id(obj, ("custom_id", "id"))
         if rid is not None and first is not None:
             raise Bad(f"{DUPLICATE_REASON} (first at line {first})")
-        msgs, own, extra = shape(obj, all_turns)
+        msgs, own, extra = shape(obj, all_turns, rules)
         if rid is None:
             rid = content_id(msgs, own)
             if first is not None:

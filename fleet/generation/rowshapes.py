@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.generation.jsonl import loads
 from fleet.generation.rows import Bad, strip_none, type_name
+from fleet.generation.trainerrules import specforge_problem
 
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
 
-__all__ = ["KNOWN_PARAMS", "ROLES", "Shape", "apply_defaults", "param_defaults", "row_id", "shape"]
+__all__ = ["KEY_ORDER", "KNOWN_PARAMS", "ROLES", "Shape", "apply_defaults", "param_defaults", "row_id", "shape"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -26,6 +27,7 @@ KNOWN_PARAMS = frozenset({
     "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "chat_template_kwargs", "reasoning_effort", "separate_reasoning", "skip_special_tokens",
     "min_tokens", "ignore_eos", "regex", "ebnf", "json_schema", "n", "model", "stream", "stream_options",
+    "return_token_ids",
 })
 _DROPPED_PARAMS = ("model", "stream", "stream_options", "n")
 
@@ -245,8 +247,16 @@ def row_id(row: dict[str, Any], keys: tuple[str, ...]) -> str | None:
 Shape = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None]
 
 
-def _extra(row: dict[str, Any], used: frozenset[str]) -> dict[str, Any] | None:
+# In `Request.extra` (split out into the result's `key_order` column, `work.RowWork.result`): the
+# input row's top-level keys in their order, when an export that hands the row back (specforge)
+# could not tell it from the default "id", "conversations", then the others.
+KEY_ORDER = "_fleet_key_order"
+
+
+def _extra(row: dict[str, Any], used: frozenset[str], keep_order: bool = False) -> dict[str, Any] | None:
     extra = {k: v for k, v in row.items() if k not in used}
+    if keep_order and list(row) != ["id", "conversations", *extra]:
+        extra[KEY_ORDER] = list(row)
     return extra or None
 
 
@@ -344,10 +354,21 @@ def _sharegpt_row(row: dict[str, Any], all_turns: bool) -> Shape:
         msgs.pop()  # the answer we regenerate
     if not msgs:
         raise Bad("empty conversations")
-    return _check_messages(msgs, all_turns), _check_params(params), _extra(row, _SHAREGPT_KEYS)
+    return _check_messages(msgs, all_turns), _check_params(params), _extra(row, _SHAREGPT_KEYS, True)
 
 
-def shape(row: dict[str, Any], all_turns: bool = False) -> Shape:
+def shape(row: dict[str, Any], all_turns: bool = False, rules: str = "openai") -> Shape:
+    """The row's messages, params and extra fields; `rules` = "specforge" also refuses what
+    SpecForge's conversation check would (`trainerrules`), so no request is spent on it."""
+    out = _shape(row, all_turns)
+    if rules == "specforge":
+        problem = specforge_problem(out[0], check_assistant_text=not all_turns)
+        if problem is not None:
+            raise Bad(f"SpecForge would refuse it: {problem}")
+    return out
+
+
+def _shape(row: dict[str, Any], all_turns: bool) -> Shape:
     if row.get("body") is not None:
         return _batch_row(row, all_turns)
     if row.get("messages") is not None:
@@ -363,6 +384,8 @@ def param_defaults(cfg: GenerationConfig | None) -> dict[str, Any]:
 
         cfg = GenerationConfig()
     d: dict[str, Any] = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
+    if cfg.return_token_ids:
+        d["return_token_ids"] = True
     for k in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
               "stop", "chat_template_kwargs"):
         v = getattr(cfg, k)

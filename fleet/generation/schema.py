@@ -46,6 +46,7 @@ _PARAM_FIELDS = [
     ("presence_penalty", pa.float64()), ("frequency_penalty", pa.float64()), ("repetition_penalty", pa.float64()),
     ("seed", pa.int64()), ("stop", pa.list_(pa.string())), ("reasoning_effort", pa.string()),
 ]
+TOKEN_TURN_TYPE = pa.struct([pa.field("prompt", pa.list_(pa.int32())), pa.field("completion", pa.list_(pa.int32()))])
 PARAMS_TYPE = pa.struct([pa.field(k, t) for k, t in _PARAM_FIELDS] + [
     pa.field("chat_template_kwargs", pa.string()),  # JSON object
     pa.field("tools", pa.string()),                 # JSON list of tool definitions
@@ -72,10 +73,16 @@ RESULT_SCHEMA = pa.schema([
     pa.field("flags", pa.list_(pa.string())),  # quality gates with action "flag" that fired, null when none
     pa.field("turns", pa.int32()),  # assistant turns generated for this row (all-turns mode: every one)
     pa.field("extra", pa.string()),  # the input row's other top-level fields, JSON object
+    # Per generated turn, the token ids the engine reported (`generation.return_token_ids`): the
+    # prompt as it rendered it and the completion as it sampled it. Null when it sent none.
+    pa.field("token_ids", pa.list_(TOKEN_TURN_TYPE)),
+    # The input row's top-level keys in order, for exports that hand the row back (SpecForge
+    # keeps the input's key order); null when it is "id", "conversations", then the others.
+    pa.field("key_order", pa.list_(pa.string())),
 ])
 RESULT_COLUMNS = RESULT_SCHEMA.names
 COLUMN_SET = frozenset(RESULT_COLUMNS)
-NESTED_COLUMNS = frozenset({"messages", "tool_calls", "params", "flags"})
+NESTED_COLUMNS = frozenset({"messages", "tool_calls", "params", "flags", "token_ids", "key_order"})
 _INT_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "attempts", "turns"})
 _FLOAT_COLUMNS = frozenset({"latency_s", "started_at", "finished_at"})
 DICT_COLUMNS = ["finish_reason", "server", "params.tools", "params.chat_template_kwargs",
@@ -237,8 +244,12 @@ def _conv_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
+def _conv_token_ids(v: Any) -> list[dict[str, Any]] | None:
+    return list(v) if v else None
+
+
 _SPECIAL = {"messages": _conv_messages, "tool_calls": _conv_tool_calls, "params": _conv_params,
-            "flags": _conv_flags, "extra": _conv_extra}
+            "flags": _conv_flags, "extra": _conv_extra, "token_ids": _conv_token_ids, "key_order": _conv_flags}
 CONVERTERS = [
     _SPECIAL[c] if c in _SPECIAL else _conv_int if c in _INT_COLUMNS
     else _conv_float if c in _FLOAT_COLUMNS else _conv_str(c)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleet.generation.gates import fired, reasoning_expected, verdict
+from fleet.generation.rowshapes import KEY_ORDER
 
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
@@ -44,6 +45,12 @@ def _unit(*parts: str) -> float:
     """A number in [0, 1) from the parts, stable across processes (unlike hash())."""
     h = hashlib.blake2b("\x1f".join(parts).encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64
+
+
+def _without(d: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    if not d or key not in d:
+        return d
+    return {k: v for k, v in d.items() if k != key} or None
 
 
 @dataclass
@@ -102,7 +109,7 @@ class RowWork:
 
     __slots__ = ("req", "plan", "id", "line", "messages", "params", "turn", "turns", "tries", "_conv", "_slots",
                  "_built", "_expect_reasoning", "flags", "reasons", "prompt_tokens", "completion_tokens",
-                 "attempts", "latency_s", "started_at", "requests")
+                 "attempts", "latency_s", "started_at", "requests", "token_turns")
 
     def __init__(self, req: Request, plan: RowPlan) -> None:
         self.req = req
@@ -137,6 +144,7 @@ class RowWork:
         self.latency_s = 0.0
         self.started_at: float | None = None
         self.requests = 0             # answers received (every turn, every gate retry)
+        self.token_turns: list[dict[str, list[int]]] = []   # per kept turn: the ids the engine reported
 
     def _request_messages(self) -> list[dict[str, Any]]:
         return [({k: v for k, v in m.items() if k != "reasoning_content"}
@@ -175,6 +183,8 @@ class RowWork:
             if v.action == "reject":
                 self.reasons = v.reasons
                 return False   # no point generating the rest of a rejected conversation
+        if out.token_ids is not None and out.prompt_token_ids is not None:
+            self.token_turns.append({"prompt": out.prompt_token_ids, "completion": out.token_ids})
         if self.turn + 1 >= self.turns:
             return False
         msg: dict[str, Any] = {"role": "assistant", "content": out.completion}
@@ -219,6 +229,9 @@ class RowWork:
             "finished_at": out.finished_at,
             "flags": self.flags or None,
             "turns": self.turn + 1,
-            "extra": self.req.extra,
+            "extra": _without(self.req.extra, KEY_ORDER),
+            "key_order": (self.req.extra or {}).get(KEY_ORDER),
+            # every turn's, or none: a conversation some of whose turns lack them cannot be tokenized
+            "token_ids": self.token_turns if len(self.token_turns) == self.turn + 1 else None,
         }
         return row, list(self.reasons)

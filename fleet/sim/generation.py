@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import time
+import zlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -50,6 +51,23 @@ def _text_of(content: Any) -> str:
 
 def _prompt_tokens_of_text(text: str) -> int:
     return len(text) // 4 + 1
+
+
+_VOCAB = 500   # ids fit the smallest tiny model (fleet.tinymodel: vocab_size >= 512)
+
+
+def _token_id(piece: str) -> int:
+    return zlib.crc32(piece.encode("utf-8", "surrogatepass")) % _VOCAB
+
+
+def prompt_token_ids(messages: list[Any]) -> list[int]:
+    """The sim's rendering of a prompt as token ids (return_token_ids): one id per 4 characters
+    of each message's text, as many as its prompt-token count."""
+    ids: list[int] = []
+    for m in messages:
+        text = _text_of(m.get("content"))
+        ids.extend(_token_id(text[4 * i: 4 * i + 4]) for i in range(_prompt_tokens_of_text(text)))
+    return ids
 
 
 def lognormal_length(spec: str, h: int, max_tokens: int) -> int:
@@ -263,9 +281,11 @@ class Generation:
         created = int(time.time())
         if body.get("stream"):
             return self._chat_stream(req, conn, body, plan, cid, created, model, n_reason)
+        ids = prompt_token_ids(messages) if body.get("return_token_ids") is True else None
         if self.engine.lockstep is not None:
-            return self._run_lockstep(conn, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking))
-        return self._run(plan, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking))
+            return self._run_lockstep(conn, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking,
+                                                                      ids))
+        return self._run(plan, lambda: self._chat_answer(plan, cid, created, model, n_reason, thinking, ids))
 
     @staticmethod
     def _chat_messages(body: dict[str, Any]) -> tuple[list[Any], int]:
@@ -312,7 +332,9 @@ class Generation:
         return self._stream(req, conn, plan, chunks, first, last)
 
     def _chat_answer(self, plan: Plan, cid: str, created: int, model: Any, n_reason: int,
-                     thinking: bool) -> Resp:
+                     thinking: bool, prompt_ids: list[int] | None = None) -> Resp:
+        """The chat.completion; with `prompt_ids` (the request asked return_token_ids) also vLLM's
+        `prompt_token_ids` and the choice's `token_ids`: one id per word generated, as sampled."""
         words = words_for(plan.key, plan.completion_tokens)
         content = " ".join(words[n_reason:])
         reasoning = " ".join(words[:n_reason]) if thinking else None
@@ -321,12 +343,14 @@ class Generation:
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         message["tool_calls"] = None
-        return json_resp(200, {
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": plan.finish, "matched_stop": None}],
-            "usage": self._usage(plan),
-        })
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                                  "finish_reason": plan.finish, "matched_stop": None}
+        doc: dict[str, Any] = {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                               "choices": [choice], "usage": self._usage(plan)}
+        if prompt_ids is not None:
+            choice["token_ids"] = [_token_id(w) for w in words]
+            doc["prompt_token_ids"] = prompt_ids
+        return json_resp(200, doc)
 
     # -- /v1/completions ----------------------------------------------------------------
 
