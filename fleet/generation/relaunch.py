@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fleet.config import FleetConfig
 from fleet.generation.serverstate import Endpoint
 from fleet.generation.jobspec import ServerEntry
+from fleet.net import tls_context
 
 __all__ = ["JobServers"]
 
@@ -71,9 +72,9 @@ def _generation_answers(ep: Endpoint, timeout: float = 20.0) -> bool:
 
     headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
     try:
-        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers)
+        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers, verify=tls_context())
         if r.status_code == 404:
-            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers)
+            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers, verify=tls_context())
         return r.status_code == 200
     except httpx.HTTPError:
         return False
@@ -119,7 +120,7 @@ class JobServers:
         from fleet.smoke import smoke
 
         try:
-            if httpx.get(ep.url + "/health", timeout=10).status_code != 200:
+            if httpx.get(ep.url + "/health", timeout=10, verify=tls_context()).status_code != 200:
                 return False
         except httpx.HTTPError:
             return False
