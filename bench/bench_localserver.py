@@ -153,13 +153,28 @@ def reattach(cwd: Path, home: Path, cfg: Path, rows: Path, out: Path, want: str 
     return {**got, "server_cpu_s": server_cpu(home) - srv, "load": load}
 
 
-def stop_runner(out: Path) -> None:
-    """SIGTERM what still runs of the bench's fleets (the runner and servers: their pid files under `work`)."""
+def stop_runner(out: Path, wait_s: float = 60.0) -> None:
+    """SIGTERM what still runs of the bench's fleets (the runner and servers: their pid files under `work`)
+    and wait for it to be gone: the runner writes its manifest as it stops, into the temp dir removed next."""
+    pids = []
     for pid_file in out.rglob("*.pid"):
         try:
-            os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+            pid = int(pid_file.read_text().split()[0])
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
         except (OSError, ValueError, IndexError):
             pass
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
 
 
 def up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:

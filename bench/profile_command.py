@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 EVERY_S = 0.004
 TICK = os.sysconf("SC_CLK_TCK")
-stacks: collections.Counter[tuple[str, ...]] = collections.Counter()
+stacks: collections.defaultdict[tuple[str, ...], float] = collections.defaultdict(float)
 contexts: collections.Counter[str] = collections.Counter()
 requests: collections.Counter[str] = collections.Counter()
 done = threading.Event()
@@ -43,7 +43,7 @@ def thread_cpu(tid: int) -> float | None:
 
 
 def sample() -> None:
-    me, last = threading.get_native_id(), {}
+    me, last = threading.get_native_id(), dict[int, float]()
     while not done.wait(EVERY_S):
         frames = sys._current_frames()
         for t in threading.enumerate():
@@ -86,7 +86,7 @@ def count_tls() -> None:
         contexts[" < ".join(reversed(caller[-3:]))] += 1
         return real(*args, **kwargs)
 
-    ssl.create_default_context = counting  # type: ignore[assignment]
+    ssl.create_default_context = counting
 
 
 def count_requests() -> None:
@@ -114,13 +114,13 @@ def report(top: int, t0: float, c0: float) -> None:
     out = sys.stderr
     print(f"\nwall {time.monotonic() - t0:.2f} s, process CPU {time.process_time() - c0:.2f} s, sampled "
           f"{total:.2f} s, load {os.getloadavg()[0]:.1f}", file=out)
-    cats: collections.Counter[str] = collections.Counter()
-    incl: collections.Counter[str] = collections.Counter()
+    cats: collections.defaultdict[str, float] = collections.defaultdict(float)
+    incl: collections.defaultdict[str, float] = collections.defaultdict(float)
     for st, cpu in stacks.items():
         cats[category(st)] += cpu
         for fn in set(st):
             incl[fn.replace(str(ROOT) + "/", "").split("site-packages/")[-1]] += cpu
-    for name, cpu in cats.most_common():
+    for name, cpu in sorted(cats.items(), key=lambda kv: -kv[1]):
         print(f"  {cpu:5.2f} s  {100 * cpu / total:3.0f} %  {name}", file=out)
     print(f"TLS contexts built: {sum(contexts.values())}", file=out)
     for where, n in contexts.most_common():
@@ -129,7 +129,7 @@ def report(top: int, t0: float, c0: float) -> None:
     for what, n in requests.most_common():
         print(f"  {n:3d}  {what}", file=out)
     print(f"top {top} functions (inclusive CPU s):", file=out)
-    for fn, cpu in incl.most_common(top):
+    for fn, cpu in sorted(incl.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {cpu:5.2f}  {fn}", file=out)
 
 
