@@ -1,7 +1,9 @@
-"""`fleet up` on a fleet that is already up: one Prefect server per command (before) vs the
-shared local server (flows/localserver.py), side by side in one run.
+"""`fleet up` on a fleet that is already up, and `fleet generate` re-attaching to a live runner:
+an older tree (default: one Prefect server per command, before flows/localserver.py) vs this
+one, side by side in one run.
 
-    .venv/bin/python bench/bench_localserver.py [--reps 5] [--servers 2] [--old-rev REV | --old-dir DIR] [--out F]
+    .venv/bin/python bench/bench_localserver.py [--reps 5] [--servers 2] [--old-rev REV | --old-dir DIR]
+                                                [--generate] [--out F]
 
 The old path is the code just before flows/localserver.py was added (`git archive` of
 `--old-rev`, default the parent of the commit that added it), run with this venv's Python from
@@ -9,11 +11,19 @@ that directory, so its `flows`/`fleet` are the old ones (`--old-dir`: such a tre
 beforehand, for a machine without the git history). Each path has its own PREFECT_HOME
 (its own database); both adopt the same sim fleet. After one warm-up command per path (it
 brings the fleet up, creates the database and, on the new path, starts the local server),
-the two alternate (old, new, new, old, …) so load drifts hit both alike. Per command: wall
+the two alternate (old, new, new, old, …) so load drifts hit both alike. Both trees run from
+compiled bytecode (compileall first, as a machine that writes bytecode has after a first run). Per command: wall
 seconds, CPU seconds of the command and the children it waited for (the old path's server
 among them), CPU seconds the shared server spent meanwhile (new path), the flow's own
 "up in X s", and the load average. Prints a markdown table; `fleet down` and the local
 server's stop at the end.
+
+`--generate` adds `fleet generate` re-attaching: a second sim fleet (one request at a time per
+server, long answers: the job outlasts the bench) gets a job started once by this tree; then each
+path runs the same `fleet generate` command, which re-attaches to that runner. Measured per
+command: seconds to its first line (the plan, Prefect-free: "re-attaching to the runner …"), to
+the flow's "re-attached to runner pid …" line, and the command's CPU seconds at that moment (its
+/proc stat, children included); then it gets a Ctrl-C (the runner is detached and goes on).
 """
 
 from __future__ import annotations
@@ -24,10 +34,12 @@ import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -48,15 +60,31 @@ def old_tree(rev: str | None, dest: Path) -> str:
     return rev
 
 
-def sim_config(d: Path, servers: int) -> Path:
-    data = {"name": "bench-localserver", "nodes": [{"name": "local", "workdir": str(d / "work")}],
-            "engine": {"kind": "sim", "sim": {"startup_s": 2.0, "first_request_delay_s": 1.0}},
+def sim_config(d: Path, servers: int, name: str = "bench-localserver", port: int = 30600,
+               **extra: dict[str, object]) -> Path:
+    sim: dict[str, object] = {"startup_s": 2.0, "first_request_delay_s": 1.0}
+    sim.update(extra.pop("sim", {}))
+    data = {"name": name, "nodes": [{"name": "local", "workdir": str(d / "work")}],
+            "engine": {"kind": "sim", "sim": sim},
             "model": {"served_name": "sim-model"}, "venv": {"path": str(d / "venv")},
-            "servers": {"count": servers, "base_port": free_port_block(servers, start=30600)},
-            "smoke": {"first_timeout_s": 30.0, "timeout_s": 10.0}}
-    path = d / "bench.toml"
+            "servers": {"count": servers, "base_port": free_port_block(servers, start=port)},
+            "smoke": {"first_timeout_s": 30.0, "timeout_s": 10.0}, **extra}
+    path = d / f"{name}.toml"
     path.write_text(to_toml(data))
     return path
+
+
+def gen_config(d: Path, servers: int) -> tuple[Path, Path]:
+    """A fleet whose job outlasts the bench (one 2,048-token answer at a time per server, 20,000
+    rows) and its input."""
+    cfg = sim_config(d, servers, name="bench-reattach", port=30700,
+                     sim={"tokens_per_s": 1000.0, "max_running_requests": 1},
+                     generation={"max_tokens": 2048, "max_concurrency_per_server": 1})
+    rows = d / "rows.jsonl"
+    with rows.open("w") as f:
+        for i in range(20_000):
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"row {i}"}]}) + "\n")
+    return cfg, rows
 
 
 def server_cpu(home: Path) -> float:
@@ -70,10 +98,87 @@ def server_cpu(home: Path) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
+def command_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"))
+               PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"), PYTHONUNBUFFERED="1")
+    return env
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a running process and the children it has waited for."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def reattach(cwd: Path, home: Path, cfg: Path, rows: Path, out: Path, want: str = "re-attached to") -> dict[str, float]:
+    """`fleet generate` until the flow says `want` about the runner, then Ctrl-C."""
+    load = os.getloadavg()[0]
+    srv = server_cpu(home)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "generate", "-c", str(cfg), "--input", str(rows),
+                             "--output", str(out)], cwd=cwd, env=command_env(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    got: dict[str, float] = {}
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "first_line_s" not in got:
+                got["first_line_s"] = time.monotonic() - t0
+            if want in line and not seen.is_set():
+                got["attached_s"] = time.monotonic() - t0
+                got["cpu_s"] = tree_cpu(proc.pid)
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 600
+    while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
+        pass
+    ok = seen.is_set()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    reader.join(10)
+    if not ok:
+        sys.exit(f"fleet generate in {cwd} never said {want!r}:\n{''.join(lines)[-3000:]}")
+    return {**got, "server_cpu_s": server_cpu(home) - srv, "load": load}
+
+
+def stop_runner(out: Path, wait_s: float = 60.0) -> None:
+    """SIGTERM what still runs of the bench's fleets (the runner and servers: their pid files under `work`)
+    and wait for it to be gone: the runner writes its manifest as it stops, into the temp dir removed next."""
+    pids = []
+    for pid_file in out.rglob("*.pid"):
+        try:
+            pid = int(pid_file.read_text().split()[0])
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
+    env = command_env(home)
     load = os.getloadavg()[0]
     before, srv = resource.getrusage(resource.RUSAGE_CHILDREN), server_cpu(home)
     t0 = time.monotonic()
@@ -95,6 +200,7 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--old-rev", default=None)
     ap.add_argument("--old-dir", type=Path, default=None)
+    ap.add_argument("--generate", action="store_true", help="also `fleet generate` re-attaching to a live runner")
     ap.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="bench-localserver-"))
@@ -106,18 +212,39 @@ def main() -> None:
         rev = old_tree(args.old_rev, old)
     cfg = sim_config(d, args.servers)
     paths = {"old": (old, d / "home-old"), "new": (ROOT, d / "home-new")}
+    for tree, _ in paths.values():
+        # Bytecode for both trees, as any machine has after a first run: here PYTHONDONTWRITEBYTECODE=1
+        # would make every command compile the project's sources again (~0.2 s of CPU).
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *[str(tree / p) for p in ("fleet", "flows", "tasks",
+                                                                                           "blocks")]], check=True)
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    gens: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    gcfg, rows = gen_config(d, args.servers) if args.generate else (None, None)
     try:
         for name, (cwd, home) in paths.items():
             print(f"warm-up {name}: {json.dumps(up(cwd, home, cfg))}", flush=True)
+        if gcfg and rows:
+            print(f"job start (new): {json.dumps(reattach(ROOT, paths['new'][1], gcfg, rows, d / 'out', 'started'))}")
+            for name, (cwd, home) in paths.items():
+                print(f"warm-up generate {name}: {json.dumps(reattach(cwd, home, gcfg, rows, d / 'out'))}", flush=True)
         for i in range(args.reps):
             for name in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 res = up(*paths[name], cfg)
                 runs[name].append(res)
                 print(f"rep {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
+                if gcfg and rows:
+                    res = reattach(*paths[name], gcfg, rows, d / "out")
+                    gens[name].append(res)
+                    print(f"rep {i + 1} {name} generate: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()),
+                          flush=True)
     finally:
-        subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(cfg)], cwd=ROOT, capture_output=True)
-        stop(paths["new"][1] / "fleet-server")
+        for c in (cfg, gcfg):
+            if c:
+                subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(c)], cwd=ROOT,
+                               env=command_env(paths["new"][1]), capture_output=True)
+        stop_runner(d / "work")
+        for _, home in paths.values():
+            stop(home / "fleet-server")
         shutil.rmtree(d, ignore_errors=True)
     print(f"\nold = {rev}; {args.reps} interleaved reps per path, {args.servers} sim servers adopted each time\n")
     print("| path | wall s (median, min–max) | command CPU s (median) | shared server CPU s (median) "
@@ -129,9 +256,22 @@ def main() -> None:
               f"| {statistics.median(col['cpu_s']):.2f} | {statistics.median(col['server_cpu_s']):.2f} "
               f"| {statistics.median(col['flow_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
     ratio = statistics.median(r["wall_s"] for r in runs["old"]) / statistics.median(r["wall_s"] for r in runs["new"])
-    print(f"\nwall old/new (medians): {ratio:.2f}x")
+    cpu = statistics.median(r["cpu_s"] for r in runs["old"]) / statistics.median(r["cpu_s"] for r in runs["new"])
+    print(f"\nfleet up, old/new (medians): wall {ratio:.2f}x, command CPU {cpu:.2f}x")
+    if gens["new"]:
+        print("\n`fleet generate` re-attaching to a live runner\n")
+        print("| path | first line s (median) | re-attached s (median, min–max) | command CPU s by then (median) "
+              "| shared server CPU s (median) | load (1 min) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, rs in gens.items():
+            col = {k: [r[k] for r in rs] for k in rs[0]}
+            print(f"| {name} | {statistics.median(col['first_line_s']):.2f} "
+                  f"| {statistics.median(col['attached_s']):.2f} ({min(col['attached_s']):.2f}–"
+                  f"{max(col['attached_s']):.2f}) | {statistics.median(col['cpu_s']):.2f} "
+                  f"| {statistics.median(col['server_cpu_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
     if args.out:
-        args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs}, indent=1))
+        args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs, "generate": gens},
+                                       indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import httpx
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import ServerFailed
+from fleet.net import tls_context
 from fleet.node import Node
 from fleet.servers import excerpt, record_smoke, records, server_paths
 from fleet.smoke import ServerWatch, smoke
@@ -104,7 +105,7 @@ def read_log(node: Node, path: str) -> str:
 def _health(url: str, path: str, api_key: str | None, timeout: float) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(url + path, headers=headers, timeout=timeout)
+        r = httpx.get(url + path, headers=headers, timeout=timeout, verify=tls_context())
     except httpx.TimeoutException:
         return f"timeout after {timeout:g} s"
     except httpx.HTTPError as exc:

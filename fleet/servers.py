@@ -20,6 +20,7 @@ import httpx
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import LogVerdict, ServerSpec, get_profile
 from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
+from fleet.net import tls_context
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
 from fleet.workdir import ensure_workdir
@@ -216,7 +217,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     deadline = t0 + (timeout or cfg.servers.ready_timeout_s)
     text = ""
     last_http = "no answer yet"
-    with httpx.Client(timeout=5.0, headers=headers) as client:
+    with httpx.Client(timeout=5.0, headers=headers, verify=tls_context()) as client:
         while True:
             state, new = node.watch(pid, paths.log, len(text.encode()))
             text += new

@@ -26,6 +26,7 @@ from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
 from fleet.generation.answer import parse_answer
+from fleet.net import tls_context
 
 if TYPE_CHECKING:
     from fleet.engines import LogVerdict
@@ -112,7 +113,7 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
             sleep(min(left, watch_every_s))
             watch()
 
-    with httpx.Client(headers=headers) as client:
+    with httpx.Client(headers=headers, verify=tls_context()) as client:
         for n in range(1, cfg.attempts + 1):
             timeout = cfg.first_timeout_s if n == 1 else cfg.timeout_s
             if watch is not None:
@@ -261,7 +262,7 @@ def fetch_server_info(url: str, api_key: str | None = None, timeout: float = 10.
     """What the server says of itself: SGLang's /server_info (older /get_server_info) and /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info: dict[str, Any] = {}
-    with httpx.Client(headers=headers, timeout=timeout) as client:
+    with httpx.Client(headers=headers, timeout=timeout, verify=tls_context()) as client:
         for path in ("/server_info", "/get_server_info"):
             try:
                 r = client.get(url + path)

@@ -73,9 +73,13 @@ def run_flow(flow: Any, **params: Any) -> Any:
         return name_it.format(**flow_run.parameters) if isinstance(name_it, str) else f"{flow.name}-{flow_run.id}"
 
     unregister = on_interrupt("mark the flow run crashed", lambda: _mark_crashed(run_ids), order=50)
+    # Set on the flow itself for this call rather than through `with_options`, which builds a new
+    # Flow and with it the parameter schema of the whole config again (≈ 0.1 s of CPU per command).
+    flow.flow_run_name = named
     try:
-        return flow.with_options(flow_run_name=named)(**params, return_state=True)
+        return flow(**params, return_state=True)
     finally:
+        flow.flow_run_name = name_it
         unregister()
 
 

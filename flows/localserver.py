@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.errors import FleetError
+from fleet.net import tls_context
 
 DEFAULT_STARTUP_TIMEOUT_S = 90.0
 DEFAULT_IDLE_S = 600.0
@@ -231,7 +232,7 @@ def _wait_healthy(rec: Record, timeout: float, log: Path) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=5, verify=tls_context()) as client:
         while True:
             if not is_live(rec):
                 raise PrefectApiUnavailable(f"the local Prefect server exited{_exit_code(rec.pid)}: {log_tail(log)}")

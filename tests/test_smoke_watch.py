@@ -87,3 +87,32 @@ def test_watch_reads_only_what_the_log_gained(sims) -> None:
         f.write("Scheduler hit an exception: an old crash, before this smoke\n")
     res = smoke(sim.url, "sim-model", SmokeConfig(first_timeout_s=30, attempts=1), watch=watch_of(sim))
     assert res.ok and res.completion_tokens
+
+
+def test_probes_of_many_servers_load_the_ca_bundle_once(sims, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: every HTTP client fleet made (each server's readiness poll, smoke, info fetch) built
+    its own TLS context and loaded the CA bundle again, 30–50 ms of CPU each: 7 in a `fleet up` of
+    two servers, 25 with eight, though the servers speak plain HTTP. The probes now share one
+    context per process (fleet/net.py tls_context); a spy counts the contexts built."""
+    import ssl
+
+    from fleet import net
+    from fleet.smoke import fetch_server_info
+
+    servers = [sims(), sims()]  # started first: their own readiness wait is not fleet's
+    built: list[object] = []
+    real = ssl.create_default_context
+
+    def counting(*args: object, **kwargs: object) -> ssl.SSLContext:
+        built.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    net.tls_context.cache_clear()
+    try:
+        for sim in servers:
+            assert smoke(sim.url, "sim-model", SmokeConfig(first_timeout_s=30, attempts=1)).ok
+            fetch_server_info(sim.url)
+    finally:
+        net.tls_context.cache_clear()  # the next test builds its own, unspied
+    assert len(built) == 1
