@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.generation.answer import parse_answer  # noqa: E402
+from fleet.answer import parse_answer  # noqa: E402
 from fleet.generation.jsonl import loads  # noqa: E402
 
 

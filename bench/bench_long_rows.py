@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from fleet.config import GenerationConfig  # noqa: E402
 from fleet.generation.client import Outcome  # noqa: E402
-from fleet.generation.dispatch import Dispatcher, Endpoint, Summary  # noqa: E402
+from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
+from fleet.generation.manifest import Summary  # noqa: E402
 from fleet.generation.hedge import Flight  # noqa: E402
 from fleet.generation.rows import Request  # noqa: E402
 from fleet.generation.serverstate import ServerState  # noqa: E402

@@ -331,7 +331,7 @@ def stop_test(args: argparse.Namespace, cfg: Any, rows_up: list[dict[str, Any]],
     ev["servers"] = [{k: s_.get(k) for k in ("name", "state", "requests", "downs", "restarts", "stalls", "down_reason",
                                              "timeline")} for s_ in final.get("servers") or []]
     ev["throughput"] = manifest.get("throughput")
-    from fleet.generation.remote import job_dir
+    from fleet.jobs import job_dir
 
     jlog = Path(job_dir(cfg.nodes[0], cfg, str(flow_out))) / "runner.log"
     try:

@@ -20,6 +20,7 @@ import httpx
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import LogVerdict, ServerSpec, get_profile
 from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
+from fleet.jobs import live_jobs
 from fleet.net import tls_context
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
@@ -115,8 +116,6 @@ def listening_ports(node: Node) -> set[int]:
 
 
 def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int) -> None:
-    from fleet.generation.remote import live_jobs
-
     for job in live_jobs(node, spec.workdir, cfg.name):
         if any(s.get("index") == spec.index and s.get("node") in (None, spec.node) for s in job.servers):
             raise JobConflict(

@@ -25,7 +25,7 @@ import httpx
 from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
-from fleet.generation.answer import parse_answer
+from fleet.answer import parse_answer
 from fleet.net import tls_context
 
 if TYPE_CHECKING:

@@ -32,12 +32,13 @@ from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
-from flows.outcome import failed, outcome, quiet_expected_failures
+from flows.outcome import quiet_expected_failures
 from flows.params import for_deployment, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
 from tasks.bringup import launch_server, provision, smoke_server, stage, venv
 from tasks.locks import hold_nodes
 from tasks.nodes import close_all
+from tasks.states import failed, outcome
 
 # The engine's traceback for a run this flow failed on purpose is noise (flows/outcome.py).
 quiet_expected_failures()

@@ -22,7 +22,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.generation.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode import Controller, NodeWork, plan_root
-from flows.outcome import failed
+from tasks.states import failed
 
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,

@@ -7,9 +7,9 @@ With `data=<list of rows>` it is worse: the engine cannot turn a list into an ex
 and logs `TypeError: Unexpected result for failed state … cannot be resolved into an
 exception` instead of the message. Both read like a crash and hide the real message.
 
-So every deliberate failure is `failed(message, data)`: a Failed state whose data is a
-`RunFailed` exception carrying the message and the run's result (summary rows, job
-summary). The engine re-raises exactly that exception, and `quiet_expected_failures`
+So every deliberate failure is `failed(message, data)` (`tasks.states`, where tasks and flows
+both find it): a Failed state whose data is a `RunFailed` exception carrying the message and
+the run's result (summary rows, job summary). The engine re-raises exactly that exception, and `quiet_expected_failures`
 drops the engine's duplicate report of it (only of a `RunFailed`: a real crash keeps
 its traceback). The table itself lives in an artifact; `run_data(state)` gives callers
 in the same process (`fleet up`, tests) the rows of a run whichever way it ended.
@@ -18,59 +18,17 @@ in the same process (`fleet up`, tests) the rows of a run whichever way it ended
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import Any
 
-from prefect.futures import PrefectFuture
 from prefect.client.schemas.objects import State
-from prefect.states import Failed
 
-from fleet.errors import FatalError, FleetError
+from fleet.errors import FleetError
+from tasks.states import RunFailed
 
 # What prefect.flow_engine.run_flow logs (through the flow run's logger) when the final state's
 # exception is re-raised at the end of a run; checked on Prefect 3.9.1.
 _ENGINE_REPORT = "Engine execution exited with unexpected exception"
 _FLOW_RUN_LOGGERS = ("prefect.flow_runs", "prefect.engine")
-
-
-class RunFailed(FatalError):
-    """A fleet run (or one of its tasks) ended Failed on purpose; `data` is what it produced."""
-
-    def __init__(self, message: str, data: Any = None) -> None:
-        super().__init__(message)
-        self.data = data
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable (result persistence, process boundaries)
-        return (type(self), (self.reason, self.data))
-
-
-def failed(message: str, data: Any = None) -> State:
-    """A Failed state with `message` that the engine can resolve into an exception (never a bare list)."""
-    return Failed(message=message, data=RunFailed(message, data))
-
-
-R = TypeVar("R")
-
-
-def outcome(fut: PrefectFuture[R]) -> tuple[R, None] | tuple[R | None, str]:
-    """(result, None) when the task completed; else (its result or None, one line saying why). Never
-    raises. A task that ended through `failed(message, result)` gives back its result (the task's
-    return type) and message; a fleet error's one line keeps its remedy (which setting to change),
-    not just the reason."""
-    fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
-    state = fut.state
-    if state.is_completed():
-        # bounded: the future is done (waited for above)
-        return fut.result(), None
-    # bounded: the future is done (waited for above)
-    data = fut.result(raise_on_failure=False)
-    if isinstance(data, RunFailed) and data.data is not None:
-        result: R = data.data
-        return result, state.message or data.reason
-    if isinstance(data, FleetError):
-        return None, data.one_line()[:800]
-    if isinstance(data, BaseException):
-        return None, (str(data).splitlines() or [type(data).__name__])[0][:800]
-    return None, f"task ended {state.name}"
 
 
 def run_data(state: State) -> Any:

@@ -122,7 +122,7 @@ def for_deployment(state: Any) -> Any:
     message = getattr(state, "message", None)
     if not deployment.id or not message or parameter_words(message) == message:
         return state
-    from flows.outcome import RunFailed, failed
+    from tasks.states import RunFailed, failed
 
     if state.is_failed():
         return failed(parameter_words(message), state.data.data if isinstance(state.data, RunFailed) else None)

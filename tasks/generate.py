@@ -20,7 +20,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, JobConflict
 from fleet.generation.endpoints import endpoint_keys
-from fleet.generation.jobdir import job_dir
+from fleet.jobs import job_dir
 from fleet.generation.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
 from fleet.stages import Generated

@@ -23,7 +23,7 @@ from fleet.revalidate import REVALIDATE_COLUMNS, ServerCheck, check_server, miss
 from fleet.servers import records, server_paths
 from fleet.torndown import describe
 from fleet.torndown import read as torn_down
-from flows.outcome import failed, outcome
+from tasks.states import failed, outcome
 from tasks.audit import write_stage, write_table
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fleet.generation.answer import parse_answer
+from fleet.answer import parse_answer
 from fleet.generation.client import chat, classify_status, new_session
 from fleet.generation.rows import Request
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)

@@ -153,7 +153,7 @@ def test_the_loser_of_two_generates_into_one_directory_exits_2_and_names_the_oth
     before bring-up is told nothing runs yet, as it was at that moment.)"""
     from fleet.demo import to_toml
     from fleet.generation import validate
-    from fleet.generation.jobdir import job_dir
+    from fleet.jobs import job_dir
     from fleet.node import connect
     from fleet.servers import stop_servers
     from flows.cli import main

@@ -485,7 +485,7 @@ def test_different_input_or_parameters_into_a_finished_job_are_refused(tmp_path:
 def live_runner(tmp_path: Path, sims):
     """A real runner, slow enough to be alive, started the way `fleet generate` starts it (job dir, pid file)."""
     from fleet.config import load_config
-    from fleet.generation.remote import job_dir
+    from fleet.jobs import job_dir
 
     a = sims("--tokens-per-s", "20", "--max-running-requests", "2")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
@@ -539,7 +539,8 @@ def test_bringup_refuses_a_spec_change_under_a_live_job(tmp_path: Path, sims) ->
     """Fault: `fleet up` with a changed spec while a runner used the servers replaced them under it (the two
     then fought over the slot). Now the launch is refused naming the job and how to stop it; the server
     keeps running; once the job is stopped the new spec is applied."""
-    from fleet.generation.remote import live_jobs, start_job
+    from fleet.generation.remote import start_job
+    from fleet.jobs import live_jobs
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, wait_ready
     from test_bringup import port_block, sim_config
@@ -584,7 +585,8 @@ def test_bringup_refuses_a_spec_change_under_a_live_job(tmp_path: Path, sims) ->
 def test_a_killed_runner_is_reported_with_a_cause_and_a_remedy(tmp_path: Path, live_runner) -> None:
     """Fault: the runner's death was reported as `generation on local ended running: running`. Now the
     watcher says it died without a final state, how it probably died, and to run the same command again."""
-    from fleet.generation.remote import JobHandle, job_dir, outcome, watch_job
+    from fleet.generation.remote import JobHandle, outcome, watch_job
+    from fleet.jobs import job_dir
     from fleet.node import LocalNode
     from fleet.config import load_config
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from fleet.generation.dispatch import Summary
+from fleet.generation.manifest import Summary
 from fleet.generation.manifest import RunFacts, ServerFacts, build_manifest, cost, run_record
 
 

@@ -97,7 +97,7 @@ def test_flow_killed_runner_goes_on_then_reattached(tmp_path: Path, stop_everyth
     """SIGKILL of the controlling `fleet generate` mid-job: the runner keeps going; running the command again
     re-attaches to it (no second runner) and ends with every id exactly once."""
     from fleet.demo import to_toml
-    from fleet.generation.remote import job_dir
+    from fleet.jobs import job_dir
 
     # ~10 rows/s (4 slots per server, 0.8 s per answer): the job outlives the first command's death
     cfg = sim_config(tmp_path, port_block(2), n=2,

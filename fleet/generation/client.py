@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from fleet.generation.answer import parse_answer
+from fleet.answer import parse_answer
 from fleet.generation.jsonl import dumps, loads
 
 if TYPE_CHECKING:

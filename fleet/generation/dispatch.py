@@ -48,7 +48,6 @@ import random
 import time
 from collections.abc import Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -58,34 +57,15 @@ from fleet.config import GenerationConfig
 from fleet.generation.client import Outcome, chat
 from fleet.generation.health import IsAlive, OnServerDown, ServerHealth
 from fleet.generation.hedge import Backup, Flight, Hedge
+from fleet.generation.manifest import Summary
 from fleet.generation.rowqueue import Job, Ledger, Store, WorkQueue
 from fleet.generation.serverstate import Endpoint, Rate, ServerState
 from fleet.generation.work import RowPlan
 
 log = logging.getLogger("fleet.generation")
 
-__all__ = ["Dispatcher", "Endpoint", "Summary"]
+__all__ = ["Dispatcher", "Endpoint"]
 
-
-@dataclass
-class Summary:
-    state: str                 # done | stopped | failed
-    complete: bool             # input exhausted and every row fed ended in results or errors
-    completed: int
-    errors: int
-    rejects: int
-    fed: int                   # rows accepted from the input this run
-    unfinished: int            # rows fed but left unwritten (a stop): resume sends them again
-    retries: int
-    requeues: int
-    prompt_tokens: int
-    completion_tokens: int
-    wall_s: float
-    reason: str | None = None
-    servers: list[dict[str, Any]] = field(default_factory=list)
-    quality_rejects: int = 0   # rows a quality gate turned away (quality_rejects.jsonl)
-    gates: dict[str, Any] = field(default_factory=dict)   # work.GateStats of this run
-    hedge: dict[str, Any] = field(default_factory=dict)   # hedge.Hedge.stats() of this run
 
 
 class Dispatcher:

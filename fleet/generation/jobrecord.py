@@ -16,7 +16,7 @@ from typing import Any
 from fleet.errors import FatalError, JobConflict
 from fleet.generation.durable import atomic_write
 
-__all__ = ["JOB_FILE", "check_job", "note_input_broken"]
+__all__ = ["JOB_FILE", "check_job", "note_input_broken", "params_diff"]
 
 log = logging.getLogger("fleet.generation.store")
 
@@ -53,8 +53,6 @@ def check_job(out_dir: Path, fingerprint: str | None, params: dict[str, Any] | N
         )
     recorded_params = job.get("params")
     if params is not None and recorded_params is not None and recorded_params != params:
-        from fleet.generation.validate import params_diff
-
         raise JobConflict(
             f"output directory {out_dir} was generated with other parameters "
             f"({'; '.join(params_diff(recorded_params, params))})",
@@ -82,3 +80,13 @@ def note_input_broken(out_dir: Path, cause: str) -> None:
         return
     job["input_broken"] = cause
     atomic_write(path, (json.dumps(job, indent=2) + "\n").encode())
+
+def params_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'section.key: old → new' for every key that differs (a key missing on one side reads as unset)."""
+    out = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section) or {}, new.get(section) or {}
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(f"{section}.{k}: {json.dumps(a.get(k))} → {json.dumps(b.get(k))}")
+    return out

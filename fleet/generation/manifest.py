@@ -16,17 +16,37 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleet.generation.durable import atomic_write
 
-if TYPE_CHECKING:
-    from fleet.generation.dispatch import Summary
-
-__all__ = ["MANIFEST_FILE", "RunFacts", "ServerFacts", "build_manifest", "cost", "read_manifest", "run_record",
+__all__ = ["MANIFEST_FILE", "RunFacts", "ServerFacts", "Summary", "build_manifest", "cost", "read_manifest", "run_record",
            "server_facts", "write_manifest"]
 
 MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class Summary:
+    """What one run of the dispatcher did (its counts, servers, gates and backups): a run's record is built from it."""
+
+    state: str                 # done | stopped | failed
+    complete: bool             # input exhausted and every row fed ended in results or errors
+    completed: int
+    errors: int
+    rejects: int
+    fed: int                   # rows accepted from the input this run
+    unfinished: int            # rows fed but left unwritten (a stop): resume sends them again
+    retries: int
+    requeues: int
+    prompt_tokens: int
+    completion_tokens: int
+    wall_s: float
+    reason: str | None = None
+    servers: list[dict[str, Any]] = field(default_factory=list)
+    quality_rejects: int = 0   # rows a quality gate turned away (quality_rejects.jsonl)
+    gates: dict[str, Any] = field(default_factory=dict)   # work.GateStats of this run
+    hedge: dict[str, Any] = field(default_factory=dict)   # hedge.Hedge.stats() of this run
 
 # What the manifest keeps of a server's /server_info (the rest is large and engine-internal).
 SERVER_INFO_KEYS = ("version", "model_path", "served_model_name", "context_length", "max_total_num_tokens",

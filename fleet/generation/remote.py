@@ -27,7 +27,7 @@ from typing import Any
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed
-from fleet.generation.jobdir import EXIT_FILE, LIVE_PID_SH, job_dir  # noqa: F401  (re-exported)
+from fleet.jobs import EXIT_FILE, LIVE_PID_SH, job_dir
 from fleet.node import LocalNode, Node
 
 RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
@@ -150,48 +150,6 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                               env=env, cwd=jdir)
     return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
-
-
-@dataclass
-class LiveJob:
-    """A generation runner alive on a node, and what its job.json says."""
-
-    node: str
-    pid: int
-    job_dir: str
-    output: str
-    servers: list[dict[str, Any]]     # the job's server entries (node, index, url, …)
-
-    def stop_hint(self) -> str:
-        return (f"stop it with `kill -TERM {self.pid}` on node {self.node} (a clean stop: in-flight rows finish, "
-                "the manifest is written; the same `fleet generate` command resumes it), or wait for it to finish")
-
-
-
-_LIVE_JOBS = LIVE_PID_SH + r'''
-for d in "$1"/jobs/"$2"-*; do
-  p=$(live_pid "$d/runner.pid") || continue
-  printf '=== %s %s\n' "$p" "$d"; cat "$d/job.json" 2>/dev/null; echo
-done
-exit 0
-'''
-
-
-def live_jobs(node: Node, workdir: str, fleet: str) -> list[LiveJob]:
-    """Every generation runner of this fleet alive on the node (one round trip)."""
-    text = node.run(["sh", "-c", _LIVE_JOBS, "fleet-jobs", workdir.rstrip("/"), fleet], timeout=60).stdout
-    jobs = []
-    for chunk in text.split("=== ")[1:]:
-        head, _, body = chunk.partition("\n")
-        pid, _, jdir = head.partition(" ")
-        try:
-            spec = json.loads(body) if body.strip() else {}
-        except ValueError:
-            spec = {}
-        if pid.isdigit():
-            jobs.append(LiveJob(node.name, int(pid), jdir, str(spec.get("output") or "?"),
-                                list(spec.get("servers") or [])))
-    return jobs
 
 
 def read_progress(node: Node, output: str) -> dict[str, Any] | None:

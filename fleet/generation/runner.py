@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig
-from fleet.generation.dispatch import Dispatcher, Summary
+from fleet.generation.dispatch import Dispatcher
 from fleet.generation.durable import write_json_atomic
 from fleet.generation.failures import (
     Failure,
@@ -67,8 +67,9 @@ from fleet.generation.failures import (
     reserve_space,
     write_exit,
 )
-from fleet.generation.jobdir import EXIT_FILE
+from fleet.jobs import EXIT_FILE
 from fleet.generation.jobspec import JobSpec, ServerEntry, fleet_config
+from fleet.generation.manifest import Summary
 from fleet.generation.progress import Progress
 from fleet.generation.relaunch import JobServers
 from fleet.generation.serverstate import Endpoint

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fleet.errors import InputError, JobConflict
+from fleet.generation.jobrecord import params_diff
 
 if TYPE_CHECKING:
     from fleet.config import FleetConfig, GenerationConfig, NodeConfig
     from fleet.node import Node
 
 __all__ = ["SNIFF_ROWS", "OPERATIONAL", "InputCheck", "OutputCheck", "ExistingJob", "JobPlan", "check_input",
-           "check_output", "covers", "job_params", "params_diff", "read_existing", "decide", "plan_job", "fingerprint"]
+           "check_output", "covers", "job_params", "read_existing", "decide", "plan_job", "fingerprint"]
 
 SNIFF_ROWS = 10_000   # rows read at most to find the first valid one
 MIN_FREE_BYTES = 1 << 20
@@ -257,16 +258,6 @@ def job_params(config: FleetConfig | dict[str, Any]) -> dict[str, Any]:
     return {"generation": gen, "model": {k: model.get(k) for k in ("source", "served_name")}}
 
 
-def params_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """'section.key: old → new' for every key that differs (a key missing on one side reads as unset)."""
-    out = []
-    for section in sorted(set(old) | set(new)):
-        a, b = old.get(section) or {}, new.get(section) or {}
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                out.append(f"{section}.{k}: {json.dumps(a.get(k))} → {json.dumps(b.get(k))}")
-    return out
-
 
 _EXISTING_SCRIPT = r'''
 j="$1"; o="$2"
@@ -280,7 +271,7 @@ exit 0
 
 def read_existing(node: Node, node_cfg: NodeConfig, cfg: FleetConfig, output: str) -> ExistingJob:
     """The live runner (if any) and the records of the job in `output` on this node: one round trip."""
-    from fleet.generation.jobdir import LIVE_PID_SH, job_dir
+    from fleet.jobs import LIVE_PID_SH, job_dir
 
     text = node.run(["sh", "-c", LIVE_PID_SH + _EXISTING_SCRIPT, "fleet-job", job_dir(node_cfg, cfg, output), output],
                     timeout=60).stdout

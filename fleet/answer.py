@@ -1,5 +1,7 @@
 """A chat completion as a server sends it, judged: `parse_answer(body)` gives a typed `Answer`
 or raises ValueError with the reason (the row's error, the server's count of invalid answers).
+In the core because both sides read answers: bring-up's smoke test (`fleet.smoke`) and
+generation's client (`fleet.generation.client`).
 
 The schema is strict and keeps only what it validated, so nothing a server sends reaches the
 store, the quality gates or the counters with a type they do not expect. Strict means no
