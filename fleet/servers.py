@@ -20,6 +20,7 @@ import httpx
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import LogVerdict, ServerSpec, get_profile
 from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
+from fleet.interrupt import check_stop
 from fleet.node import Node, describe
 from fleet.preflight import parse_listening_ports, servers_on_node
 from fleet.workdir import ensure_workdir
@@ -218,6 +219,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     last_http = "no answer yet"
     with httpx.Client(timeout=5.0, headers=headers) as client:
         while True:
+            check_stop(f"the readiness wait of server {spec.index} on port {spec.port}")
             state, new = node.watch(pid, paths.log, len(text.encode()))
             text += new
             verdict = profile.classify(text)

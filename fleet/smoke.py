@@ -26,6 +26,7 @@ from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
 from fleet.generation.answer import parse_answer
+from fleet.interrupt import check_stop
 
 if TYPE_CHECKING:
     from fleet.engines import LogVerdict
@@ -103,31 +104,32 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
     result = SmokeResult(node, index, url, False, None, "", None, None, None)
     t0 = time.monotonic()
 
+    def look() -> None:
+        """Each turn of a wait: was the run cancelled (fleet/interrupt.py), is the server still alive?"""
+        check_stop(f"the smoke of server {index} at {url}")
+        if watch is not None:
+            watch()
+
     def pause(seconds: float) -> None:
-        if watch is None:
-            sleep(seconds)
-            return
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             sleep(min(left, watch_every_s))
-            watch()
+            look()
 
     with httpx.Client(headers=headers) as client:
         for n in range(1, cfg.attempts + 1):
             timeout = cfg.first_timeout_s if n == 1 else cfg.timeout_s
-            if watch is not None:
-                watch()
+            look()
             start = time.monotonic()
             try:
-                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, watch, watch_every_s)
+                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, look, watch_every_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
                 content, pt, ct, fr = check_answer(r.content)
             except (httpx.HTTPError, ValueError) as exc:
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
                 result.attempts.append(Attempt(n, start - t0, time.monotonic() - start, timeout, f"{kind}: {exc}"[:300]))
-                if watch is not None:
-                    watch()  # a refused or reset connection is often the process dying: say so now
+                look()  # a refused or reset connection is often the process dying: say so now
                 if n < cfg.attempts:
                     pause(backoff_delay(n, cfg, rng))
                 continue
