@@ -64,6 +64,8 @@ class SmokeResult:
 
 
 SMOKE_MAX_BYTES = 16 << 20   # a smoke answer is a few hundred bytes
+CLOCK_TICKS = 100            # /proc's clock ticks per second (USER_HZ: 100 on Linux)
+LIFE_TICKS = 100             # CPU time a server must use within smoke.stall_s to count as working
 
 
 def backoff_delay(attempt: int, cfg: SmokeConfig, rng: random.Random) -> float:
@@ -110,6 +112,17 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
         if watch is not None:
             watch()
 
+    def in_flight(timeout: float) -> Callable[[], None]:
+        """`look`, and while a request with a long allowance waits: is the server doing anything?"""
+        if not isinstance(watch, ServerWatch) or not cfg.stall_s or timeout <= cfg.stall_s:
+            return look
+        watch.mark()
+
+        def check() -> None:
+            look()
+            watch.check_stall(cfg.stall_s, timeout)
+        return check
+
     def pause(seconds: float) -> None:
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
@@ -122,7 +135,7 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
             look()
             start = time.monotonic()
             try:
-                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, look, watch_every_s)
+                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, in_flight(timeout), watch_every_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
                 content, pt, ct, fr = check_answer(r.content)
@@ -213,6 +226,9 @@ class ServerWatch:
     offset: int = 0
     text: str = ""
     started: float = field(default_factory=time.monotonic)
+    ticks: int | None = None         # CPU time of the server's process group, at the last call
+    life_at: float = field(default_factory=time.monotonic)   # its last sign of life: a log line or CPU used
+    life_ticks: int | None = None    # the CPU time then
 
     @classmethod
     def start(cls, node: Node, pid: int, log_path: str, classify: Callable[[str], LogVerdict], *,
@@ -231,8 +247,36 @@ class ServerWatch:
 
         return excerpt(self.node.read_text(self.log_path, tail_bytes=64_000), 0, 25, self.secrets)
 
+    def mark(self) -> None:
+        """A request goes out: the stall clock starts now (an idle server between attempts is not hung)."""
+        self.life_at, self.life_ticks = time.monotonic(), self.ticks
+
+    def check_stall(self, stall_s: float, allowance: float) -> None:
+        """ServerFailed when the server showed no sign of life for `stall_s` while a request waited.
+
+        Why CPU time and the log: a first request may take minutes (CUDA graph capture, kernel
+        compilation), and a server doing that uses CPU (compilers, kernel launches, the spinning
+        wait on the GPU) or logs. A stopped or deadlocked one does neither, and waiting out the
+        whole first-request allowance for it held the bring-up for minutes (issue 23)."""
+        quiet = time.monotonic() - self.life_at
+        if quiet <= stall_s:
+            return
+        raise ServerFailed(
+            f"{self._where()}: no sign of life for {quiet:.0f} s while its smoke request waited (under "
+            f"{LIFE_TICKS / CLOCK_TICKS:g} CPU-second used, no log line): hung, not warming up; not waited "
+            f"for the rest of its {allowance:g} s allowance",
+            host=self.node.host, stderr=self._tail(),
+            remedy=f"read {self.log_path} on the node; if this engine warms up without using CPU or logging, raise "
+                   "smoke.stall_s (0: off)",
+        )
+
     def __call__(self) -> None:
-        state, new = self.node.watch(self.pid, self.log_path, self.offset)
+        state, new, ticks = self.node.watch_cpu(self.pid, self.log_path, self.offset)
+        self.ticks = ticks
+        if self.life_ticks is None:
+            self.life_ticks = ticks
+        if new or (ticks is not None and self.life_ticks is not None and ticks - self.life_ticks >= LIFE_TICKS):
+            self.life_at, self.life_ticks = time.monotonic(), ticks
         self.offset += len(new.encode())
         self.text = (self.text + new)[-1_000_000:]
         verdict = self.classify(self.text)
