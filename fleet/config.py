@@ -320,6 +320,7 @@ class SmokeConfig(_Section):
     max_tokens: int = Field(16, ge=1, le=4096, description="max_tokens of the smoke request.")
     first_timeout_s: float = Field(300.0, gt=0, description="Timeout of the first request (CUDA graph capture and kernel compilation happen here).")
     timeout_s: float = Field(60.0, gt=0, description="Timeout of later smoke requests.")
+    stall_s: float = Field(60.0, ge=0, description="A server that, while a smoke request with a longer timeout waits, uses under a CPU-second and logs nothing for this long is hung, not warming up: failed then (0: off).")
     attempts: int = Field(4, ge=1, le=50, description="Smoke attempts per server before it is declared failed.")
     backoff_s: float = Field(2.0, ge=0, description="First retry delay; doubles each attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Cap on one retry delay.")

@@ -16,7 +16,9 @@
         ├── ServerFailed            a server died or logged a fatal line
         ├── InputError              a generation input that cannot be read (missing, a directory,
         │                           corrupt at a line/byte, no valid row) or an unusable --output
-        └── JobConflict             a second job into one output dir, or a change under a live job
+        ├── JobConflict             a second job into one output dir, or a change under a live job
+        └── Stopped                 a wait given up because the run was asked to stop (Prefect's
+                                    Cancel, SIGTERM, Ctrl-C: fleet/interrupt.py)
 
 Every message names the host, what was run, and ends with a remedy. paramiko and OS
 errors are translated into this tree at the node boundary (`fleet.node`), so nothing
@@ -155,6 +157,10 @@ class InputError(FatalError):
 
 
 class JobConflict(FatalError):
+    pass
+
+
+class Stopped(FatalError):
     pass
 
 

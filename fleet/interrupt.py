@@ -25,6 +25,14 @@ process itself as it unwinds, and the shutdown is bounded anyway). The main thre
 bring-up that completes a moment after the Ctrl-C): its exit waits for them, so a Ctrl-C always
 ends with the paragraph and 130, never with a silent 0. The cleanups are registered by the code
 that creates what they clean (`on_interrupt`), so this module knows nothing of Prefect.
+
+Under a worker there is no `install`: Prefect's Cancel reaches the flow run's process as
+SIGTERM, and Prefect's own handler raises TerminationSignal in the main thread. Its unwinding
+joins the task threads before the run can be set Cancelled, and those threads sit in a launch's
+readiness wait or a smoke (up to servers.ready_timeout_s): Prefect's runner then waited out its
+30 s kill grace (57 s from Cancel to Cancelled, measured). So the flow calls `request_stop()` as
+a cancel unwinds it, and every long wait in the core checks `check_stop()` on each turn and gives
+up with `Stopped` — the threads end within a poll, and with them the run.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+from fleet.errors import Stopped
+
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
 CLEANUP_DEADLINE_S = 4.0  # all cleanups together; the whole exit stays within ~5 s
@@ -49,6 +59,7 @@ _started = threading.Event()
 _begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given back
 _exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
 _err_fd = 2  # where our own words go: the original stderr, kept when the shutdown silences fd 2
+_stop = threading.Event()  # set by request_stop() or the first Ctrl-C/SIGTERM: waits give up
 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
@@ -69,6 +80,29 @@ def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callab
 def interrupted() -> bool:
     """True once the first SIGINT or SIGTERM arrived (code that acquires something should give it back at once)."""
     return _started.is_set()
+
+
+def request_stop() -> None:
+    """Ask every wait of this process to give up at its next turn (a cancelled flow run unwinding)."""
+    _stop.set()
+
+
+def clear_stop() -> None:
+    """A new flow run in this process (tests run many in one): an earlier run's stop is not its."""
+    if not _started.is_set():
+        _stop.clear()
+
+
+def stop_requested() -> bool:
+    """True once the run was asked to stop: a cancel under a worker, or a Ctrl-C/SIGTERM of a command."""
+    return _stop.is_set() or _started.is_set()
+
+
+def check_stop(what: str) -> None:
+    """Raise `Stopped` (naming `what` was given up) if the run was asked to stop; call on each turn of a wait."""
+    if stop_requested():
+        raise Stopped(f"{what}: given up, the run was asked to stop (cancel, SIGTERM or Ctrl-C)",
+                      remedy="nothing to fix: re-run when wanted (what was started keeps running and is adopted)")
 
 
 def install(paragraph: Callable[[], str]) -> None:
@@ -128,6 +162,7 @@ def _begin(signum: int = signal.SIGINT) -> None:
         return
     _exit_code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
     _started.set()
+    _stop.set()
     atexit.register(_hold_exit)  # again, so that it runs first (before the embedded server's stop)
     # the cleanups run in their own thread, so the watcher still sees a second Ctrl-C
     try:

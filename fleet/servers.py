@@ -20,6 +20,7 @@ import httpx
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import LogVerdict, ServerSpec, get_profile
 from fleet.errors import FleetError, JobConflict, ServerFailed, ServerNotReady
+from fleet.interrupt import check_stop
 from fleet.jobs import live_jobs
 from fleet.net import tls_context
 from fleet.node import Node, describe
@@ -218,6 +219,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     last_http = "no answer yet"
     with httpx.Client(timeout=5.0, headers=headers, verify=tls_context()) as client:
         while True:
+            check_stop(f"the readiness wait of server {spec.index} on port {spec.port}")
             state, new = node.watch(pid, paths.log, len(text.encode()))
             text += new
             verdict = profile.classify(text)

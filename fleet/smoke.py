@@ -26,6 +26,7 @@ from fleet.backoff import backoff_delay as backoff
 from fleet.config import SmokeConfig
 from fleet.errors import ServerFailed
 from fleet.answer import parse_answer
+from fleet.interrupt import check_stop
 from fleet.net import tls_context
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class SmokeResult:
 
 
 SMOKE_MAX_BYTES = 16 << 20   # a smoke answer is a few hundred bytes
+CLOCK_TICKS = 100            # /proc's clock ticks per second (USER_HZ: 100 on Linux)
+LIFE_TICKS = 100             # CPU time a server must use within smoke.stall_s to count as working
 
 
 def backoff_delay(attempt: int, cfg: SmokeConfig, rng: random.Random) -> float:
@@ -104,31 +107,43 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
     result = SmokeResult(node, index, url, False, None, "", None, None, None)
     t0 = time.monotonic()
 
+    def look() -> None:
+        """Each turn of a wait: was the run cancelled (fleet/interrupt.py), is the server still alive?"""
+        check_stop(f"the smoke of server {index} at {url}")
+        if watch is not None:
+            watch()
+
+    def in_flight(timeout: float) -> Callable[[], None]:
+        """`look`, and while a request with a long allowance waits: is the server doing anything?"""
+        if not isinstance(watch, ServerWatch) or not cfg.stall_s or timeout <= cfg.stall_s:
+            return look
+        watch.mark()
+
+        def check() -> None:
+            look()
+            watch.check_stall(cfg.stall_s, timeout)
+        return check
+
     def pause(seconds: float) -> None:
-        if watch is None:
-            sleep(seconds)
-            return
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             sleep(min(left, watch_every_s))
-            watch()
+            look()
 
     with httpx.Client(headers=headers, verify=tls_context()) as client:
         for n in range(1, cfg.attempts + 1):
             timeout = cfg.first_timeout_s if n == 1 else cfg.timeout_s
-            if watch is not None:
-                watch()
+            look()
             start = time.monotonic()
             try:
-                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, watch, watch_every_s)
+                r = _post(client, f"{url}/v1/chat/completions", payload, timeout, in_flight(timeout), watch_every_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
                 content, pt, ct, fr = check_answer(r.content)
             except (httpx.HTTPError, ValueError) as exc:
                 kind = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
                 result.attempts.append(Attempt(n, start - t0, time.monotonic() - start, timeout, f"{kind}: {exc}"[:300]))
-                if watch is not None:
-                    watch()  # a refused or reset connection is often the process dying: say so now
+                look()  # a refused or reset connection is often the process dying: say so now
                 if n < cfg.attempts:
                     pause(backoff_delay(n, cfg, rng))
                 continue
@@ -212,6 +227,9 @@ class ServerWatch:
     offset: int = 0
     text: str = ""
     started: float = field(default_factory=time.monotonic)
+    ticks: int | None = None         # CPU time of the server's process group, at the last call
+    life_at: float = field(default_factory=time.monotonic)   # its last sign of life: a log line or CPU used
+    life_ticks: int | None = None    # the CPU time then
 
     @classmethod
     def start(cls, node: Node, pid: int, log_path: str, classify: Callable[[str], LogVerdict], *,
@@ -230,8 +248,36 @@ class ServerWatch:
 
         return excerpt(self.node.read_text(self.log_path, tail_bytes=64_000), 0, 25, self.secrets)
 
+    def mark(self) -> None:
+        """A request goes out: the stall clock starts now (an idle server between attempts is not hung)."""
+        self.life_at, self.life_ticks = time.monotonic(), self.ticks
+
+    def check_stall(self, stall_s: float, allowance: float) -> None:
+        """ServerFailed when the server showed no sign of life for `stall_s` while a request waited.
+
+        Why CPU time and the log: a first request may take minutes (CUDA graph capture, kernel
+        compilation), and a server doing that uses CPU (compilers, kernel launches, the spinning
+        wait on the GPU) or logs. A stopped or deadlocked one does neither, and waiting out the
+        whole first-request allowance for it held the bring-up for minutes (issue 23)."""
+        quiet = time.monotonic() - self.life_at
+        if quiet <= stall_s:
+            return
+        raise ServerFailed(
+            f"{self._where()}: no sign of life for {quiet:.0f} s while its smoke request waited (under "
+            f"{LIFE_TICKS / CLOCK_TICKS:g} CPU-second used, no log line): hung, not warming up; not waited "
+            f"for the rest of its {allowance:g} s allowance",
+            host=self.node.host, stderr=self._tail(),
+            remedy=f"read {self.log_path} on the node; if this engine warms up without using CPU or logging, raise "
+                   "smoke.stall_s (0: off)",
+        )
+
     def __call__(self) -> None:
-        state, new = self.node.watch(self.pid, self.log_path, self.offset)
+        state, new, ticks = self.node.watch_cpu(self.pid, self.log_path, self.offset)
+        self.ticks = ticks
+        if self.life_ticks is None:
+            self.life_ticks = ticks
+        if new or (ticks is not None and self.life_ticks is not None and ticks - self.life_ticks >= LIFE_TICKS):
+            self.life_at, self.life_ticks = time.monotonic(), ticks
         self.offset += len(new.encode())
         self.text = (self.text + new)[-1_000_000:]
         verdict = self.classify(self.text)

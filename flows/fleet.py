@@ -26,7 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError, JobConflict
-from fleet.interrupt import interrupted, park
+from fleet.interrupt import clear_stop, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
@@ -276,7 +276,10 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
 
         if failures:
             logger.warning("generating with the servers that are up; not up: %s", " | ".join(failures))
-        return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures)
+        try:
+            return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures)
+        except JobConflict as exc:   # another controller runs this job: it could not run (exit 2)
+            return failed(f"generation: {exc.one_line()}", {"conflict": True})
     node_name = max(by_node, key=lambda n: len(by_node[n]))
     if len(by_node) > 1:
         # The runner runs next to its servers; one job spans one node (see the README).
@@ -328,7 +331,20 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
         retry_errors: generate only: send the rows of the errors file again.
     """
     quiet_expected_failures()
-    cfg = resolve_config(config)
+    clear_stop()
+    try:
+        return _run(resolve_config(config), action, free_ramdisk, node_wait_s, input, output, retry_errors)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            # Prefect's Cancel (TerminationSignal from its SIGTERM handler), Ctrl-C: the engine
+            # joins the task threads before it can set the run Cancelled. Tell their waits to
+            # give up now, not at their timeouts (fleet/interrupt.py).
+            request_stop()
+        raise
+
+
+def _run(cfg: FleetConfig, action: Action, free_ramdisk: bool, node_wait_s: float, input: str | None,
+         output: str | None, retry_errors: bool) -> Any:
     t0 = time.monotonic()
     if action == "generate":
         if not (input and output):

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -502,12 +503,20 @@ def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the
     for ever — with the per-node lock given back (the next bring-up neither waits nor reclaims),
     while the servers it launched keep running (detached, as after Ctrl-C; `fleet down` or the
     teardown deployment stops them). The servers here take minutes to start: the run is
-    cancelled while its launch tasks wait for them."""
+    cancelled while its launch tasks wait for them.
+
+    And it must end promptly: the launch threads' readiness waits give up at the cancel (their
+    tasks end Failed, "asked to stop", reported by the run's own process), so the run is Cancelled
+    long before the readiness deadline those waits had. Before, the threads went on waiting; the
+    engine joined them, Prefect's runner SIGKILLed the process after its 30 s grace (57 s from
+    Cancel to Cancelled) and the launch task runs were left Running. (What is left between the
+    run's own end and Cancelled is Prefect's runner loading the flow in a subprocess for its
+    on_cancellation hooks before it sets the state.)"""
     s = deployed
     cfg_path, data = sim_toml(tmp_path, n=2)
     data["name"] = "dep-cancel"
     data["engine"]["sim"]["startup_s"] = 600
-    data["servers"]["ready_timeout_s"] = 900
+    ready_timeout_s = data["servers"]["ready_timeout_s"] = 900
     from fleet.demo import to_toml
     cfg_path.write_text(to_toml(data))
     workdir = Path(data["nodes"][0]["workdir"])
@@ -518,7 +527,7 @@ def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the
 
         def launching() -> bool:
             fr = s.get(f"/flow_runs/{run_id}")
-            assert fr["state"]["type"] in ("SCHEDULED", "PENDING", "RUNNING"), fr["state"]
+            assert fr["state"]["type"] in ("SCHEDULED", "PENDING", "RUNNING"), fr["state"]["message"]
             return slots(s, limit) == 1 and all(
                 (workdir / "servers" / f"dep-cancel-{i}.pid").exists() for i in range(2))
 
@@ -530,6 +539,17 @@ def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the
                   and f, timeout=120, interval=0.2, what="the cancelled run to end")
         print(f"\ncancelled run ended {fr['state']['type']} {time.monotonic() - t0:.1f} s after the cancel")
         assert fr["state"]["type"] == "CANCELLED", fr["state"]
+        launches = [t for t in s.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+                    if t["name"].startswith("launch-")]
+        assert len(launches) == 2, [t["name"] for t in launches]
+        for t in launches:   # the waits gave up at the cancel: the run's own process said so
+            assert t["state"]["type"] == "FAILED" and "asked to stop" in (t["state"]["message"] or ""), t["state"]
+        gave_up = max(datetime.fromisoformat(t["end_time"]) for t in launches) - datetime.fromisoformat(
+            next(st for st in s.get(f"/flow_run_states/?flow_run_id={run_id}") if st["type"] == "CANCELLING")["timestamp"])
+        print(f"the launch waits gave up {gave_up.total_seconds():.1f} s after Cancelling")
+        started = min(datetime.fromisoformat(t["start_time"]) for t in launches)
+        ended = datetime.fromisoformat(fr["state"]["timestamp"])
+        assert ended < started + timedelta(seconds=ready_timeout_s), (started, ended)
         poll(lambda: slots(s, limit) == 0, timeout=30,
              what="the node lock given back")
         assert all(LocalNode().is_alive(p) for p in pids), "the launched servers keep running (detached)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 
 from conftest import wait_until
 from fleet.config import FleetConfig
+from fleet.errors import JobConflict
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 from test_gen_job_faults import exit_record, fill, rows_jsonl, tmpfs  # noqa: F401  (tmpfs: a fixture)
 from test_gen_runner import job_file, progress, result_ids, start_runner, write_input
@@ -194,3 +196,67 @@ def test_the_loser_of_two_generates_into_one_directory_exits_2_and_names_the_oth
         f"{loser_input})" in text.err, text.err
     assert "None" not in text.err.split("fleet generate:")[-1]
     assert alive, "the winner's runner was left alone"
+
+
+def test_many_starts_into_one_directory_at_once_leave_one_runner_and_its_files_intact(tmp_path: Path) -> None:
+    """Fault (issue 23): `fleet generate` into one directory at the same moment — each start found
+    no runner and wrote job.json and runner.pid before the runners' own lock told all but one that
+    they lost, so the winner's files could name a loser's input and a loser's (exiting) runner. Now
+    a start claims the job directory before it writes anything: of 8 starts at once, each with its
+    own input, one starts its runner and every other is refused with JobConflict (the CLI's exit 2,
+    test above) having written nothing — job.json names the winner's input, runner.pid its runner,
+    which runs."""
+    import threading
+
+    from fleet.generation.remote import start_job
+    from fleet.node import LocalNode
+    from fleet.servers import launch, plan_servers, wait_ready
+    from test_bringup import port_block, sim_config
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, engine={"sim": {"startup_s": 0.1, "tokens_per_s": 20}},
+                     generation={"max_tokens": 16})
+    node, node_cfg = LocalNode(), cfg.nodes[0]
+    spec = plan_servers(cfg, node_cfg, [], model_path=cfg.model.source, python=sys.executable)[0]
+    server = launch(node, cfg, spec)
+    out = str(tmp_path / "out")
+    n = 8
+    inputs = []
+    for i in range(n):
+        inputs.append(tmp_path / f"in{i}.jsonl")
+        inputs[-1].write_bytes(rows_jsonl(300 + i))
+    gate = threading.Barrier(n, timeout=120)
+    results: dict[int, Any] = {}
+
+    def start(i: int) -> None:
+        try:
+            gate.wait()
+            results[i] = start_job(LocalNode(), cfg, node_cfg, input_path=str(inputs[i]), output=out, specs=[spec])
+        except BaseException as exc:  # the test judges it
+            results[i] = exc
+
+    threads = [threading.Thread(target=start, args=(i,), daemon=True) for i in range(n)]
+    runners: list[int] = []
+    try:
+        wait_ready(node, cfg, spec, server.pid)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert len(results) == n, "a start did not return"
+        runners = [h.pid for h in results.values() if not isinstance(h, BaseException)]
+        won = [i for i, h in results.items() if not isinstance(h, BaseException)]
+        assert len(won) == 1, results
+        lost = [h for h in results.values() if isinstance(h, BaseException)]
+        assert all(isinstance(e, JobConflict) for e in lost), lost
+        assert all("starting a job in" in str(e) or "still writing" in str(e) for e in lost), lost
+        handle = results[won[0]]
+        jdir = Path(handle.job_dir)
+        assert json.loads((jdir / "job.json").read_text())["input"] == str(inputs[won[0]])
+        assert int((jdir / "runner.pid").read_text().split()[0]) == handle.pid
+        assert node.is_alive(handle.pid), "the winner's runner runs"
+        assert not (jdir / "start.claim").exists(), "the claim was given back"
+    finally:
+        for pid in runners:
+            if node.is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        node.stop(server.pid, grace_s=2)

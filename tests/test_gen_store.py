@@ -471,3 +471,23 @@ def test_flush_waits_for_a_commit_under_way_in_another_thread(tmp_path, monkeypa
     b.join(30)
     assert done and done[0]["committed"] == 5 and done[0]["shards"] == 1
     s.close()
+
+
+def test_rows_with_large_answers_are_committed_without_waiting_for_the_timed_flush(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Fault (issue 23, memory): rows of tens of MB of reasoning sat in the commit buffer until the
+    timed flush (or shard_rows rows), and at the commit each was held twice (its strings and their
+    Arrow copy): 8 such rows peaked the runner at 4.6x their size. Now the buffer commits a shard as
+    soon as its answer text passes BUFFER_CHARS; rows of ordinary size still wait for shard_rows."""
+    from fleet.generation import store
+
+    monkeypatch.setattr(store, "BUFFER_CHARS", 1000)
+    out = tmp_path / "out"
+    with ResultStore(out, shard_rows=10_000) as s:
+        s.add_result({"id": "a", "completion": "x" * 600})
+        assert shard_paths(out) == []
+        s.add_result({"id": "b", "completion": "y", "reasoning_content": "z" * 600})
+        assert len(shard_paths(out)) == 1 and s.counts()["buffered"] == 0
+        s.add_result({"id": "c", "completion": "small"})
+        assert len(shard_paths(out)) == 1 and s.counts()["buffered"] == 1
+    assert sorted(read_results(out, ["id"]).column(0).to_pylist()) == ["a", "b", "c"]

@@ -322,3 +322,29 @@ def test_a_local_and_an_ssh_node_one_job(tmp_path: Path, state_home: Path, sshd,
     nodes = {n["node"]: n for n in json.loads((Path(res["output"]) / "manifest.json").read_text())["nodes"]}
     assert nodes["remote"]["chunks"] >= 1, nodes
     assert list((tmp_path / "rwork" / "inputs").rglob("chunk-*.jsonl")), "the chunk files were not uploaded"
+
+
+def test_a_second_job_over_several_nodes_into_one_output_exits_2(tmp_path: Path, state_home: Path, stop_everything,
+                                                                capsys) -> None:
+    """Fault (issue 23): a second `fleet generate` over several nodes into the output of a job whose
+    controller runs met that controller's lock and exited 1 (a FatalError out of the flow), where
+    README's exit-code table says 2 for a second job into a job's directory. Now it exits 2 with the
+    reason (another controller, its pid) and the remedy; the live controller is left alone."""
+    from fleet.demo import to_toml
+    from fleet.generation.chunks import ControllerLock, plan_dir_for
+    from fleet.generation.multinode import plan_root
+    from flows.cli import main
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 150})
+    stop_everything(cfg)
+    inp, out = prompts(tmp_path / "in.jsonl", 50), tmp_path / "out"
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    pdir = plan_dir_for(plan_root(), cfg.name, str(out))
+    with ControllerLock(pdir):   # the first job's controller, alive
+        rc = main(["generate", "-c", str(path), "--input", str(inp), "--output", str(out)])
+        text = capsys.readouterr()
+        assert rc == 2, text
+        assert f"another controller (pid {os.getpid()}) is running this multi-node job" in text.err, text.err
+        assert "give it its own --output" in text.err and "Traceback" not in text.err
+        assert (pdir / ".controller.lock").read_text() == str(os.getpid())

@@ -116,3 +116,57 @@ def test_probes_of_many_servers_load_the_ca_bundle_once(sims, monkeypatch: pytes
     finally:
         net.tls_context.cache_clear()  # the next test builds its own, unspied
     assert len(built) == 1
+
+def test_cold_server_that_hangs_on_its_first_request_fails_on_no_sign_of_life_not_after_the_allowance(sims) -> None:
+    """Fault (issue 23): a never-smoked server that accepts its first request and never answers
+    (a deadlocked engine) held the bring-up for the whole first-request allowance (5 min by
+    default, sized for CUDA graph capture). Now a server that, while that request waits, uses
+    under a CPU-second and logs nothing for smoke.stall_s is failed then, saying so. The
+    allowance here is 10 minutes: the smoke must end on the stall, not on the timeout."""
+    sim = sims("--hang-requests")
+    cfg = SmokeConfig(first_timeout_s=600, timeout_s=600, attempts=1, stall_s=3)
+    with pytest.raises(ServerFailed) as err:
+        smoke(sim.url, "sim-model", cfg, node="local", index=1, watch=watch_of(sim), watch_every_s=0.2)
+    assert "no sign of life for" in err.value.reason and "not warming up" in err.value.reason, err.value.reason
+    assert "600 s allowance" in err.value.reason and "timeout" not in err.value.reason
+    assert sim.proc.poll() is None  # alive all along: only its silence told
+
+
+def test_cold_server_slow_on_its_first_request_but_logging_keeps_its_allowance(sims) -> None:
+    """The other side of the stall rule: a server warming up on its first request (here 8 s, with
+    the scheduler's log lines coming as it works) is not hung, even though the request waits far
+    longer than smoke.stall_s: it keeps its first-request allowance and passes."""
+    sim = sims("--first-request-delay-s", "8", "--log-interval-s", "0.5")
+    cfg = SmokeConfig(first_timeout_s=600, timeout_s=600, attempts=1, stall_s=3)
+    res = smoke(sim.url, "sim-model", cfg, node="local", index=1, watch=watch_of(sim), watch_every_s=0.2)
+    assert res.ok and res.latency_s is not None and res.latency_s > cfg.stall_s, res.timeline()
+
+
+def test_a_stopped_process_of_the_servers_group_reads_as_stopped(tmp_path: Path) -> None:
+    """Engines run several processes (SGLang's scheduler, vLLM's engine core) in the group their
+    leader heads: one of them stopped (SIGSTOP) serves nothing, while the HTTP leader looks alive.
+    The node's state check names the whole group stopped, so readiness and the smoke fail it at
+    once; continued, it is alive again."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import wait_until
+
+    lead = subprocess.Popen(["sh", "-c", "sleep 300 & echo $! > \"$0\"; wait", str(tmp_path / "child")],
+                            start_new_session=True)
+    node = LocalNode()
+    try:
+        wait_until(lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip(), timeout=30,
+                   what="the group's child")
+        child = int((tmp_path / "child").read_text())
+        assert node.process_state(lead.pid) == "alive"
+        os.kill(child, signal.SIGSTOP)
+        wait_until(lambda: node.process_state(lead.pid) == "stopped", timeout=30, what="the group read as stopped")
+        state, _, ticks = node.watch_cpu(lead.pid, str(tmp_path / "none.log"), 0)
+        assert state == "stopped" and ticks is not None
+        os.kill(child, signal.SIGCONT)
+        wait_until(lambda: node.process_state(lead.pid) == "alive", timeout=30, what="alive once continued")
+    finally:
+        os.killpg(lead.pid, signal.SIGKILL)
+        lead.wait(timeout=30)

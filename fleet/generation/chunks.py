@@ -592,7 +592,7 @@ class ControllerLock:
         self._f: Any = None
 
     def __enter__(self) -> ControllerLock:
-        from fleet.errors import FatalError
+        from fleet.errors import JobConflict
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = open(self.path, "a+")
@@ -602,8 +602,10 @@ class ControllerLock:
             f.seek(0)
             holder = f.read().strip() or "?"
             f.close()
-            raise FatalError(f"another controller (pid {holder}) is running this multi-node job",
-                             remedy="wait for it, or stop it (its runners keep going) and run the command again")
+            # a second job into one job's directory: the CLI's exit 2, as for one node
+            raise JobConflict(f"another controller (pid {holder}) is running this multi-node job",
+                              remedy="wait for it, or stop it (its runners keep going) and run the command again; "
+                                     "to run a second job, give it its own --output")
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))

@@ -62,7 +62,7 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
             async with session.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
                 body = await read_capped(r, PROBE_MAX_BYTES)  # always read: unread, the connection closes
                 if r.status == 200:
-                    doc = loads(body)
+                    doc = loads(bytes(body))
                     return doc if isinstance(doc, dict) else {}
                 if r.status != 404:
                     return {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import posixpath
 import sys
 import time
@@ -26,7 +27,8 @@ from typing import Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
-from fleet.errors import CommandFailed
+from fleet.errors import CommandFailed, JobConflict
+from fleet.interrupt import check_stop
 from fleet.jobs import EXIT_FILE, LIVE_PID_SH, job_dir
 from fleet.node import LocalNode, Node
 
@@ -113,6 +115,13 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
               facts: dict[int, dict[str, Any]] | None = None,
               endpoint_keys: dict[str, str] | None = None) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`.
+
+    Claim first, then write: two `fleet generate` into one directory at the same moment both
+    found no runner and both wrote job.json and runner.pid before the runners' own lock told one
+    it lost, so the winner's files could be the loser's. Now a start takes the job directory's
+    start claim (`_claim_start`) before it writes anything; the one that finds it taken, or finds
+    the winner's runner once it has it, is refused (JobConflict: exit 2) and touches nothing.
+
     Its servers: `specs` (launched by fleet) and the config's [[endpoints]] (their keys in
     `endpoint_keys`, see `fleet.generation.endpoints`)."""
     from fleet.generation.endpoints import endpoint_entries
@@ -121,35 +130,97 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     ensure_workdir(node, node_cfg.workdir)
     jdir = job_dir(node_cfg, cfg, output)
     pid_path, log_path = f"{jdir}/runner.pid", f"{jdir}/runner.log"
-    pid = node.read_pid(pid_path, expect=f"--job {jdir}/job.json")
-    if pid is not None and node.is_alive(pid):
-        # Re-attach only to the same job (validate.plan_job compares the input's SHA-256 first).
-        from fleet.generation.validate import ExistingJob, decide
-
-        try:
-            live = json.loads(node.read_text(f"{jdir}/job.json") or "{}")
-        except ValueError:
-            live = {}
-        decide(ExistingJob(node_cfg.name, output, pid, live), cfg, input_fp=lambda: "", input_path=input_path,
-               retry_errors=retry_errors)
-        return JobHandle(node_cfg.name, jdir, output, pid, True, log_path)
-    if not node.exists(input_path):
-        raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
-                            remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
+    attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)
+    if attached is not None:
+        return attached
     prefix = runner_command(node, cfg, node_cfg)
-    job = {
-        "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
-        "input": input_path, "output": output,
-        "servers": server_entries(cfg, specs, facts) + endpoint_entries(cfg),
-        "retry_errors": retry_errors, "relaunch": True,
-    }
-    node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
-    node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
-    env = runner_secret_env(cfg, endpoint_keys)
-    env["PYTHONUNBUFFERED"] = "1"
-    det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
-                              env=env, cwd=jdir)
-    return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
+    token = _claim_start(node, jdir)
+    try:
+        attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)  # one that won meanwhile
+        if attached is not None:
+            return attached
+        if not node.exists(input_path):
+            raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
+                                remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
+        job = {
+            "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
+            "input": input_path, "output": output,
+            "servers": server_entries(cfg, specs, facts) + endpoint_entries(cfg),
+            "retry_errors": retry_errors, "relaunch": True,
+        }
+        node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
+        node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
+        env = runner_secret_env(cfg, endpoint_keys)
+        env["PYTHONUNBUFFERED"] = "1"
+        det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
+                                  env=env, cwd=jdir)
+        return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
+    finally:
+        node.run(["sh", "-c", _UNCLAIM, "fleet-unclaim", jdir, token], check=False, timeout=30)
+
+
+def _attach(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, jdir: str, output: str, input_path: str,
+            retry_errors: bool) -> JobHandle | None:
+    """The live runner's handle when it runs this very job; JobConflict when it runs another; None when none runs."""
+    pid = node.read_pid(f"{jdir}/runner.pid", expect=f"--job {jdir}/job.json")
+    if pid is None or not node.is_alive(pid):
+        return None
+    # Re-attach only to the same job (validate.plan_job compares the input's SHA-256 first).
+    from fleet.generation.validate import ExistingJob, decide
+
+    try:
+        live = json.loads(node.read_text(f"{jdir}/job.json") or "{}")
+    except ValueError:
+        live = {}
+    decide(ExistingJob(node_cfg.name, output, pid, live), cfg, input_fp=lambda: "", input_path=input_path,
+           retry_errors=retry_errors)
+    return JobHandle(node_cfg.name, jdir, output, pid, True, f"{jdir}/runner.log")
+
+
+# A start claim older than this was left by a start that died mid-way (a start takes seconds:
+# two small writes and a detached launch that waits PID_FILE_TIMEOUT_S at most).
+CLAIM_STALE_S = 120
+
+# sh -c CLAIM fleet-claim JOBDIR TOKEN STALE_S: take JOBDIR/start.claim for one start. Prints
+# "claimed", or "held AGE WHO" when another start holds it. The look and the write happen under
+# flock (bounded by -w), so of starts at the same moment exactly one finds it free.
+_CLAIM = r"""
+mkdir -p -- "$1" || exit 95
+exec 9>>"$1/start.claim.lock" || exit 95
+flock -w 20 9 || { echo "held ? (its lock stayed taken)"; exit 0; }
+f="$1/start.claim"
+if [ -s "$f" ]; then
+  age=$(( $(date +%s) - $(stat -c %Y -- "$f") ))
+  if [ "$age" -le "$3" ]; then printf 'held %s %s\n' "$age" "$(head -c 300 -- "$f")"; exit 0; fi
+fi
+printf '%s\n' "$2" > "$f.tmp" && mv -f -- "$f.tmp" "$f" && echo claimed
+"""
+
+# sh -c UNCLAIM fleet-unclaim JOBDIR TOKEN: give the claim back, only if it is still this start's.
+_UNCLAIM = r"""
+exec 9>>"$1/start.claim.lock" || exit 0
+flock -w 20 9 || exit 0
+[ "$(head -n 1 -- "$1/start.claim" 2>/dev/null)" = "$2" ] && rm -f -- "$1/start.claim"
+exit 0
+"""
+
+
+def _claim_start(node: Node, jdir: str) -> str:
+    """Take the job directory's start claim; its token. JobConflict (exit 2) when another start holds it."""
+    import socket
+    import uuid
+
+    token = f"{socket.gethostname()} pid {os.getpid()} {uuid.uuid4().hex[:12]}"
+    res = node.run(["sh", "-c", _CLAIM, "fleet-claim", jdir, token, str(CLAIM_STALE_S)], timeout=60)
+    said = res.stdout.strip()
+    if said == "claimed":
+        return token
+    age, _, who = said.removeprefix("held ").partition(" ")
+    raise JobConflict(f"another `fleet generate` is starting a job in {jdir} right now ({who or '?'}, {age} s ago)",
+                      host=node.host,
+                      remedy="wait for it: the same command then re-attaches to its runner, or is refused if its "
+                             "job differs; two runners writing one directory would duplicate rows. To run a second "
+                             "job, give it its own --output.")
 
 
 def read_progress(node: Node, output: str) -> dict[str, Any] | None:
@@ -165,6 +236,8 @@ def watch_job(node: Node, handle: JobHandle, *, poll_s: float = 5.0,
     """Follow progress.json until the runner exits; return the last progress (with the exit state)."""
     last: dict[str, Any] = {}
     while True:
+        # A cancelled run stops following; the runner is detached and goes on with its job.
+        check_stop(f"following the runner (pid {handle.pid})")
         prog = read_progress(node, handle.output)
         if prog:
             last = prog

@@ -71,6 +71,11 @@ __all__ = ["ResultStore"]
 
 log = logging.getLogger("fleet.generation.store")
 
+# A shard is committed early once the buffered answers hold this much text: rows of tens of MB
+# each (long reasoning) otherwise sat in the buffer until the timed flush, every one of them held
+# twice at the commit (the Python strings and their Arrow copy). Rows of a few KB never reach it.
+BUFFER_CHARS = 64 << 20
+
 
 class ResultStore:
     """Results, errors and rejects of one job in one output directory; see the module docstring.
@@ -148,6 +153,7 @@ class ResultStore:
         self._errors = len(self._error_ids)
         self._quality_ids: list[str] = [r["id"] for r in read_quality_rejects(self.dir) if isinstance(r.get("id"), str)]
         self._buffer: list[tuple[Any, ...]] = []
+        self._buffer_chars = 0   # answer text buffered since the last commit (BUFFER_CHARS)
         self._done: IdSet | None = None
         self._dropped = 0
         self._errors_f = open(self.errors_path, "ab")
@@ -219,9 +225,11 @@ class ResultStore:
                 log.warning("result for %r dropped: the id is already done", rid)
                 return False
             self._buffer.append(values)
-            if len(self._buffer) < self.shard_rows:
+            self._buffer_chars += sum(len(v) for k in ("completion", "reasoning_content")
+                                      if isinstance(v := row.get(k), str))
+            if len(self._buffer) < self.shard_rows and self._buffer_chars < BUFFER_CHARS:
                 return True
-            rows, self._buffer = self._buffer, []
+            rows, self._buffer, self._buffer_chars = self._buffer, [], 0
         self._commit(rows)
         return True
 
@@ -353,7 +361,7 @@ class ResultStore:
         with self._commit_lock:
             with self._lock:
                 self._check_open()
-                rows, self._buffer = self._buffer, []
+                rows, self._buffer, self._buffer_chars = self._buffer, [], 0
             if rows:
                 self._commit(rows)
         with self._lock:
@@ -404,7 +412,7 @@ class ResultStore:
         job's last word is already counted: a commit at close, once space was freed (the reserve), would
         keep rows the manifest and the message do not count. They are generated again on resume."""
         with self._lock:
-            n, self._buffer = len(self._buffer), []
+            n, self._buffer, self._buffer_chars = len(self._buffer), [], 0
         return n
 
     def close(self) -> None:

@@ -198,7 +198,7 @@ class Node(abc.ABC):
     def process_state(self, pid: int) -> ProcState:
         """alive, stopped (SIGSTOP: it serves nothing until continued) or dead."""
         word = self.run(["sh", "-c", STATE, "fleet-state", str(pid)], check=False, timeout=30).stdout.strip()
-        return _proc_state(word)
+        return _proc_state(word.partition(" ")[0])
 
     def stop(self, pid: int, grace_s: float = 10.0) -> StopResult:
         """TERM the process group, wait up to grace_s, then KILL it."""
@@ -211,10 +211,16 @@ class Node(abc.ABC):
 
     def watch(self, pid: int, log_path: str, offset: int) -> tuple[ProcState, str]:
         """One round trip: the process's state, and what its log gained since byte `offset`."""
+        state, text, _ = self.watch_cpu(pid, log_path, offset)
+        return state, text
+
+    def watch_cpu(self, pid: int, log_path: str, offset: int) -> tuple[ProcState, str, int | None]:
+        """`watch`, and the CPU time (clock ticks) the process's group has used (None when dead)."""
         res = self.run(["sh", "-c", WATCH, STATE, str(pid), str(offset + 1), log_path],
                        check=False, timeout=60)
         head, _, rest = res.stdout.partition("\n")
-        return _proc_state(head.strip()), rest
+        word, _, ticks = head.strip().partition(" ")
+        return _proc_state(word), rest, int(ticks) if ticks.isdigit() else None
 
     def local_url(self, port: int, remote_host: str = "127.0.0.1") -> str:
         """http://127.0.0.1:P reaching remote_host:port on the node (a forward, opened once and kept)."""

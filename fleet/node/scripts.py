@@ -125,10 +125,19 @@ state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -c1)
 """
 
 
-# sh -c STATE fleet-state PID: "alive", "stopped" (SIGSTOP: it cannot serve until continued) or "dead".
+# sh -c STATE fleet-state PID: "alive TICKS", "stopped TICKS" or "dead". Stopped (SIGSTOP) when the
+# process or any process of the group it leads is: an engine's scheduler or engine-core child
+# stopped serves nothing either, while its HTTP front looks alive. TICKS: the CPU time the group
+# has used (utime, stime and its reaped children's, in clock ticks): the sign of life of a server
+# whose first request is still out (fleet/smoke.py tells a hung one from one warming up by it).
 STATE = r"""
-state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)
-case $state in ''|Z|X) echo dead;; T) echo stopped;; *) echo alive;; esac
+cat /proc/[0-9]*/stat 2>/dev/null | awk -v pg="$1" '
+{ pid = $1; s = $0; sub(/^.*\) /, "", s); split(s, f, " ")
+  if (pid == pg) lead = f[1]
+  if (pid == pg || f[3] == pg) { t += f[12] + f[13] + f[14] + f[15]; if (f[1] == "T" || f[1] == "t") st = 1 } }
+END { if (lead == "" || lead == "Z" || lead == "X") print "dead"
+      else if (st) printf "stopped %.0f\n", t
+      else printf "alive %.0f\n", t }'
 """
 
 # sh -c WATCH STATE PID FROM_BYTE LOG: the STATE word on line 1, then the log from FROM_BYTE.
