@@ -1,0 +1,123 @@
+"""Where a long-row job's makespan goes: the ideals a run is measured against, and its idle time.
+
+Pure functions over what a run logged (bench_long_rows.py writes it to bench/results/):
+
+- `fluid_ideal`: the kept tokens over the capacity that was there, as if rows could be split
+  across slots at will. A server counts `slots x tokens/s` per second while it can generate:
+  the wedged server from the start to its wedge and again from its return (never, if it was
+  not relaunched), so a wedged server is never counted as working.
+- `list_schedule`: the same rows on the same slots by a runner with no overhead at all:
+  each free slot takes the next row (`clairvoyant=False`: the order given, what any runner
+  that cannot see a row's length does), or the longest row left on the slot that would finish
+  it first (`clairvoyant=True`, LPT: needs the lengths in advance, which nobody has at T=0.6).
+  The wedged server's slots stop at the wedge and come back at its return; a row cut by the
+  wedge starts again elsewhere at once (an instant, perfect watchdog). Its makespan over the
+  fluid ideal is what indivisible rows of unknown length cost by themselves: the floor.
+- `idle_profile`: the healthy servers' idle slot-seconds, split at the moment the queue ran dry
+  (the last row's first send) and in ten equal time slices.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+Send = tuple[str, str, float, float, str]   # server, row id, start s, end s, outcome kind
+
+
+def fluid_ideal(tokens: float, rates: dict[str, float], out: dict[str, tuple[float, float]]) -> float:
+    """Seconds to generate `tokens` on servers of `rates` (tokens/s, all slots), server `n` out over
+    `out[n] = (from, to)` (to = inf: never back)."""
+    total = sum(rates.values())
+    t, left = 0.0, tokens
+    # the capacity changes only at the outages' edges: walk them in order
+    edges = sorted({e for a, b in out.values() for e in (a, b) if e != float("inf")})
+    for edge in edges + [float("inf")]:
+        cap = total - sum(r for n, r in rates.items() if n in out and out[n][0] <= t < out[n][1])
+        if cap > 0 and (edge == float("inf") or left <= cap * (edge - t)):
+            return t + left / cap
+        left -= cap * (edge - t)
+        t = edge
+    return float("inf")
+
+
+def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
+                  out: dict[str, tuple[float, float]], clairvoyant: bool = False) -> float:
+    """Makespan of `lengths` (tokens, in feed order) on `slots` per server at `speeds` (tokens/s per
+    stream), with no overhead; see the module docstring. Not clairvoyant, a slower server keeps
+    the runner's tail rule (`_held`): it leaves the last rows to faster ones that would finish
+    them sooner, judging by the mean row, not the row's own length."""
+    rows = sorted(lengths, reverse=True) if clairvoyant else list(lengths)
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    free = [(0.0, -speeds[n], n, i) for n in speeds for i in range(slots)]
+    heapq.heapify(free)
+    cut: list[tuple[float, int]] = []   # (available at, length): rows a wedge cut
+    end = 0.0
+    while rows or cut:
+        t, neg_v, n, i = heapq.heappop(free)
+        if n in out and out[n][0] <= t < out[n][1]:
+            if out[n][1] != float("inf"):
+                heapq.heappush(free, (out[n][1], neg_v, n, i))
+            continue
+        faster = [ft for ft, fv, _, _ in free if fv < neg_v]
+        if not clairvoyant and faster and _held(len(rows) + len(cut), mean, -neg_v, n, speeds, slots):
+            heapq.heappush(free, (max(t, min(faster)) + 1e-6, neg_v, n, i))   # again once a faster slot frees
+            continue
+        ready = [c for c in cut if c[0] <= t]
+        if ready:
+            L = ready[0][1]
+            cut.remove(ready[0])
+        elif rows:
+            L = rows.pop(0) if not clairvoyant else _longest_here(rows, t, -neg_v, free)
+        else:   # nothing to take until a cut row comes back
+            heapq.heappush(free, (min(c[0] for c in cut), neg_v, n, i))
+            continue
+        done = t + L / -neg_v
+        if n in out and t < out[n][0] < done:   # cut by the wedge: again elsewhere at once
+            cut.append((out[n][0], L))
+            if out[n][1] != float("inf"):
+                heapq.heappush(free, (out[n][1], neg_v, n, i))
+            continue
+        end = max(end, done)
+        heapq.heappush(free, (done, neg_v, n, i))
+    return end
+
+
+def _held(left: int, mean: float, v: float, n: str, speeds: dict[str, float], slots: int) -> bool:
+    """health.others_sooner with exact speeds: a markedly slower server leaves the row to the
+    others when they would drain what is left and this row before it could finish it."""
+    best = max(speeds.values())
+    if v * 1.5 >= best:
+        return False
+    rate = sum(slots * s / mean for m, s in speeds.items() if m != n)
+    return mean / v > (left + 1) / rate + mean / best
+
+
+def _longest_here(rows: list[int], t: float, v: float, free: list[tuple[float, float, str, int]]) -> int:
+    """LPT on slots of several speeds: the longest row left goes here unless another slot, free
+    later but faster, would finish it sooner; then the next longest is tried here."""
+    for k, L in enumerate(rows):
+        mine = t + L / v
+        if all(ft + L / -nv >= mine for ft, nv, _, _ in free):
+            return rows.pop(k)
+    return rows.pop()
+
+
+def idle_profile(sends: Sequence[Send], healthy: Sequence[str], slots: int, makespan: float,
+                 t_dry: float, pieces: int = 10) -> dict[str, Any]:
+    """Healthy servers' idle slot-seconds: before and after `t_dry`, and per time slice."""
+    busy: dict[str, list[tuple[float, float]]] = {n: [] for n in healthy}
+    for n, _, a, b, _ in sends:
+        if n in busy:
+            busy[n].append((a, b))
+
+    def idle(lo: float, hi: float) -> float:
+        used = sum(max(0.0, min(b, hi) - max(a, lo)) for n in healthy for a, b in busy[n])
+        return len(healthy) * slots * (hi - lo) - used
+
+    step = makespan / pieces
+    return {"before_dry": idle(0.0, t_dry), "after_dry": idle(t_dry, makespan),
+            "slices": [round(idle(k * step, (k + 1) * step) / len(healthy), 1) for k in range(pieces)],
+            "slice_s": step,
+            "first_send": {n: min((a for a, _ in busy[n]), default=None) for n in healthy}}
