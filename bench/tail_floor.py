@@ -20,6 +20,7 @@ Pure functions over what a run logged (bench_long_rows.py writes it to bench/res
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
     the runner's tail rule (`_held`): it leaves the last rows to faster ones that would finish
     them sooner, judging by the mean row, not the row's own length."""
     rows = sorted(lengths, reverse=True) if clairvoyant else list(lengths)
+    fifo = deque(rows)   # the order given (popleft: a seed-sized job has 10^5 rows)
     mean = sum(lengths) / len(lengths) if lengths else 0.0
     free = [(0.0, -speeds[n], n, i) for n in speeds for i in range(slots)]
     heapq.heapify(free)
@@ -69,7 +71,9 @@ def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
             L = ready[0][1]
             cut.remove(ready[0])
         elif rows:
-            L = rows.pop(0) if not clairvoyant else _longest_here(rows, t, -neg_v, free)
+            L = _longest_here(rows, t, -neg_v, free) if clairvoyant else fifo.popleft()
+            if not clairvoyant:
+                rows.pop()   # only its count is read from here on
         else:   # nothing to take until a cut row comes back
             heapq.heappush(free, (min(c[0] for c in cut), neg_v, n, i))
             continue
@@ -121,3 +125,37 @@ def idle_profile(sends: Sequence[Send], healthy: Sequence[str], slots: int, make
             "slices": [round(idle(k * step, (k + 1) * step) / len(healthy), 1) for k in range(pieces)],
             "slice_s": step,
             "first_send": {n: min((a for a, _ in busy[n]), default=None) for n in healthy}}
+
+
+def main() -> None:
+    """The floor against the job's length: rows per slot on bench_long_rows' fleet (5 servers at
+    full speed, one at half, one more at full), lengths as the sim draws them, several draws."""
+    import argparse
+    import math
+    import random
+
+    ap = argparse.ArgumentParser(description="no-overhead makespan ÷ fluid ideal against rows per slot")
+    ap.add_argument("--rows-per-slot", type=float, nargs="+", default=[4, 8, 16, 36, 64, 200, 2000])
+    ap.add_argument("--draws", type=int, default=5)
+    ap.add_argument("--slots", type=int, default=8)
+    args = ap.parse_args()
+    tps = 51.0
+    speeds = {**{f"s{i}": tps for i in range(5)}, "half": tps / 2, "s5": tps}
+    print("| rows per slot | rows | fluid ideal s | no-overhead ÷ ideal (each draw) | clairvoyant LPT ÷ ideal |")
+    print("| --- | --- | --- | --- | --- |")
+    for rps in args.rows_per_slot:
+        n = int(rps * args.slots * len(speeds))
+        greedy, lpt, ideal = [], [], 0.0
+        for seed in range(args.draws):
+            rng = random.Random(seed)
+            rows = [min(4096, max(1, int(rng.lognormvariate(math.log(2000), 0.5)))) for _ in range(n)]
+            ideal = fluid_ideal(sum(rows), {k: args.slots * v for k, v in speeds.items()}, {})
+            greedy.append(list_schedule(rows, speeds, args.slots, {}) / ideal)
+            if n <= 5000:
+                lpt.append(list_schedule(rows, speeds, args.slots, {}, clairvoyant=True) / ideal)
+        print(f"| {rps:g} | {n:,} | {ideal:,.0f} | " + " ".join(f"{g:.3f}" for g in greedy) + " | "
+              + (" ".join(f"{x:.3f}" for x in lpt) or "—") + " |")
+
+
+if __name__ == "__main__":
+    main()
