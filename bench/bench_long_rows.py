@@ -18,10 +18,13 @@ Two fleets, the same rows, run side by side in one process:
   token counters, as for an engine without /metrics: no row finished for 3 x the recent p99 row
   time, within [30 s, 300 s]) — the rules before issue 22.
 
-Per run: makespan ÷ ideal (ideal: the kept tokens over the fleet's capacity, the wedged server
-counted until its last answer), the healthy servers' idle slot-seconds, backups and their extra
-tokens, the time from the wedge (the wedged server's last answer: its progress stopped) to the
-first of its rows sent elsewhere, and to its being taken out; every id exactly once.
+Per run: makespan ÷ ideal (the kept tokens over the capacity that was there: the wedged server
+counted until its wedge and again once the runner has it back, never while wedged), the same rows
+on a runner with no overhead (the floor that indivisible rows of unknown length set, and a
+clairvoyant one; bench/tail_floor.py), the healthy servers' idle time before and after the queue
+ran dry and over the job, backups and their extra tokens, the time from the wedge (the wedged server's last answer: its progress stopped) to the
+first of its rows sent elsewhere, and to its being taken out; every id exactly once. Every send
+is kept in bench/results/long-rows-*.json.
 `run_pair` is also the suite's small version (tests/test_gen_hedge.py).
 """
 
@@ -285,11 +288,11 @@ def main() -> None:
         f"where they take 1–4 min). new: backups (hedge_max_extra_fraction 0.05) + token-progress watchdog "
         f"(stall_s 30 s); old: no backups + the row clock (3 x p99 row time within [30, 300] s). "
         + ("The server taken out is relaunched without the fault (kill, start, /health: "
-           + ", ".join(f"{r:.1f}" for f in fleets for r in f.relaunched) + " s), as the runner does." if args.relaunch else "The server taken out stays out.")
+           + ", ".join(f"{r:.1f}" for f in fleets for r in f.relaunched) + " s), as the runner does." if args.relaunch else "A server taken out stays out.")
         + " Fluid ideal: the kept tokens over the capacity that was there (the wedged server counted until its "
         "wedge and again from its first row after it; never as working while wedged), rows split at will. "
-        "No-overhead runner: the same rows, in the same order, each free slot taking the next, no latency, no "
-        "hold, a perfect watchdog (bench/tail_floor.py); clairvoyant LPT: the longest row first, on the slot "
+        "No-overhead runner: the same rows, in the same order, each free slot taking the next (a slower server "
+        "keeping the runner's tail rule), no start-up, no latency, a perfect watchdog (bench/tail_floor.py); clairvoyant LPT: the longest row first, on the slot "
         "that finishes it first (needs lengths nobody knows in advance).",
         "",
         *table(res),
