@@ -127,6 +127,23 @@ def idle_profile(sends: Sequence[Send], healthy: Sequence[str], slots: int, make
             "first_send": {n: min((a for a, _ in busy[n]), default=None) for n in healthy}}
 
 
+def refigure(path: str) -> None:
+    """One bench_long_rows run's floors, from its raw record, with the floor model as it is now."""
+    import json
+
+    d = json.load(open(path))
+    print(f"{path}: {' '.join(d['argv'])} (load {d['load'][0]:.1f})")
+    for name, r in d["runs"].items():
+        raw = r["raw"]
+        wedged = r["down_s"] is not None or r["flow_s"] is not None
+        out = {"wedged": (r["t_stop"], float(r["t_up"]))} if wedged else {}
+        g = list_schedule(raw["lengths"], raw["speeds"], raw["slots"], out)
+        lpt = list_schedule(raw["lengths"], raw["speeds"], raw["slots"], out, clairvoyant=True)
+        print(f"  {name}: makespan {r['makespan']:.0f} s, ideal {r['ideal']:.0f} s, ratio {r['ratio']:.3f}; "
+              f"no-overhead {g:.0f} s ({g / r['ideal']:.3f}), LPT {lpt:.0f} s ({lpt / r['ideal']:.3f}); "
+              f"makespan / no-overhead {r['makespan'] / g:.3f}")
+
+
 def main() -> None:
     """The floor against the job's length: rows per slot on bench_long_rows' fleet (5 servers at
     full speed, one at half, one more at full), lengths as the sim draws them, several draws."""
@@ -138,7 +155,13 @@ def main() -> None:
     ap.add_argument("--rows-per-slot", type=float, nargs="+", default=[4, 8, 16, 36, 64, 200, 2000])
     ap.add_argument("--draws", type=int, default=5)
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--raw", nargs="+", default=[], help="bench_long_rows runs (bench/results/long-rows-*.json): "
+                    "their floors computed again with this module")
     args = ap.parse_args()
+    for path in args.raw:
+        refigure(path)
+    if args.raw:
+        return
     tps = 51.0
     speeds = {**{f"s{i}": tps for i in range(5)}, "half": tps / 2, "s5": tps}
     print("| rows per slot | rows | fluid ideal s | no-overhead ÷ ideal (each draw) | clairvoyant LPT ÷ ideal |")
