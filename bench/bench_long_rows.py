@@ -174,22 +174,16 @@ def measure(fleet: Fleet, rows: list[Request], slots: int, d: Logged, store: Sto
     tokens = sum(lengths.values())
     sends = d.sends
     wedged = [s for s in sends if s[0] == "wedged"]
-    # the wedge: its first request never answered; its progress stopped with the last answer to
-    # a request sent before that one (a relaunched server answers again later)
-    hung = min((s[2] for s in wedged if s[4] != "ok"), default=float("inf"))
-    answered = [s[3] for s in wedged if s[4] == "ok" and s[2] < hung]
-    t_stop = max(answered) if answered else 0.0
+    # the wedge, its slots out one by one, its return (tail_floor.wedge_windows); none unless taken out
+    srv = next(s for s in d.servers if s.name == "wedged")
+    out, t_stop, t_up = tail_floor.wedge_windows(sends, slots) if srv.downs else ({}, 0.0, float("inf"))
     stuck = {s[1] for s in wedged if s[4] != "ok"}   # rows it held and never answered
     elsewhere = [s[2] for s in sends if s[0] != "wedged" and s[1] in stuck
                  and s[2] >= min((w[2] for w in wedged if w[1] == s[1]), default=0.0)]
     t_flow = min(elsewhere) if elsewhere else None
-    srv = next(s for s in d.servers if s.name == "wedged")
     t_down = srv.down_since - d._t0 if srv.down_since is not None else None
-    # the wedged server is out from its wedge until the runner had it back (its next send), or for good
-    t_up = min((s[2] for s in wedged if s[2] > hung), default=float("inf"))
-    out = {"wedged": (t_stop, t_up)} if hung != float("inf") else {}
     speeds = dict(zip(fleet.names, fleet.tps))
-    ideal = tail_floor.fluid_ideal(tokens, {n: slots * v for n, v in speeds.items()}, out)
+    ideal = tail_floor.fluid_ideal(tokens, speeds, slots, out)
     order = [lengths[r.id] for r in rows if r.id in lengths]
     greedy = tail_floor.list_schedule(order, speeds, slots, out)
     lpt = tail_floor.list_schedule(order, speeds, slots, out, clairvoyant=True)
@@ -204,7 +198,7 @@ def measure(fleet: Fleet, rows: list[Request], slots: int, d: Logged, store: Sto
             "idle_server_s": idle / slots, "hedge": summary.hedge, "tokens": tokens,
             "greedy": greedy, "lpt": lpt, "t_dry": t_dry, "idle": prof, "rows_per_slot": len(rows) / (7 * slots),
             "extra_pct": 100.0 * summary.hedge["extra_tokens"] / tokens if tokens else 0.0,
-            "t_stop": t_stop, "t_up": t_up, "flow_s": None if t_flow is None else t_flow - t_stop,
+            "t_stop": t_stop, "t_up": t_up, "out": out, "flow_s": None if t_flow is None else t_flow - t_stop,
             "down_s": None if t_down is None else t_down - t_stop, "once": once, "errors": len(store.errors),
             "complete": summary.complete, "wedged_down": srv.downs > 0, "relaunch_s": list(fleet.relaunched),
             "wedged_rows_after": srv.requests, "wedged_reason": srv.down_reason,

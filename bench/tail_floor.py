@@ -27,15 +27,38 @@ from typing import Any
 Send = tuple[str, str, float, float, str]   # server, row id, start s, end s, outcome kind
 
 
-def fluid_ideal(tokens: float, rates: dict[str, float], out: dict[str, tuple[float, float]]) -> float:
-    """Seconds to generate `tokens` on servers of `rates` (tokens/s, all slots), server `n` out over
-    `out[n] = (from, to)` (to = inf: never back)."""
-    total = sum(rates.values())
+Out = dict[str, list[tuple[float, float]]]   # server -> per slot (0, 1, ...): (out from, back at; inf: never)
+
+
+def _window(out: Out, n: str, i: int) -> tuple[float, float] | None:
+    w = out.get(n, [])
+    return w[i] if i < len(w) else None
+
+
+def wedge_windows(sends: Sequence[Send], slots: int, name: str = "wedged") -> tuple[Out, float, float]:
+    """From a run's sends: the wedged server's slots out (each from the first request on it that
+    never answered, until its first answer after a relaunch: never, if none), the wedge (its last
+    answer to a request sent before the first that hung: its progress stopped) and its return."""
+    mine = [s for s in sends if s[0] == name]
+    hung = min((s[2] for s in mine if s[4] != "ok"), default=float("inf"))
+    if hung == float("inf"):
+        return {}, 0.0, float("inf")
+    t_stop = max((s[3] for s in mine if s[4] == "ok" and s[2] < hung), default=0.0)
+    t_up = min((s[2] for s in mine if s[2] >= t_stop and s[4] == "ok"), default=float("inf"))
+    hung_at = sorted(s[2] for s in mine if s[4] != "ok" and hung <= s[2] < t_up)[:slots]
+    return {name: [(a, t_up) for a in hung_at]}, t_stop, t_up
+
+
+def fluid_ideal(tokens: float, speeds: dict[str, float], slots: int, out: Out) -> float:
+    """Seconds to generate `tokens` on `slots` per server at `speeds` (tokens/s per stream), slot i
+    of server n out over `out[n][i]` (a wedge takes a server's slots one by one: each at the
+    first request it never answers)."""
+    total = slots * sum(speeds.values())
     t, left = 0.0, tokens
     # the capacity changes only at the outages' edges: walk them in order
-    edges = sorted({e for a, b in out.values() for e in (a, b) if e != float("inf")})
+    edges = sorted({e for ws in out.values() for a, b in ws for e in (a, b) if e != float("inf")})
     for edge in edges + [float("inf")]:
-        cap = total - sum(r for n, r in rates.items() if n in out and out[n][0] <= t < out[n][1])
+        cap = total - sum(speeds[n] for n, ws in out.items() for a, b in ws if a <= t < b)
         if cap > 0 and (edge == float("inf") or left <= cap * (edge - t)):
             return t + left / cap
         left -= cap * (edge - t)
@@ -44,7 +67,7 @@ def fluid_ideal(tokens: float, rates: dict[str, float], out: dict[str, tuple[flo
 
 
 def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
-                  out: dict[str, tuple[float, float]], clairvoyant: bool = False) -> float:
+                  out: Out, clairvoyant: bool = False) -> float:
     """Makespan of `lengths` (tokens, in feed order) on `slots` per server at `speeds` (tokens/s per
     stream), with no overhead; see the module docstring. Not clairvoyant, a slower server keeps
     the runner's tail rule (`_held`): it leaves the last rows to faster ones that would finish
@@ -58,9 +81,10 @@ def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
     end = 0.0
     while rows or cut:
         t, neg_v, n, i = heapq.heappop(free)
-        if n in out and out[n][0] <= t < out[n][1]:
-            if out[n][1] != float("inf"):
-                heapq.heappush(free, (out[n][1], neg_v, n, i))
+        w = _window(out, n, i)
+        if w is not None and w[0] <= t < w[1]:
+            if w[1] != float("inf"):
+                heapq.heappush(free, (w[1], neg_v, n, i))
             continue
         faster = [ft for ft, fv, _, _ in free if fv < neg_v]
         if not clairvoyant and faster and _held(len(rows) + len(cut), mean, -neg_v, n, speeds, slots):
@@ -78,10 +102,10 @@ def list_schedule(lengths: Sequence[int], speeds: dict[str, float], slots: int,
             heapq.heappush(free, (min(c[0] for c in cut), neg_v, n, i))
             continue
         done = t + L / -neg_v
-        if n in out and t < out[n][0] < done:   # cut by the wedge: again elsewhere at once
-            cut.append((out[n][0], L))
-            if out[n][1] != float("inf"):
-                heapq.heappush(free, (out[n][1], neg_v, n, i))
+        if w is not None and t < w[0] < done:   # cut by the wedge: again elsewhere at once
+            cut.append((w[0], L))
+            if w[1] != float("inf"):
+                heapq.heappush(free, (w[1], neg_v, n, i))
             continue
         end = max(end, done)
         heapq.heappush(free, (done, neg_v, n, i))
@@ -135,12 +159,12 @@ def refigure(path: str) -> None:
     print(f"{path}: {' '.join(d['argv'])} (load {d['load'][0]:.1f})")
     for name, r in d["runs"].items():
         raw = r["raw"]
-        wedged = r["down_s"] is not None or r["flow_s"] is not None
-        out = {"wedged": (r["t_stop"], float(r["t_up"]))} if wedged else {}
+        out = wedge_windows([tuple(x) for x in raw["sends"]], raw["slots"])[0] if r["wedged_down"] else {}
+        ideal = fluid_ideal(sum(raw["lengths"]), raw["speeds"], raw["slots"], out)
         g = list_schedule(raw["lengths"], raw["speeds"], raw["slots"], out)
         lpt = list_schedule(raw["lengths"], raw["speeds"], raw["slots"], out, clairvoyant=True)
-        print(f"  {name}: makespan {r['makespan']:.0f} s, ideal {r['ideal']:.0f} s, ratio {r['ratio']:.3f}; "
-              f"no-overhead {g:.0f} s ({g / r['ideal']:.3f}), LPT {lpt:.0f} s ({lpt / r['ideal']:.3f}); "
+        print(f"  {name}: makespan {r['makespan']:.0f} s, ideal {ideal:.0f} s, ratio {r['makespan'] / ideal:.3f}; "
+              f"no-overhead {g:.0f} s ({g / ideal:.3f}), LPT {lpt:.0f} s ({lpt / ideal:.3f}); "
               f"makespan / no-overhead {r['makespan'] / g:.3f}")
 
 
@@ -172,7 +196,7 @@ def main() -> None:
         for seed in range(args.draws):
             rng = random.Random(seed)
             rows = [min(4096, max(1, int(rng.lognormvariate(math.log(2000), 0.5)))) for _ in range(n)]
-            ideal = fluid_ideal(sum(rows), {k: args.slots * v for k, v in speeds.items()}, {})
+            ideal = fluid_ideal(sum(rows), speeds, args.slots, {})
             greedy.append(list_schedule(rows, speeds, args.slots, {}) / ideal)
             if n <= 5000:
                 lpt.append(list_schedule(rows, speeds, args.slots, {}, clairvoyant=True) / ideal)
