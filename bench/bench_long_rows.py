@@ -18,10 +18,13 @@ Two fleets, the same rows, run side by side in one process:
   token counters, as for an engine without /metrics: no row finished for 3 x the recent p99 row
   time, within [30 s, 300 s]) — the rules before issue 22.
 
-Per run: makespan ÷ ideal (ideal: the kept tokens over the fleet's capacity, the wedged server
-counted until its last answer), the healthy servers' idle slot-seconds, backups and their extra
-tokens, the time from the wedge (the wedged server's last answer: its progress stopped) to the
-first of its rows sent elsewhere, and to its being taken out; every id exactly once.
+Per run: makespan ÷ ideal (the kept tokens over the capacity that was there: the wedged server
+counted until its wedge and again once the runner has it back, never while wedged), the same rows
+on a runner with no overhead (the floor that indivisible rows of unknown length set, and a
+clairvoyant one; bench/tail_floor.py), the healthy servers' idle time before and after the queue
+ran dry and over the job, backups and their extra tokens, the time from the wedge (the wedged server's last answer: its progress stopped) to the
+first of its rows sent elsewhere, and to its being taken out; every id exactly once. Every send
+is kept in bench/results/long-rows-*.json.
 `run_pair` is also the suite's small version (tests/test_gen_hedge.py).
 """
 
@@ -51,6 +54,8 @@ from fleet.generation.manifest import Summary  # noqa: E402
 from fleet.generation.hedge import Flight  # noqa: E402
 from fleet.generation.rows import Request  # noqa: E402
 from fleet.generation.serverstate import ServerState  # noqa: E402
+
+import tail_floor  # noqa: E402
 
 SEED_TPS = 17.0          # tokens/s per stream at which a 4,096-token row takes 4 minutes
 LENGTHS = "lognormal:2000:0.5"
@@ -166,39 +171,39 @@ def measure(fleet: Fleet, rows: list[Request], slots: int, d: Logged, store: Sto
     makespan = summary.wall_s
     ended = Counter([r["id"] for r in store.results] + store.errors)
     once = len(ended) == len(rows) and max(ended.values()) == 1
-    tokens = sum(r["completion_tokens"] or 0 for r in store.results)
+    lengths = {r["id"]: r["completion_tokens"] or 0 for r in store.results}
+    tokens = sum(lengths.values())
     sends = d.sends
     wedged = [s for s in sends if s[0] == "wedged"]
-    # the wedge: its first request never answered; its progress stopped with the last answer to
-    # a request sent before that one (a relaunched server answers again later)
-    hung = min((s[2] for s in wedged if s[4] != "ok"), default=float("inf"))
-    answered = [s[3] for s in wedged if s[4] == "ok" and s[2] < hung]
-    t_stop = max(answered) if answered else 0.0
+    # the wedge, its slots out one by one, its return (tail_floor.wedge_windows); none unless taken out
+    srv = next(s for s in d.servers if s.name == "wedged")
+    out, t_stop, t_up = tail_floor.wedge_windows(sends, slots) if srv.downs else ({}, 0.0, float("inf"))
     stuck = {s[1] for s in wedged if s[4] != "ok"}   # rows it held and never answered
     elsewhere = [s[2] for s in sends if s[0] != "wedged" and s[1] in stuck
                  and s[2] >= min((w[2] for w in wedged if w[1] == s[1]), default=0.0)]
     t_flow = min(elsewhere) if elsewhere else None
-    srv = next(s for s in d.servers if s.name == "wedged")
     t_down = srv.down_since - d._t0 if srv.down_since is not None else None
-    cap = {n: slots * t for n, t in zip(fleet.names, fleet.tps)}
-    healthy = sum(c for n, c in cap.items() if n != "wedged")
-    left = tokens - cap["wedged"] * t_stop
-    if fleet.relaunched:   # it came back: the whole fleet's capacity, the wedge's cost is the rules'
-        ideal = tokens / sum(cap.values())
-    else:                  # it never came back: counted until its last answer
-        ideal = left / healthy if left > 0 else tokens / sum(cap.values())
-    busy: dict[str, float] = {}
-    for name, _, a, b, _ in sends:
-        busy[name] = busy.get(name, 0.0) + b - a
-    idle = sum(slots * makespan - busy.get(n, 0.0) for n in fleet.names if n != "wedged")
+    speeds = dict(zip(fleet.names, fleet.tps))
+    ideal = tail_floor.fluid_ideal(tokens, speeds, slots, out)
+    order = [lengths[r.id] for r in rows if r.id in lengths]
+    greedy = tail_floor.list_schedule(order, speeds, slots, out)
+    lpt = tail_floor.list_schedule(order, speeds, slots, out, clairvoyant=True)
+    first = {}
+    for _, rid, a, _, _ in sends:
+        first[rid] = min(a, first.get(rid, a))
+    t_dry = max(first.values(), default=0.0)   # the last row's first send: the queue ran dry
+    healthy = [n for n in fleet.names if n != "wedged"]
+    prof = tail_floor.idle_profile(sends, healthy, slots, makespan, t_dry)
+    idle = prof["before_dry"] + prof["after_dry"]
     return {"makespan": makespan, "ideal": ideal, "ratio": makespan / ideal, "idle_slot_s": idle,
             "idle_server_s": idle / slots, "hedge": summary.hedge, "tokens": tokens,
+            "greedy": greedy, "lpt": lpt, "t_dry": t_dry, "idle": prof, "rows_per_slot": len(rows) / (7 * slots),
             "extra_pct": 100.0 * summary.hedge["extra_tokens"] / tokens if tokens else 0.0,
-            "t_stop": t_stop, "flow_s": None if t_flow is None else t_flow - t_stop,
+            "t_stop": t_stop, "t_up": t_up, "out": out, "flow_s": None if t_flow is None else t_flow - t_stop,
             "down_s": None if t_down is None else t_down - t_stop, "once": once, "errors": len(store.errors),
             "complete": summary.complete, "wedged_down": srv.downs > 0, "relaunch_s": list(fleet.relaunched),
-            "wedged_rows_after": srv.requests,
-            "wedged_reason": srv.down_reason}
+            "wedged_rows_after": srv.requests, "wedged_reason": srv.down_reason,
+            "raw": {"speeds": speeds, "slots": slots, "sends": sends, "lengths": order}}
 
 
 async def run_pair(new_fleet: Fleet, old_fleet: Fleet | None, rows: int, slots: int,
@@ -216,17 +221,30 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def table(res: dict[str, dict[str, Any]]) -> list[str]:
-    lines = ["| rules | makespan s | ideal s | ratio | healthy servers idle (slot-s / server-s) | rows hedged "
-             "| backup wins | extra tokens (% of kept) | wedge → its rows elsewhere s | wedge → taken out s "
-             "| ids exactly once |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| rules | makespan s | fluid ideal s | **makespan ÷ ideal** | no-overhead runner s (÷ ideal) "
+             "| clairvoyant LPT s (÷ ideal) | makespan ÷ no-overhead runner | queue dry at s "
+             "| healthy idle server-s before / after dry | rows hedged / wins | extra tokens (% of kept) "
+             "| wedge → its rows elsewhere s | wedge → taken out s | ids exactly once |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in res.items():
-        h = r["hedge"]
+        h, i, n = r["hedge"], r["idle"], len(r["idle"]["first_send"])
         lines.append(f"| {name} | {r['makespan']:.0f} | {r['ideal']:.0f} | **{r['ratio']:.3f}** | "
-                     f"{r['idle_slot_s']:,.0f} / {r['idle_server_s']:,.0f} | {h['rows']} | {h['wins']} | "
-                     f"{h['extra_tokens']:,} ({r['extra_pct']:.2f} %) | {_fmt(r['flow_s'])} | {_fmt(r['down_s'])} | "
-                     f"{'yes' if r['once'] else 'NO'} |")
+                     f"{r['greedy']:.0f} ({r['greedy'] / r['ideal']:.3f}) | {r['lpt']:.0f} ({r['lpt'] / r['ideal']:.3f}) | "
+                     f"{r['makespan'] / r['greedy']:.3f} | {r['t_dry']:.0f} | "
+                     f"{i['before_dry'] / r['raw']['slots'] / n:,.0f} / {i['after_dry'] / r['raw']['slots'] / n:,.0f} | "
+                     f"{h['rows']} / {h['wins']} | {h['extra_tokens']:,} ({r['extra_pct']:.2f} %) | "
+                     f"{_fmt(r['flow_s'])} | {_fmt(r['down_s'])} | {'yes' if r['once'] else 'NO'} |")
     return lines
+
+
+def dump(res: dict[str, dict[str, Any]], argv: list[str], load: tuple[float, ...]) -> Path:
+    """Everything a run logged (every send, every row's length), to recompute any figure later."""
+    import json
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
+    path = ROOT / "bench" / "results" / f"long-rows-{stamp}-{os.getpid()}.json"
+    path.write_text(json.dumps({"argv": argv, "load": load, "runs": res}, default=str))
+    return path
 
 
 def main() -> None:
@@ -236,7 +254,7 @@ def main() -> None:
     ap.add_argument("--rows-per-slot", type=float, default=8.0)
     ap.add_argument("--hang-after", type=int, default=None, help="requests the wedged server serves (default 2 x slots)")
     ap.add_argument("--relaunch", action="store_true",
-                    help="relaunch a server taken out (as the runner does); ideal: the whole fleet's capacity")
+                    help="relaunch a server taken out (as the runner does)")
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args()
     tps = SEED_TPS * args.scale
@@ -251,6 +269,7 @@ def main() -> None:
             f.stop()
     wall = time.monotonic() - t0
     load = os.getloadavg()
+    raw = dump(res, sys.argv[1:], load)   # first: a figure below that fails leaves the raw run
     lines = [
         f"### Long rows: a wedged server and a half-speed one (issue 22), {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "",
@@ -264,13 +283,20 @@ def main() -> None:
         f"where they take 1–4 min). new: backups (hedge_max_extra_fraction 0.05) + token-progress watchdog "
         f"(stall_s 30 s); old: no backups + the row clock (3 x p99 row time within [30, 300] s). "
         + ("The server taken out is relaunched without the fault (kill, start, /health: "
-           + ", ".join(f"{r:.1f}" for f in fleets for r in f.relaunched) + " s), as the runner does; ideal: kept "
-           "tokens over the whole fleet's capacity (every slot, the whole time)." if args.relaunch else
-           "The server taken out stays out; ideal: kept tokens over capacity, the wedged server counted until "
-           "its last answer (the wedge)."),
+           + ", ".join(f"{r:.1f}" for f in fleets for r in f.relaunched) + " s), as the runner does." if args.relaunch else "A server taken out stays out.")
+        + " Fluid ideal: the kept tokens over the capacity that was there (the wedged server counted until its "
+        "wedge and again from its first row after it; never as working while wedged), rows split at will. "
+        "No-overhead runner: the same rows, in the same order, each free slot taking the next (a slower server "
+        "keeping the runner's tail rule), no start-up, no latency, a perfect watchdog (bench/tail_floor.py); clairvoyant LPT: the longest row first, on the slot "
+        "that finishes it first (needs lengths nobody knows in advance).",
         "",
         *table(res),
     ]
+    lines += ["", "Idle slot-seconds per healthy server, in ten equal slices of the job:", ""]
+    lines += [f"- {name}: " + ", ".join(f"{x:.0f}" for x in r["idle"]["slices"])
+              + f" (slices of {r['idle']['slice_s']:.0f} s; rows per slot {r['rows_per_slot']:.1f})"
+              for name, r in res.items()]
+    lines += ["", f"Raw: `{raw.relative_to(ROOT)}`"]
     text = "\n".join(lines)
     print("\n" + text)
     for name, r in res.items():

@@ -35,7 +35,7 @@ def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None,
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
         port = int(url.rsplit(":", 1)[1])
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 120   # a loaded 2-core machine can take a minute to import a sim
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -45,6 +45,9 @@ def start_sims(tokens_per_s: list[float], slots: int, seed: int | None = None,
             except OSError:
                 pass
             if time.monotonic() > deadline:
+                for p in procs:   # none left behind
+                    p.kill()
+                    p.wait()
                 raise SystemExit(f"sim at {url} not healthy")
             time.sleep(0.05)
     return procs, urls

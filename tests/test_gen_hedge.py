@@ -203,6 +203,41 @@ def test_long_rows_bench_small_wedged_server_out_rows_hedged_every_id_once() -> 
     assert res["flow_s"] is not None, "the wedged server's rows never went elsewhere"
 
 
+def test_long_rows_ideal_never_counts_a_wedged_server_as_working() -> None:
+    """The bench's yardstick: the fluid ideal counts a wedged server out from its wedge until it is
+    back (for good when it never is); an ideal that counted it working would blame the runner for
+    capacity that was not there. Pure arithmetic, no timing."""
+    import tail_floor
+
+    inf = float("inf")
+    assert tail_floor.fluid_ideal(100, {"a": 1, "b": 1}, 1, {}) == 50
+    assert tail_floor.fluid_ideal(100, {"a": 1, "b": 1}, 1, {"b": [(10, inf)]}) == 90
+    assert tail_floor.fluid_ideal(100, {"a": 1, "b": 1}, 1, {"b": [(10, 20)]}) == 55
+    # a wedge takes a server's slots one by one: here one of b's two at 10, the other at 30
+    assert tail_floor.fluid_ideal(100, {"a": 1, "b": 1}, 2, {"b": [(10, inf), (30, inf)]}) == 30
+    # the windows come from the sends: the wedged server's slots out from the requests it never answered
+    sends = [("wedged", "r1", 0.0, 10.0, "ok"), ("wedged", "r2", 0.0, 12.0, "ok"),
+             ("wedged", "r3", 10.0, 99.0, "lost"), ("wedged", "r4", 12.0, 99.0, "connection"),
+             ("wedged", "r5", 60.0, 70.0, "ok")]
+    assert tail_floor.wedge_windows(sends, 2) == ({"wedged": [(10.0, 60.0), (12.0, 60.0)]}, 12.0, 60.0)
+
+
+def test_long_rows_floor_restarts_rows_cut_by_the_wedge_and_holds_a_slow_server_at_the_tail() -> None:
+    """The no-overhead floor the bench compares a run with: a row cut by the wedge starts again
+    elsewhere at once; a server four times slower leaves the last row to a faster one; a
+    clairvoyant order puts the long row first. Pure arithmetic, no timing."""
+    import tail_floor
+
+    inf = float("inf")
+    assert tail_floor.list_schedule([10, 10, 10, 10], {"a": 1, "b": 1}, 1, {}) == 20
+    # b takes the second row and is wedged at 5: a runs all four (the cut one right after its first)
+    assert tail_floor.list_schedule([10, 10, 10, 10], {"a": 1, "b": 1}, 1, {"b": [(5, inf)]}) == 40
+    # the slow server would take 40 s for the last row; the fast one finishes it at 20
+    assert tail_floor.list_schedule([10, 10], {"a": 1, "slow": 0.25}, 1, {}) == 20
+    assert tail_floor.list_schedule([1, 1, 1, 1, 8], {"a": 1, "b": 1}, 1, {}) == 10
+    assert tail_floor.list_schedule([1, 1, 1, 1, 8], {"a": 1, "b": 1}, 1, {}, clairvoyant=True) == 8
+
+
 def test_lost_send_whose_cancellation_is_swallowed_never_touches_the_row(sims, monkeypatch) -> None:
     """Fault: a loser's cancellation can race aiohttp's own timer and come back as a timeout
     answer instead of a CancelledError (see test_gen_dispatch's lost-cancellation test). Here
