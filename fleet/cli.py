@@ -275,9 +275,16 @@ def export_dest(out_dir: str, fmt: str) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from fleet.generation.export import export
 
+    from fleet.generation.objstore import is_url
+
     dest = args.dest or export_dest(args.dir, args.format)
     try:
-        n = export(args.dir, args.format, dest)
+        if is_url(args.dir) or is_url(dest):
+            from fleet.generation.objstore import export_via_copy
+
+            n = export_via_copy(args.dir, dest, lambda src, to: export(src, args.format, to))
+        else:
+            n = export(args.dir, args.format, dest)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fleet export: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -22,6 +22,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.generation.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode import Controller, NodeWork, plan_root
+from fleet.generation.objstore import is_url
 from flows.outcome import failed
 
 
@@ -33,6 +34,12 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     if retry_errors:
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")
+    if is_url(input):   # cut here, once; each node then reads its own chunks from the store
+        from fleet.generation.publish import stage_input
+
+        if not is_url(output):
+            return failed(f"--input {input} is on object storage: give --output a URL there too")
+        input = stage_input(input, plan_dir_for(plan_root(), cfg.name, output) / "source")
     if not Path(input).is_file():
         return failed(f"input {input} is not a file on this machine: a job over several nodes cuts the "
                       "input here and sends each node its chunks; give a local --input")
@@ -86,7 +93,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                     fut.result(raise_on_failure=True)
                 except Exception as exc:
                     errors.append(f"{name}: {str(exc).splitlines()[0][:300]}")
-        dest = pdir / "output"
+        # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
+        dest: Path | str = output if ctl.store is not None else pdir / "output"
         manifest = ctl.finalize(dest)
     counts = manifest["counts"]
     result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],

@@ -28,6 +28,7 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed
 from fleet.generation.jobdir import EXIT_FILE, LIVE_PID_SH, job_dir  # noqa: F401  (re-exported)
+from fleet.generation.objstore import STORE_PACKAGES, is_url, store_env
 from fleet.node import LocalNode, Node
 
 RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
@@ -59,8 +60,9 @@ def build_pyz() -> bytes:
     return buf.getvalue()
 
 
-def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[str]:
-    """The argv prefix that runs the runner on this node, installing it there when needed."""
+def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, store: bool = False) -> list[str]:
+    """The argv prefix that runs the runner on this node, installing it there when needed (`store`: a
+    job on object storage, whose runner needs fsspec and s3fs too)."""
     if isinstance(node, LocalNode):
         return [sys.executable, "-m", "fleet.generation.runner"]
     from fleet.venv import ensure_venv
@@ -68,7 +70,7 @@ def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[s
     runner_cfg = cfg.model_copy(deep=True)
     runner_cfg.venv.path = f"{node_cfg.workdir.rstrip('/')}/runner-venv"
     runner_cfg.venv.use_existing = False
-    runner_cfg.engine.packages = list(RUNNER_PACKAGES)
+    runner_cfg.engine.packages = list(RUNNER_PACKAGES) + (list(STORE_PACKAGES) if store else [])
     venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
     pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
     import tempfile
@@ -108,8 +110,13 @@ def runner_secret_env(cfg: FleetConfig) -> dict[str, str]:
 
 def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
               specs: list[ServerSpec], retry_errors: bool = False,
-              facts: dict[int, dict[str, Any]] | None = None) -> JobHandle:
-    """Start the runner detached on the node, or re-attach to the one already running for `output`."""
+              facts: dict[int, dict[str, Any]] | None = None, store: str | None = None,
+              seed: list[str] | None = None) -> JobHandle:
+    """Start the runner detached on the node, or re-attach to the one already running for `output`.
+
+    `input_path` may be an fsspec URL (the runner reads it from there); `store`: the URL the runner
+    puts its committed output under, `seed`: earlier attempts' store URLs (fleet.generation.publish).
+    The store's credentials go to the runner in the environment, never in job.json or argv."""
     from fleet.workdir import ensure_workdir
 
     ensure_workdir(node, node_cfg.workdir)
@@ -127,18 +134,21 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         decide(ExistingJob(node_cfg.name, output, pid, live), cfg, input_fp=lambda: "", input_path=input_path,
                retry_errors=retry_errors)
         return JobHandle(node_cfg.name, jdir, output, pid, True, log_path)
-    if not node.exists(input_path):
+    on_store = store is not None or is_url(input_path)
+    if not is_url(input_path) and not node.exists(input_path):
         raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
                             remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
-    prefix = runner_command(node, cfg, node_cfg)
+    prefix = runner_command(node, cfg, node_cfg, store=on_store)
     job = {
         "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
         "input": input_path, "output": output, "servers": server_entries(cfg, specs, facts),
-        "retry_errors": retry_errors, "relaunch": True,
+        "retry_errors": retry_errors, "relaunch": True, "store": store, "seed": list(seed or []),
     }
     node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
     node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
     env = runner_secret_env(cfg)
+    if on_store:
+        env.update(store_env())
     env["PYTHONUNBUFFERED"] = "1"
     det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                               env=env, cwd=jdir)
