@@ -34,13 +34,15 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     if retry_errors:
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")
-    if is_url(input):   # cut here, once; each node then reads its own chunks from the store
+    if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once
         from fleet.generation.publish import stage_input
+        from fleet.generation.ranges import in_place
 
         if not is_url(output):
             return failed(f"--input {input} is on object storage: give --output a URL there too")
-        input = stage_input(input, plan_dir_for(plan_root(), cfg.name, output) / "source")
-    if not Path(input).is_file():
+        if not in_place(input):
+            input = stage_input(input, plan_dir_for(plan_root(), cfg.name, output) / "source")
+    if not is_url(input) and not Path(input).is_file():
         return failed(f"input {input} is not a file on this machine: a job over several nodes cuts the "
                       "input here and sends each node its chunks; give a local --input")
     by_node: dict[str, list[ServerSpec]] = {}

@@ -159,3 +159,31 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
 
     for root in (tmp_path, state_home):
         assert _scan_tree(root, [SECRET]) == []
+
+
+def test_a_jsonl_input_on_the_store_is_cut_into_byte_ranges_never_copied(s3: str, tmp_path: Path) -> None:
+    """The controller must not copy a JSONL input on object storage (its disk and link would be the
+    limit again): the plan's chunks are byte ranges of the input, written nowhere but plan.json; the
+    ranges, a cut made at claim time included, hold every line once and in order (the last line has no
+    newline), and a plan for another version of the input is refused."""
+    from fleet.errors import ConfigError
+    from fleet.generation.chunks import split_chunk, split_input
+    from fleet.generation.objstore import Store
+    from fleet.generation.ranges import read_span
+
+    lines = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "é" * (i % 7)}]}) for i in range(250)]
+    Store(s3).write_bytes("in/p.jsonl", ("\n".join(lines)).encode())
+    url = f"{s3}/in/p.jsonl"
+    pdir = tmp_path / "plan"
+    plan = split_input(url, pdir, ["a", "b"], chunk_rows=40)
+    assert all(c.span is not None and c.file == "" for c in plan.chunks)
+    assert sorted(p.name for p in pdir.iterdir()) == ["plan.json"]
+    split_chunk(pdir, plan, 0, 15)
+    got = b"".join(read_span(url, c.span) for c in sorted(plan.chunks, key=lambda c: c.first_line))  # type: ignore[arg-type]
+    assert got.decode().splitlines() == lines
+    assert [c.lines for c in sorted(plan.chunks, key=lambda c: c.first_line)][:2] == [15, 25]
+    again = split_input(url, pdir, ["a", "b"], chunk_rows=40)
+    assert [c.span for c in again.chunks] == [c.span for c in plan.chunks]
+    Store(s3).write_bytes("in/p.jsonl", ("\n".join(lines[:100])).encode())
+    with pytest.raises(ConfigError):
+        split_input(url, pdir, ["a", "b"], chunk_rows=40)

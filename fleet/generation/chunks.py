@@ -17,7 +17,8 @@ What is new lives here:
   `Assignments.claim` cuts a longer first-time chunk to that size (`split_chunk`: the rest is a
   new chunk at the end of the plan, recorded in plan.json before the files change).
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
-  with the input's schema) and the plan, atomically.
+  with the input's schema) and the plan, atomically. A JSONL input on object storage is read in
+  place instead: its chunks are byte ranges of it (`ranges.py`), and only plan.json is written.
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
   asks for work when it has none (`claim`), so a faster node takes more chunks. Kept in
   `state.json` (written atomically on every change), so a killed controller loses nothing: the
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.generation.durable import write_json_atomic
-from fleet.generation.objstore import Store
+from fleet.generation.objstore import Store, is_url
 
 __all__ = ["Chunk", "Plan", "Assignments", "attempt_spans", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
@@ -143,7 +144,8 @@ class Chunk:
     index: int
     first_line: int     # 1-based line (JSONL) / row (Parquet) of the input where the chunk starts
     lines: int          # input lines (or rows) in the chunk, blank lines included
-    file: str           # the chunk's input file, relative to the plan directory
+    file: str           # the chunk's input file, relative to the plan directory ("" when read in place)
+    span: list[int] | None = None   # [start, end) bytes of the plan's input URL, read in place (ranges.py)
 
     @property
     def name(self) -> str:
@@ -240,6 +242,8 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     new chunks (`grow_plan`). A plan for another input raises ConfigError (one output, one job)."""
     from fleet.errors import ConfigError
 
+    if is_url(str(input_path)):
+        return _split_in_place(str(input_path), Path(plan_dir), nodes, chunk_rows=chunk_rows, limit=limit)
     src = Path(input_path)
     pdir = Path(plan_dir)
     old = load_plan(pdir)
@@ -256,6 +260,38 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     chunks = _cut(src, pdir, fmt, first_line=1, index=0, lines=total, nodes=len(nodes), chunk_rows=chunk_rows)
     plan = Plan(input=str(src.resolve()), input_id=ident, total_lines=total, chunk_rows=chunk_rows, nodes=list(nodes),
                 chunks=chunks, fmt=fmt, limit=limit, rows=rows)
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    return plan
+
+
+def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int | None,
+                    limit: int | None) -> Plan:
+    """`split_input` for a JSONL input on object storage: chunks are byte ranges of it (ranges.py),
+    no file is written but plan.json. The same rules: a plan is kept, grown, or refused for another input."""
+    from fleet.errors import ConfigError
+    from fleet.generation.ranges import count_lines, span_offsets, url_id
+
+    ident = url_id(url)
+    old = load_plan(pdir)
+    if old is not None:
+        if old.input_id != ident:
+            raise ConfigError(f"this output already belongs to a multi-node job over {old.input} "
+                              f"({old.input_id.get('size')} bytes); the input now is {url} ({ident['size']} bytes)",
+                              remedy="give another --output for another input, or run the same input again to resume")
+        if old.whole_input or (limit is not None and old.limit is not None and limit <= old.limit):
+            return old
+    total, rows = count_lines(url, limit)
+    plan = old or Plan(input=url, input_id=ident, total_lines=0, chunk_rows=chunk_rows, nodes=list(nodes), chunks=[],
+                       fmt="jsonl", limit=limit, rows=0)
+    if total > plan.total_lines and rows > (plan.rows or 0):
+        sizes = plan_sizes(total - plan.total_lines, len(plan.nodes), plan.chunk_rows)
+        first = plan.total_lines + 1
+        for i, span in enumerate(span_offsets(url, first, sizes)):
+            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=sizes[i], file="", span=span))
+            first += sizes[i]
+        plan.total_lines = total
+    plan.limit, plan.rows = limit, rows
+    pdir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
     return plan
 
@@ -307,6 +343,16 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chun
     c = plan.chunks[index]
     if not 0 < rows < c.lines:
         raise ValueError(f"cannot cut chunk {index} of {c.lines} lines after {rows}")
+    if c.span is not None:   # read in place: the cut is two byte ranges, plan.json the only write
+        from fleet.generation.ranges import split_span
+
+        head_span, rest_span = split_span(plan.input, c.span, rows)
+        new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
+                    span=rest_span)
+        plan.chunks[index] = Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span)
+        plan.chunks.append(new)
+        write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+        return new
     new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
                 file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
     head = Chunk(index=c.index, first_line=c.first_line, lines=rows, file=c.file)

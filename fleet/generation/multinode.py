@@ -150,7 +150,7 @@ class Controller:
         chunk = self.chunk(index)
         mine = self.part_url(node, chunk)
         earlier = [self.part_url(a.node, chunk) for a in self.assign.chunks[index].attempts if a.output != out]
-        return {"store": mine, "seed": sorted(set(earlier) - {mine})}
+        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span}
 
     def gathered(self, node: str, chunk: Chunk) -> Path:
         return self.plan_dir / "gathered" / node / chunk.name
@@ -293,6 +293,9 @@ class Controller:
             node.write_text(path, json.dumps({"fleet": self.cfg.name, "plan_dir": str(self.plan_dir)}))
 
     def _put_input(self, node: Node, node_cfg: NodeConfig, chunk: Chunk) -> str:
+        if chunk.span is not None:   # a byte range of the input, read in place (store_args names it)
+            assert self.plan is not None
+            return self.plan.input
         local = self.plan_dir / chunk.file
         if self.store is not None:   # the runner reads it from the store itself
             name = f"_inputs/{posixpath.basename(chunk.file)}"

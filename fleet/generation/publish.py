@@ -34,11 +34,20 @@ log = logging.getLogger("fleet.generation.publish")
 SEEDED_FILE = ".seeded.json"
 
 
-def stage_input(url: str, out: Path) -> str:
-    """The local copy of input `url` (downloaded once, beside the output directory); a path is itself."""
+def stage_input(url: str, out: Path, span: list[int] | None = None) -> str:
+    """The local copy of input `url` (downloaded once, beside the output directory; `span`: only those
+    bytes of it, see ranges.py); a path is itself."""
     if not is_url(url):
         return url[len("file://"):] if url.startswith("file://") else url
-    local = out.parent / f".{out.name}.input" / posixpath.basename(url.rstrip("/"))
+    name = posixpath.basename(url.rstrip("/"))
+    local = out.parent / f".{out.name}.input" / (f"{span[0]}-{span[1]}-{name}" if span else name)
+    if span is not None and not local.exists():
+        from fleet.generation.ranges import read_span
+
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(local.name + ".tmp")
+        tmp.write_bytes(read_span(url, span))
+        tmp.replace(local)
     if not local.exists():
         parent, name = url.rstrip("/").rsplit("/", 1)
         Store(parent).get_file(name, str(local))

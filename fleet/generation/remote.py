@@ -111,11 +111,12 @@ def runner_secret_env(cfg: FleetConfig) -> dict[str, str]:
 def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
               specs: list[ServerSpec], retry_errors: bool = False,
               facts: dict[int, dict[str, Any]] | None = None, store: str | None = None,
-              seed: list[str] | None = None) -> JobHandle:
+              seed: list[str] | None = None, input_span: list[int] | None = None) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`.
 
     `input_path` may be an fsspec URL (the runner reads it from there); `store`: the URL the runner
-    puts its committed output under, `seed`: earlier attempts' store URLs (fleet.generation.publish).
+    puts its committed output under, `seed`: earlier attempts' store URLs (fleet.generation.publish),
+    `input_span`: the [start, end) bytes of `input_path` that are this job's input (ranges.py).
     The store's credentials go to the runner in the environment, never in job.json or argv."""
     from fleet.workdir import ensure_workdir
 
@@ -143,6 +144,7 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
         "input": input_path, "output": output, "servers": server_entries(cfg, specs, facts),
         "retry_errors": retry_errors, "relaunch": True, "store": store, "seed": list(seed or []),
+        "input_span": input_span,
     }
     node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
     node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's

@@ -29,7 +29,8 @@ JOB.json (`JobSpec`):
       "stop_grace_s": 60,
       "dispatch": {"down_after": 3, "backoff_s": 1.0},  # optional Dispatcher options
       "store": "s3://bucket/job/_parts/gpu1/chunk-00003",  # optional: committed output put here too
-      "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"]  # optional: shards a fresh run starts from
+      "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"],  # optional: shards a fresh run starts from
+      "input_span": [0, 81920]          # optional: the bytes of the input URL that are this job's
     }
 
 The input may be an fsspec URL: it is downloaded beside the output first. With `store`, the
@@ -497,7 +498,7 @@ def _from_store(job: JobSpec, out: Path) -> None:
     shards (see fleet.generation.publish)."""
     from fleet.generation.publish import seed, stage_input
 
-    job.input = stage_input(job.input, out)
+    job.input = stage_input(job.input, out, job.input_span)
     if job.store and job.seed:
         n = seed(out, job.seed)
         if n:
