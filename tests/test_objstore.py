@@ -155,6 +155,15 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
     # the takeover's runner started from the lost node's shards in the store (seeded, not generated again)
     jobs = [json.loads(p.read_text()) for p in (tmp_path / "work-fast").glob("jobs/*/job.json")]
     assert any(j["output"].endswith(f"chunk-{idx:05d}") and j["seed"] for j in jobs)
+    # `fleet fetch` is optional: it merges from the store into a local directory; `fleet export` reads the URL
+    from flows.cli import main
+
+    assert main(["fetch", "-c", str(tmp_path / "fleet.toml"), "--output", str(tmp_path / "fetched")]) == 0
+    fetched = [i for p in sorted((tmp_path / "fetched" / "shards").glob("*.parquet"))
+               for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+    assert sorted(fetched) == sorted(ids)
+    assert main(["export", out, "--format", "jsonl"]) == 0
+    assert len((Store(out).read_bytes("export.jsonl") or b"").splitlines()) == 900
     from test_security import _scan_tree
 
     for root in (tmp_path, state_home):
