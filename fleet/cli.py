@@ -269,6 +269,8 @@ _SUFFIX_FORMATS = ("jsonl", "json", "parquet", "csv")
 def export_dest(out_dir: str, fmt: str) -> str:
     """Default destination of `fleet export DIR --format FMT`."""
     name = f"export.{fmt}" if fmt in _SUFFIX_FORMATS else f"export.{fmt}.jsonl"
+    if "://" in out_dir:   # a URL: its scheme's // stays
+        return f"{out_dir.rstrip('/')}/{name}"
     return f"{out_dir.rstrip('/') or '/'}/{name}".replace("//", "/")
 
 

@@ -31,6 +31,9 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     from tasks.multinode import node_worker, say, watch_progress
 
     logger = get_run_logger()
+    from blocks.credentials import load_store_credentials
+
+    load_store_credentials()   # a deployment's run: the store's credentials may come from a Secret block
     if retry_errors:
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")

@@ -196,3 +196,28 @@ def test_a_jsonl_input_on_the_store_is_cut_into_byte_ranges_never_copied(s3: str
     Store(s3).write_bytes("in/p.jsonl", ("\n".join(lines[:100])).encode())
     with pytest.raises(ConfigError):
         split_input(url, pdir, ["a", "b"], chunk_rows=40)
+
+
+def test_store_credentials_from_a_prefect_secret_block(prefect_api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment's worker has no AWS_* in its shell: the credentials come from a Prefect Secret block
+    named by FLEET_STORE_SECRET (a JSON object of AWS_* variables) into the process's environment, where
+    s3fs and start_job's env file take them. A variable already set wins; a block holding anything else is
+    refused without echoing its value."""
+    from prefect.blocks.system import Secret
+
+    from blocks.credentials import load_store_credentials
+    from fleet.errors import ConfigError
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    Secret(value={"AWS_ACCESS_KEY_ID": "from-block", "AWS_SECRET_ACCESS_KEY": SECRET,
+                  "AWS_REGION": "us-east-1"}).save("fleet-store-test", overwrite=True)
+    monkeypatch.setenv("FLEET_STORE_SECRET", "fleet-store-test")
+    assert sorted(load_store_credentials()) == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == SECRET and os.environ["AWS_REGION"] == "eu-west-1"
+    Secret(value={"AWS_SECRET_ACCESS_KEY": SECRET, "PASSWORD": SECRET}).save("fleet-store-bad", overwrite=True)
+    monkeypatch.setenv("FLEET_STORE_SECRET", "fleet-store-bad")
+    with pytest.raises(ConfigError) as info:
+        load_store_credentials()
+    assert SECRET not in str(info.value)
