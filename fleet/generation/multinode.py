@@ -19,6 +19,13 @@ node committed survives the node. A chunk ends:
   attempt on another node starts from the shards gathered from the lost one (copied into its
   output directory, so the runner's own resume skips those ids). The lost node is probed
   every `probe_s`; when it answers again it rejoins and claims chunks like the others.
+
+With an --output on object storage (`self.store`) nothing of the data passes through here: each
+runner reads its chunk from the store (a byte range of a JSONL input, else a chunk object under
+`<output>/_inputs/`), works in a copy under its node's workdir, and puts its commits under
+`<output>/_parts/<node>/<chunk>/` itself (fleet.generation.publish); a chunk is done when its
+manifest is there; a next attempt is seeded by its runner from the earlier attempts' parts; the
+merge reads the parts and writes the job's output at `<output>` (`merge_job(store=…)`).
 """
 
 from __future__ import annotations
