@@ -13,6 +13,44 @@ from fleet.errors import ConfigError
 from fleet.node.credentials import StoredNode
 
 
+STORE_SECRET_ENV = "FLEET_STORE_SECRET"   # names a Secret block: the object store's AWS_* variables, as JSON
+
+
+def load_store_credentials() -> list[str]:
+    """The object store's credentials from the Prefect Secret block that FLEET_STORE_SECRET names (its
+    value: an object of AWS_* variables; Secret keeps JSON as it is) into this process's environment, where s3fs reads them and
+    start_job hands them to each runner's 0600 env file. A variable already set wins. Returns the names set."""
+    import json
+    import os
+
+    from fleet.generation.objstore import STORE_ENV
+
+    name = os.environ.get(STORE_SECRET_ENV)
+    if not name:
+        return []
+    try:
+        from prefect.blocks.system import Secret
+
+        block: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
+        values = block.get()
+    except Exception as exc:
+        raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {type(exc).__name__}",
+                          remedy="create it, and check PREFECT_API_URL") from exc
+    if isinstance(values, str):
+        try:
+            values = json.loads(values)
+        except ValueError:
+            values = None
+    if not isinstance(values, dict) or not set(values) <= set(STORE_ENV):
+        raise ConfigError(f"the Prefect Secret {name!r} is not an object of {', '.join(STORE_ENV)}",
+                          remedy='save it as Secret(value={"AWS_ACCESS_KEY_ID": "…", "AWS_SECRET_ACCESS_KEY": '
+                                 '"…"}).save(NAME)')
+    set_now = [k for k, v in values.items() if not os.environ.get(k)]
+    for k in set_now:
+        os.environ[k] = str(values[k])
+    return set_now
+
+
 class PrefectCredentials:
     """Reads `FleetNode` and `Secret` blocks by name."""
 

@@ -269,17 +269,27 @@ _SUFFIX_FORMATS = ("jsonl", "json", "parquet", "csv")
 def export_dest(out_dir: str, fmt: str) -> str:
     """Default destination of `fleet export DIR --format FMT`."""
     name = f"export.{fmt}" if fmt in _SUFFIX_FORMATS else f"export.{fmt}.jsonl"
+    if "://" in out_dir:   # a URL: its scheme's // stays
+        return f"{out_dir.rstrip('/')}/{name}"
     return f"{out_dir.rstrip('/') or '/'}/{name}".replace("//", "/")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from fleet.generation.export import export
+    from fleet.generation.objstore import is_url
 
     dest = args.dest or export_dest(args.dir, args.format)
     keep = args.keep_flagged
     try:
-        s = export(args.dir, args.format, dest,
-                   keep_flagged=True if keep == "all" else frozenset(keep.split(",")) if keep else False)
+        flags: bool | frozenset[str] = True if keep == "all" else frozenset(keep.split(",")) if keep else False
+        if is_url(args.dir) or is_url(dest):
+            from fleet.generation.objstore import export_via_copy
+
+            s = export_via_copy(args.dir, dest, lambda src, to: export(src, args.format, to, keep_flagged=flags))
+            # the side files went up beside DEST: name them there, not in the temporary directory
+            s.files = {k: f"{dest.rpartition('/')[0]}/{v.rpartition('/')[2]}" for k, v in s.files.items()}
+        else:
+            s = export(args.dir, args.format, dest, keep_flagged=flags)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fleet export: {exc}", file=sys.stderr)
         return EXIT_ERROR

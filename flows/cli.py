@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from blocks.credentials import PrefectCredentials
+from blocks.credentials import STORE_SECRET_ENV, PrefectCredentials, load_store_credentials
 from fleet import cli
 from fleet.cli import EXIT_ERROR, EXIT_FAILED, print_rows
 from fleet.node.credentials import install
@@ -89,6 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.limit is not None:
         cfg.generation.limit = args.limit
+    if os.environ.get(STORE_SECRET_ENV):   # the store's credentials from a Prefect block: needed to check the input
+        ensure_api()
+        load_store_credentials()
     # Before anything starts: the input, the output location, the job already there (exit 2).
     plan = plan_job(cfg, input=args.input, output=args.output, retry_errors=args.retry_errors, cwd=os.getcwd())
     if plan.verdict == "done":

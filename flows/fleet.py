@@ -26,6 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError, JobConflict
+from fleet.generation.objstore import is_url
 from fleet.interrupt import clear_stop, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
@@ -271,7 +272,7 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
     if not by_node:
         return failed("no server came up; nothing to generate with: " + " | ".join(failures),
                       [r.as_dict() for r in rows])
-    if len(cfg.nodes) > 1:   # one job over every node: flows/multinode.py
+    if len(cfg.nodes) > 1 or is_url(output):   # one job over every node (or the store): flows/multinode.py
         from flows.multinode import generate_multi
 
         if failures:

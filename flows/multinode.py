@@ -22,6 +22,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.generation.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode import Controller, NodeWork, plan_root
+from fleet.generation.objstore import is_url
 from tasks.states import failed
 
 
@@ -30,10 +31,21 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     from tasks.multinode import node_worker, say, watch_progress
 
     logger = get_run_logger()
+    from blocks.credentials import load_store_credentials
+
+    load_store_credentials()   # a deployment's run: the store's credentials may come from a Secret block
     if retry_errors:
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")
-    if not Path(input).is_file():
+    if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once
+        from fleet.generation.publish import stage_input
+        from fleet.generation.ranges import in_place
+
+        if not is_url(output):
+            return failed(f"--input {input} is on object storage: give --output a URL there too")
+        if not in_place(input):
+            input = stage_input(input, plan_dir_for(plan_root(), cfg.name, output) / "source")
+    if not is_url(input) and not Path(input).is_file():
         return failed(f"input {input} is not a file on this machine: a job over several nodes cuts the "
                       "input here and sends each node its chunks; give a local --input")
     by_node: dict[str, list[ServerSpec]] = {}
@@ -86,7 +98,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                     fut.result(raise_on_failure=True)
                 except Exception as exc:
                     errors.append(f"{name}: {str(exc).splitlines()[0][:300]}")
-        dest = pdir / "output"
+        # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
+        dest: Path | str = output if ctl.store is not None else pdir / "output"
         manifest = ctl.finalize(dest)
     counts = manifest["counts"]
     result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],

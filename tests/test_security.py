@@ -684,3 +684,37 @@ def test_an_endpoint_key_appears_nowhere_after_an_endpoints_only_job(tmp_path: P
         assert logs and not any(key in lg.message for lg in logs)
     captured = capfd.readouterr()
     assert key not in captured.out + captured.err
+
+
+def test_store_credentials_reach_a_runner_only_through_its_env_file(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job on object storage needs the store's credentials on every node. They could have ridden in
+    job.json (a file on the node), in the runner's argv (`ps`), or in the store URL itself. start_job
+    hands the AWS_* variables of the controller's environment to start_detached's env (the 0600 file
+    its launch shell removes, tested above), and job.json and argv name only URLs."""
+    from fleet.generation.remote import start_job
+    from fleet.node import LocalNode
+
+    secret = "aws-secret-9f8e7d6c5b"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fleet-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    seen: list[tuple[list[str], dict[str, str]]] = []
+
+    class Recording(LocalNode):   # the real local node; it only keeps what it was asked to start
+        def start_detached(self, argv, **kw):  # type: ignore[no-untyped-def]
+            seen.append((list(argv), dict(kw.get("env") or {})))
+            return super().start_detached(argv, **kw)
+
+    cfg = load_config(_minimal(tmp_path))
+    node = Recording()
+    h = start_job(node, cfg, cfg.nodes[0], input_path="s3://jobs/_inputs/chunk-00000.jsonl",
+                  output=str(tmp_path / "out"), specs=[], store="s3://jobs/_parts/n/chunk-00000",
+                  seed=["s3://jobs/_parts/m/chunk-00000"])
+    node.stop(h.pid, grace_s=1)
+    job = Path(h.job_dir, "job.json").read_text()
+    assert json.loads(job)["store"] == "s3://jobs/_parts/n/chunk-00000"
+    assert secret not in job
+    (argv, env), = seen
+    assert all(secret not in a for a in argv)
+    assert env["AWS_SECRET_ACCESS_KEY"] == secret and env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"

@@ -17,7 +17,8 @@ What is new lives here:
   `Assignments.claim` cuts a longer first-time chunk to that size (`split_chunk`: the rest is a
   new chunk at the end of the plan, recorded in plan.json before the files change).
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
-  with the input's schema) and the plan, atomically.
+  with the input's schema) and the plan, atomically. A JSONL input on object storage is read in
+  place instead: its chunks are byte ranges of it (`ranges.py`), and only plan.json is written.
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
   asks for work when it has none (`claim`), so a faster node takes more chunks. Kept in
   `state.json` (written atomically on every change), so a killed controller loses nothing: the
@@ -57,10 +58,11 @@ from pathlib import Path
 from typing import Any
 
 from fleet.generation.durable import write_json_atomic
+from fleet.generation.objstore import Store, is_url
 
 __all__ = ["Chunk", "Plan", "Assignments", "attempt_spans", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
-           "split_chunk", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S"]
+           "split_chunk", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S", "write_manifest_to"]
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -142,7 +144,8 @@ class Chunk:
     index: int
     first_line: int     # 1-based line (JSONL) / row (Parquet) of the input where the chunk starts
     lines: int          # input lines (or rows) in the chunk, blank lines included
-    file: str           # the chunk's input file, relative to the plan directory
+    file: str           # the chunk's input file, relative to the plan directory ("" when read in place)
+    span: list[int] | None = None   # [start, end) bytes of the plan's input URL, read in place (ranges.py)
 
     @property
     def name(self) -> str:
@@ -239,6 +242,8 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     new chunks (`grow_plan`). A plan for another input raises ConfigError (one output, one job)."""
     from fleet.errors import ConfigError
 
+    if is_url(str(input_path)):
+        return _split_in_place(str(input_path), Path(plan_dir), nodes, chunk_rows=chunk_rows, limit=limit)
     src = Path(input_path)
     pdir = Path(plan_dir)
     old = load_plan(pdir)
@@ -255,6 +260,38 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     chunks = _cut(src, pdir, fmt, first_line=1, index=0, lines=total, nodes=len(nodes), chunk_rows=chunk_rows)
     plan = Plan(input=str(src.resolve()), input_id=ident, total_lines=total, chunk_rows=chunk_rows, nodes=list(nodes),
                 chunks=chunks, fmt=fmt, limit=limit, rows=rows)
+    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    return plan
+
+
+def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int | None,
+                    limit: int | None) -> Plan:
+    """`split_input` for a JSONL input on object storage: chunks are byte ranges of it (ranges.py),
+    no file is written but plan.json. The same rules: a plan is kept, grown, or refused for another input."""
+    from fleet.errors import ConfigError
+    from fleet.generation.ranges import count_lines, span_offsets, url_id
+
+    ident = url_id(url)
+    old = load_plan(pdir)
+    if old is not None:
+        if old.input_id != ident:
+            raise ConfigError(f"this output already belongs to a multi-node job over {old.input} "
+                              f"({old.input_id.get('size')} bytes); the input now is {url} ({ident['size']} bytes)",
+                              remedy="give another --output for another input, or run the same input again to resume")
+        if old.whole_input or (limit is not None and old.limit is not None and limit <= old.limit):
+            return old
+    total, rows = count_lines(url, limit)
+    plan = old or Plan(input=url, input_id=ident, total_lines=0, chunk_rows=chunk_rows, nodes=list(nodes), chunks=[],
+                       fmt="jsonl", limit=limit, rows=0)
+    if total > plan.total_lines and rows > (plan.rows or 0):
+        sizes = plan_sizes(total - plan.total_lines, len(plan.nodes), plan.chunk_rows)
+        first = plan.total_lines + 1
+        for i, span in enumerate(span_offsets(url, first, sizes)):
+            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=sizes[i], file="", span=span))
+            first += sizes[i]
+        plan.total_lines = total
+    plan.limit, plan.rows = limit, rows
+    pdir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
     return plan
 
@@ -306,6 +343,16 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chun
     c = plan.chunks[index]
     if not 0 < rows < c.lines:
         raise ValueError(f"cannot cut chunk {index} of {c.lines} lines after {rows}")
+    if c.span is not None:   # read in place: the cut is two byte ranges, plan.json the only write
+        from fleet.generation.ranges import split_span
+
+        head_span, rest_span = split_span(plan.input, c.span, rows)
+        new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
+                    span=rest_span)
+        plan.chunks[index] = Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span)
+        plan.chunks.append(new)
+        write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+        return new
     new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
                 file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
     head = Chunk(index=c.index, first_line=c.first_line, lines=rows, file=c.file)
@@ -626,40 +673,57 @@ class ControllerLock:
 
 @dataclass
 class Source:
-    """One chunk attempt's output directory, gathered locally."""
+    """One chunk attempt's output directory: gathered locally (a path), or on object storage (a URL)."""
 
     chunk: Chunk
     node: str
-    dir: Path
+    dir: Path | str
 
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def _jsonl(store: Store, name: str) -> Iterator[dict[str, Any]]:
     from fleet.generation.jsonl import read_jsonl as _read_jsonl
 
-    return _read_jsonl(path)
+    if store.local:
+        yield from _read_jsonl(Path(store.path) / name)
+        return
+    data = store.read_bytes(name)
+    for line in (data or b"").splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def write_manifest_to(dest: Store, manifest: dict[str, Any]) -> None:
+    """manifest.json under `dest`, whole or not at all (a local directory: `write_manifest`'s fsync'd rename)."""
+    from fleet.generation.manifest import MANIFEST_FILE, write_manifest
+
+    if dest.local:
+        write_manifest(dest.path, manifest)
+    else:
+        dest.write_bytes(MANIFEST_FILE, (json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n").encode())
 
 
 def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Merge chunk outputs (in merge order, see the module docstring) into `dest`; return its manifest.
 
-    `dest` gets shards/part-NNNNNN.parquet (a shard with no duplicate is copied as it is, one
-    with duplicates is rewritten without them), errors.jsonl, rejects.jsonl,
-    quality_rejects.jsonl and manifest.json — the layout of a single-node output."""
-    import shutil
-
-    from fleet.generation.manifest import write_manifest
+    `dest` gets shards/part-NNNNNN.parquet (a shard with no duplicate is copied as it is — on one
+    object store, a server-side copy — one with duplicates is rewritten without them), errors.jsonl,
+    rejects.jsonl, quality_rejects.jsonl and manifest.json (last) — the layout of a single-node
+    output. Sources and `dest` may be local directories or object-storage URLs."""
     from fleet.generation.results import QUALITY_REJECTS
 
-    dest = Path(dest)
-    shards_dir = dest / "shards"
-    if shards_dir.exists():
-        shutil.rmtree(shards_dir)
-    shards_dir.mkdir(parents=True)
+    out = Store(str(dest))
+    _clear_shards(out)
     seen: set[int] = set()   # digests of the ids written: first wins
-    n_shard, completed, dropped = _merge_shards(sources, shards_dir, seen)
-    n_err = _write_lines(dest, "errors.jsonl", _merged_errors(sources, seen))
-    n_rej = _write_lines(dest, "rejects.jsonl", _merged_by_line(sources, "rejects.jsonl"))
-    n_qrej = _write_lines(dest, QUALITY_REJECTS, _merged_by_line(sources, QUALITY_REJECTS))
+    stores = [(src, Store(str(src.dir))) for src in sources]
+    n_shard, completed, dropped = _merge_shards(stores, out, seen)
+    n_err = _write_lines(out, "errors.jsonl", _merged_errors(stores, seen))
+    n_rej = _write_lines(out, "rejects.jsonl", _merged_by_line(stores, "rejects.jsonl"))
+    n_qrej = _write_lines(out, QUALITY_REJECTS, _merged_by_line(stores, QUALITY_REJECTS))
     manifest = {
         "state": "done", "complete": True,
         "counts": {"completed": completed, "errors": n_err, "rejects": n_rej, "quality_rejects": n_qrej,
@@ -670,26 +734,41 @@ def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, 
                   "sources": len(sources), "duplicates_dropped": dropped},
         **(extra_manifest or {}),
     }
-    write_manifest(dest, manifest)
+    write_manifest_to(out, manifest)
     return manifest
 
 
-def _merge_shards(sources: list[Source], shards_dir: Path, seen: set[int]) -> tuple[int, int, int]:
-    """Every source's shards into `shards_dir`, each id once (`seen`); (shards, rows, duplicates dropped)."""
+def _clear_shards(out: Store) -> None:
+    """An empty shards/ under `out` (a merge before this one, cut short, may have left some)."""
     import shutil
 
+    from fleet.generation.results import SHARDS_DIR
+
+    if out.local:
+        shards = Path(out.path) / SHARDS_DIR
+        if shards.exists():
+            shutil.rmtree(shards)
+        shards.mkdir(parents=True)
+        return
+    for name in out.names(SHARDS_DIR):
+        out.fs.rm(f"{out.path}/{SHARDS_DIR}/{name}")
+
+
+def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]) -> tuple[int, int, int]:
+    """Every source's shards into `out`'s shards/, each id once (`seen`); (shards, rows, duplicates dropped)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fleet.generation.results import shard_paths
+    from fleet.generation.publish import store_shards
     from fleet.generation.rows import digest
 
     dropped = 0
     n_shard = 0
     completed = 0
-    for src in sources:
-        for shard in shard_paths(src.dir):
-            ids = pq.read_table(shard, columns=["id"]).column(0).to_pylist()
+    for _, store in stores:
+        for name in store_shards(store):
+            with store.open_read(f"shards/{name}") as f:
+                ids = pq.read_table(f, columns=["id"]).column(0).to_pylist()
             keep = []
             for i, rid in enumerate(ids):
                 d = digest(rid)
@@ -701,33 +780,33 @@ def _merge_shards(sources: list[Source], shards_dir: Path, seen: set[int]) -> tu
             if not keep:
                 continue
             n_shard += 1
-            target = shards_dir / f"part-{n_shard:06d}.parquet"
+            target = f"shards/part-{n_shard:06d}.parquet"
             if len(keep) == len(ids):
-                shutil.copyfile(shard, target)
+                out.copy_from(store, f"shards/{name}", target)
             else:
-                table = pq.read_table(shard)
-                pq.write_table(table.take(pa.array(keep, type=pa.int64())), target)
+                with store.open_read(f"shards/{name}") as f:
+                    table = pq.read_table(f)
+                with out.open_write(target) as g:
+                    pq.write_table(table.take(pa.array(keep, type=pa.int64())), g)
             completed += len(keep)
     return n_shard, completed, dropped
 
 
-def _write_lines(dest: Path, name: str, records: Iterator[dict[str, Any]]) -> int:
+def _write_lines(out: Store, name: str, records: Iterator[dict[str, Any]]) -> int:
     n = 0
-    tmp = dest / f".{name}.tmp"
-    with open(tmp, "w") as f:
+    with out.open_write(name) as f:
         for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
             n += 1
-    os.replace(tmp, dest / name)
     return n
 
 
-def _merged_errors(sources: list[Source], seen: set[int]) -> Iterator[dict[str, Any]]:
+def _merged_errors(stores: list[tuple[Source, Store]], seen: set[int]) -> Iterator[dict[str, Any]]:
     """The errors of ids written nowhere yet (not completed, not already an error), lines made the job's."""
     from fleet.generation.rows import digest
 
-    for src in sources:
-        for rec in _jsonl(src.dir / "errors.jsonl"):
+    for src, store in stores:
+        for rec in _jsonl(store, "errors.jsonl"):
             d = digest(str(rec.get("id")))
             if d in seen:
                 continue
@@ -739,11 +818,11 @@ def _merged_errors(sources: list[Source], seen: set[int]) -> Iterator[dict[str, 
             yield rec
 
 
-def _merged_by_line(sources: list[Source], name: str) -> Iterator[dict[str, Any]]:
+def _merged_by_line(stores: list[tuple[Source, Store]], name: str) -> Iterator[dict[str, Any]]:
     """The records of file `name` (rejects, quality rejects), one per job line, lines made the job's."""
     lines: set[int] = set()
-    for src in sources:
-        for rec in _jsonl(src.dir / name):
+    for src, store in stores:
+        for rec in _jsonl(store, name):
             rec = dict(rec)
             if isinstance(rec.get("line"), int):
                 rec["line"] = rec["line"] + src.chunk.first_line - 1

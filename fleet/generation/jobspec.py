@@ -54,6 +54,9 @@ class JobSpec:
     console_interval_s: float = 5.0
     stop_grace_s: float = 60.0
     dispatch: dict[str, Any] = field(default_factory=dict)   # Dispatcher keyword options (backoff_s, down_after, ...)
+    store: str | None = None     # object-storage URL the committed output is put under (fleet.generation.publish)
+    seed: list[str] = field(default_factory=list)   # store URLs of earlier attempts whose shards a fresh run starts from
+    input_span: list[int] | None = None   # [start, end) bytes of `input` (a URL) that are this job's rows
 
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:

@@ -19,10 +19,18 @@ node committed survives the node. A chunk ends:
   attempt on another node starts from the shards gathered from the lost one (copied into its
   output directory, so the runner's own resume skips those ids). The lost node is probed
   every `probe_s`; when it answers again it rejoins and claims chunks like the others.
+
+With an --output on object storage (`self.store`) nothing of the data passes through here: each
+runner reads its chunk from the store (a byte range of a JSONL input, else a chunk object under
+`<output>/_inputs/`), works in a copy under its node's workdir, and puts its commits under
+`<output>/_parts/<node>/<chunk>/` itself (fleet.generation.publish); a chunk is done when its
+manifest is there; a next attempt is seeded by its runner from the earlier attempts' parts; the
+merge reads the parts and writes the job's output at `<output>` (`merge_job(store=…)`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -43,6 +51,7 @@ from fleet.generation.chunks import (
     split_input,
 )
 from fleet.generation.durable import write_json_atomic
+from fleet.generation.objstore import Store, is_url
 from fleet.generation.manifest import MANIFEST_FILE
 from fleet.generation.progress import PROGRESS_FILE
 from fleet.node import LocalNode, Node, connect
@@ -53,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleet.generation.multinode")
 
 MAX_FAILED_ATTEMPTS = 3
+STORE_FILE = "store.json"   # in the plan directory of a job whose output is on object storage: its URL
 
 
 class NodeLost(FleetError):
@@ -98,6 +108,9 @@ class Controller:
         self.fetch_every_s = min(fetch_every_s, max(1.0, self.node_lost_s / 4))
         # where the controller's own lines go (the Prefect layer passes its run logger)
         self.say: Callable[[int, str], None] = say or (lambda level, msg: log.log(level, msg))
+        # An output on object storage: the runners read their chunks from it and put their commits there
+        # (`part_url`); the controller gathers nothing, and the merge goes from the store to the store.
+        self.store = Store(self.output) if is_url(self.output) else None
         self.plan: Plan | None = None
         self.assign: Assignments | None = None
         self.started = time.monotonic()
@@ -113,6 +126,8 @@ class Controller:
         self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
                                 limit=self.cfg.generation.limit)
         self.assign = Assignments(self.plan_dir, self.plan)
+        if self.store is not None:   # `fleet fetch` merges from the store: it needs the URL
+            write_json_atomic(self.plan_dir / STORE_FILE, {"output": self.output})
         return self.plan
 
     def node_cfg(self, name: str) -> NodeConfig:
@@ -123,7 +138,26 @@ class Controller:
         return self.plan.chunks[index]
 
     def chunk_output(self, node: str, chunk: Chunk) -> str:
+        """The chunk's output directory on the node (with a store: a working copy under the node's workdir)."""
+        if self.store is not None:
+            key = hashlib.sha256(self.output.encode()).hexdigest()[:10]
+            return f"{self.node_cfg(node).workdir.rstrip('/')}/objstore/{key}/{node}/{chunk.name}"
         return f"{self.output}/{node}/{chunk.name}"
+
+    def part_url(self, node: str, chunk: Chunk) -> str:
+        """Where node `node`'s attempt at `chunk` puts its committed output in the store."""
+        return part_url(self.output, node, chunk)
+
+    def store_args(self, node: str, index: int, out: str) -> dict[str, Any]:
+        """start_job's store arguments: where this attempt publishes, and the earlier attempts (other
+        nodes, or this node into another directory) whose shards a fresh run starts from."""
+        if self.store is None:
+            return {}
+        assert self.assign is not None
+        chunk = self.chunk(index)
+        mine = self.part_url(node, chunk)
+        earlier = [self.part_url(a.node, chunk) for a in self.assign.chunks[index].attempts if a.output != out]
+        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span}
 
     def gathered(self, node: str, chunk: Chunk) -> Path:
         return self.plan_dir / "gathered" / node / chunk.name
@@ -259,12 +293,22 @@ class Controller:
     def _mark_output(self, node: Node) -> None:
         """`<output>/multinode.json` on the node: the output holds a multi-node job's chunks (its
         top level is one directory per node, which `fleet generate`'s output check accepts by this)."""
+        if self.store is not None:   # the node's copies live under its workdir, not under --output
+            return
         path = f"{self.output}/multinode.json"
         if not node.exists(path):
             node.write_text(path, json.dumps({"fleet": self.cfg.name, "plan_dir": str(self.plan_dir)}))
 
     def _put_input(self, node: Node, node_cfg: NodeConfig, chunk: Chunk) -> str:
+        if chunk.span is not None:   # a byte range of the input, read in place (store_args names it)
+            assert self.plan is not None
+            return self.plan.input
         local = self.plan_dir / chunk.file
+        if self.store is not None:   # the runner reads it from the store itself
+            name = f"_inputs/{posixpath.basename(chunk.file)}"
+            if not self.store.exists(name):
+                self.store.put_file(str(local), name)
+            return self.store.url(name)
         if isinstance(node, LocalNode):
             return str(local)
         remote = f"{node_cfg.workdir.rstrip('/')}/inputs/{self.plan_dir.name}/{posixpath.basename(chunk.file)}"
@@ -278,6 +322,8 @@ class Controller:
         from fleet.generation.results import shard_paths
 
         assert self.assign is not None
+        if self.store is not None:   # the runner seeds itself from the store (store_args)
+            return 0
         res = node.run(["sh", "-c", 'ls "$1"/shards 2>/dev/null | grep -c "^part-" || true', "x", out], check=False)
         if res.stdout.strip() not in ("", "0"):
             return 0   # this node already has shards of its own for the chunk: its runner resumes from them
@@ -352,7 +398,7 @@ class Controller:
                 self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
                                        "earlier attempts")
             return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
-                             specs=work.specs, facts=work.facts)
+                             specs=work.specs, facts=work.facts, **self.store_args(name, index, out))
         except FleetError as exc:
             if _unreachable(exc):
                 raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
@@ -418,12 +464,18 @@ class Controller:
         manifest_text = _retry(lambda: node.read_text(f"{out}/{MANIFEST_FILE}"))
         manifest = json.loads(manifest_text) if manifest_text else {}
         final = _retry(lambda: read_progress(node, out)) or {}
+        if self.store is not None:   # done means done in the store: its manifest is put there last
+            part = Store(self.part_url(name, self.chunk(index)))
+            stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
+            manifest = json.loads(stored) if stored else {}
         if manifest.get("complete") and manifest.get("state") == "done" and \
                 final.get("state") == "done":
-            if dest.exists():
-                shutil.rmtree(dest)
-            _retry(lambda: fetch(node, out, dest))
-            m = read_manifest(dest) or manifest
+            m = manifest
+            if self.store is None:
+                if dest.exists():
+                    shutil.rmtree(dest)
+                _retry(lambda: fetch(node, out, dest))
+                m = read_manifest(dest) or manifest
             self.assign.finish(index, name, "done", fetched=True)
             accounted = int(m.get("accounted") or 0)
             work.rows_done += accounted
@@ -468,7 +520,7 @@ class Controller:
             if not node.exists(f"{out}/{PROGRESS_FILE}"):
                 self._seed(node, nxt, out)
             h = start_job(node, self.chunk_cfg, self.node_cfg(name), input_path=remote_input, output=out,
-                          specs=self.nodes[name].specs, facts=self.nodes[name].facts)
+                          specs=self.nodes[name].specs, facts=self.nodes[name].facts, **self.store_args(name, nxt, out))
             self.say(logging.INFO, f"chunk {nxt} started on {name} while the previous one drains, runner pid {h.pid}")
         except Exception as exc:  # it stays claimed: the node's next run_chunk starts it the usual way
             log.warning("could not start chunk %d early on %s: %s", nxt, name, exc)
@@ -476,6 +528,8 @@ class Controller:
 
     def _gather_partial(self, node: Node, index: int, out: str, dest: Path) -> None:
         assert self.assign is not None
+        if self.store is not None:   # the runner put its commits in the store itself
+            return
         try:
             self._fetch_shards(node, out, dest)
             self.assign.mark_fetched(index, out)
@@ -544,12 +598,20 @@ class Controller:
     def finalize(self, dest: str | Path) -> dict[str, Any]:
         """Merge every chunk's gathered output into `dest` and write the job's manifest there."""
         assert self.plan is not None and self.assign is not None
-        return merge_job(self.cfg, self.plan_dir, self.plan, self.assign, dest)
+        return merge_job(self.cfg, self.plan_dir, self.plan, self.assign, dest,
+                         store=self.output if self.store is not None else None)
 
 
-def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments, dest: str | Path) -> dict[str, Any]:
-    """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost."""
-    from fleet.generation.manifest import write_manifest
+def part_url(output: str, node: str, chunk: Chunk) -> str:
+    """Where node `node`'s attempt at `chunk` of the job whose --output is the URL `output` puts its commits."""
+    return f"{output.rstrip('/')}/_parts/{node}/{chunk.name}"
+
+
+def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments, dest: str | Path,
+              store: str | None = None) -> dict[str, Any]:
+    """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost.
+    `store`: the job's output URL: the attempts' outputs are read from there, not from plan_dir."""
+    from fleet.generation.chunks import write_manifest_to
 
     attempts = [a for _, atts in assign.sources() for a in atts]
     first_start = min((a.started_at for a in attempts), default=assign.started_at)   # timestamps: wall clock
@@ -557,7 +619,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     spans = attempt_spans(attempts)   # the duration: monotonic where it can be
     wall = max(1e-6, max(e for _, e in spans) - min(b for b, _ in spans)) if spans else \
         max(1e-6, last_end - first_start)
-    sources, missing, per_node, per_server = _job_sources(plan_dir, assign)
+    sources, missing, per_node, per_server = _job_sources(plan_dir, assign, store)
     _node_rates(per_node, per_server)
     ct = sum(n["completion_tokens"] for n in per_node.values())
     pt = sum(n["prompt_tokens"] for n in per_node.values())
@@ -575,27 +637,32 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         "events": assign.events[-200:],
     }
     manifest = merge(sources, dest, extra_manifest=extra)
+    out = Store(str(dest))
     if missing:
         manifest.update(state="incomplete", complete=False, missing_chunks=missing)
-        write_manifest(dest, manifest)
+        write_manifest_to(out, manifest)
     manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
-    try:
-        from fleet.generation.checks import data_checks
+    if not out.local:
+        manifest["checks"] = {"skipped": "the output is on object storage: run `fleet check` on a fetched copy"}
+    else:
+        try:
+            from fleet.generation.checks import data_checks
 
-        manifest["checks"] = data_checks(dest)
-    except Exception as exc:
-        manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
-    write_manifest(dest, manifest)
+            manifest["checks"] = data_checks(dest)
+        except Exception as exc:
+            manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+    write_manifest_to(out, manifest)
     return manifest
 
 
 _Rows = dict[str, dict[str, Any]]
 
 
-def _job_sources(plan_dir: Path, assign: Assignments) -> tuple[list[Source], list[int], _Rows, _Rows]:
+def _job_sources(plan_dir: Path, assign: Assignments,
+                 store: str | None = None) -> tuple[list[Source], list[int], _Rows, _Rows]:
     """(every gathered attempt as a merge source in merge order, the chunks no attempt finished,
-    per node and per server: what the finished attempts did, from their manifests)."""
-    from fleet.generation.manifest import read_manifest
+    per node and per server: what the finished attempts did, from their manifests). `store`: the
+    attempts' outputs are read from the job's object storage (`part_url`) instead of plan_dir."""
 
     sources: list[Source] = []
     per_node: _Rows = {}
@@ -605,13 +672,14 @@ def _job_sources(plan_dir: Path, assign: Assignments) -> tuple[list[Source], lis
         if not any(a.outcome == "done" for a in attempts):
             missing.append(chunk.index)
         for a in attempts:
-            d = plan_dir / "gathered" / a.node / chunk.name
-            if not d.is_dir():
+            src = _attempt_source(plan_dir, chunk, a.node, store)
+            if src is None:
                 continue
-            sources.append(Source(chunk=chunk, node=a.node, dir=d))
+            sources.append(src)
             if a.outcome != "done":
                 continue
-            m = read_manifest(d) or {}
+            raw = Store(str(src.dir)).read_bytes(MANIFEST_FILE)
+            m = json.loads(raw) if raw else {}
             n = per_node.setdefault(a.node, {"node": a.node, "chunks": 0, "rows": 0, "completion_tokens": 0,
                                               "prompt_tokens": 0, "busy_s": 0.0, "gpus": 0})
             n["chunks"] += 1
@@ -628,6 +696,16 @@ def _job_sources(plan_dir: Path, assign: Assignments) -> tuple[list[Source], lis
                 for k in ("requests", "completion_tokens", "errors", "restarts"):
                     ps[k] += int(s.get(k) or 0)
     return sources, missing, per_node, per_server
+
+
+def _attempt_source(plan_dir: Path, chunk: Chunk, node: str, store: str | None) -> Source | None:
+    """An attempt's output as a merge source: gathered locally, or in the store; None when there is none."""
+    if store is not None:
+        url = part_url(store, node, chunk)
+        part = Store(url)
+        return Source(chunk=chunk, node=node, dir=url) if part.names() else None
+    d = plan_dir / "gathered" / node / chunk.name
+    return Source(chunk=chunk, node=node, dir=d) if d.is_dir() else None
 
 
 def _node_rates(per_node: _Rows, per_server: _Rows) -> None:
@@ -731,6 +809,9 @@ def fetch_job(cfg: FleetConfig, plan_dir: Path, dest: str | Path) -> dict[str, A
     plan = load_plan(plan_dir)
     assert plan is not None
     assign = Assignments(plan_dir, plan)
+    if (plan_dir / STORE_FILE).exists():   # every runner put its commits in the store: merge from there
+        url = json.loads((plan_dir / STORE_FILE).read_text())["output"]
+        return merge_job(cfg, plan_dir, plan, assign, dest, store=url)
     by_name = {n.name: n for n in cfg.nodes}
     for chunk, attempts in assign.sources():
         for a in attempts:

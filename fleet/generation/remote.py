@@ -28,6 +28,7 @@ from typing import Any
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed, JobConflict
+from fleet.generation.objstore import STORE_PACKAGES, is_url, store_env
 from fleet.interrupt import check_stop
 from fleet.jobs import EXIT_FILE, LIVE_PID_SH, job_dir
 from fleet.node import LocalNode, Node
@@ -61,8 +62,9 @@ def build_pyz() -> bytes:
     return buf.getvalue()
 
 
-def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[str]:
-    """The argv prefix that runs the runner on this node, installing it there when needed."""
+def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, store: bool = False) -> list[str]:
+    """The argv prefix that runs the runner on this node, installing it there when needed (`store`: a
+    job on object storage, whose runner needs fsspec and s3fs too)."""
     if isinstance(node, LocalNode):
         return [sys.executable, "-m", "fleet.generation.runner"]
     from fleet.venv import ensure_venv
@@ -70,7 +72,7 @@ def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[s
     runner_cfg = cfg.model_copy(deep=True)
     runner_cfg.venv.path = f"{node_cfg.workdir.rstrip('/')}/runner-venv"
     runner_cfg.venv.use_existing = False
-    runner_cfg.engine.packages = list(RUNNER_PACKAGES)
+    runner_cfg.engine.packages = list(RUNNER_PACKAGES) + (list(STORE_PACKAGES) if store else [])
     venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
     pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
     import tempfile
@@ -113,7 +115,8 @@ def runner_secret_env(cfg: FleetConfig, endpoint_keys: dict[str, str] | None = N
 def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path: str, output: str,
               specs: list[ServerSpec], retry_errors: bool = False,
               facts: dict[int, dict[str, Any]] | None = None,
-              endpoint_keys: dict[str, str] | None = None) -> JobHandle:
+              endpoint_keys: dict[str, str] | None = None, store: str | None = None,
+              seed: list[str] | None = None, input_span: list[int] | None = None) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`.
 
     Claim first, then write: two `fleet generate` into one directory at the same moment both
@@ -123,7 +126,11 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     the winner's runner once it has it, is refused (JobConflict: exit 2) and touches nothing.
 
     Its servers: `specs` (launched by fleet) and the config's [[endpoints]] (their keys in
-    `endpoint_keys`, see `fleet.generation.endpoints`)."""
+    `endpoint_keys`, see `fleet.generation.endpoints`). `input_path` may be an fsspec URL (the
+    runner reads it from there); `store`: the URL the runner puts its committed output under,
+    `seed`: earlier attempts' store URLs (fleet.generation.publish), `input_span`: the [start, end)
+    bytes of `input_path` that are this job's input (ranges.py). The store's credentials go to the
+    runner in the environment, never in job.json or argv."""
     from fleet.generation.endpoints import endpoint_entries
     from fleet.workdir import ensure_workdir
 
@@ -133,24 +140,28 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)
     if attached is not None:
         return attached
-    prefix = runner_command(node, cfg, node_cfg)
+    on_store = store is not None or is_url(input_path)
+    prefix = runner_command(node, cfg, node_cfg, store=on_store)
     token = _claim_start(node, jdir)
     try:
         attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)  # one that won meanwhile
         if attached is not None:
             return attached
-        if not node.exists(input_path):
+        if not is_url(input_path) and not node.exists(input_path):
             raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
                                 remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
         job = {
             "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}),
             "input": input_path, "output": output,
             "servers": server_entries(cfg, specs, facts) + endpoint_entries(cfg),
-            "retry_errors": retry_errors, "relaunch": True,
+            "retry_errors": retry_errors, "relaunch": True, "store": store, "seed": list(seed or []),
+            "input_span": input_span,
         }
         node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
         node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
         env = runner_secret_env(cfg, endpoint_keys)
+        if on_store:
+            env.update(store_env())
         env["PYTHONUNBUFFERED"] = "1"
         det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                                   env=env, cwd=jdir)

@@ -31,8 +31,15 @@ JOB.json (`JobSpec`):
       "progress_interval_s": 2, "console_interval_s": 5,
       "flush_interval_s": null,        # seconds between commits; null: config generation.commit_every_s
       "stop_grace_s": 60,
-      "dispatch": {"down_after": 3, "backoff_s": 1.0}   # optional Dispatcher options
+      "dispatch": {"down_after": 3, "backoff_s": 1.0},  # optional Dispatcher options
+      "store": "s3://bucket/job/_parts/gpu1/chunk-00003",  # optional: committed output put here too
+      "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"],  # optional: shards a fresh run starts from
+      "input_span": [0, 81920]          # optional: the bytes of the input URL that are this job's
     }
+
+The input may be an fsspec URL: it is downloaded beside the output first. With `store`, the
+runner puts every committed shard there, and at the end of a finished run its record files and
+manifest (fleet.generation.publish).
 
 The API key is never in the file: it comes from the environment variable each server
 entry names (default FLEET_API_KEY; an endpoint's ENDPOINT_API_KEY_<i>).
@@ -76,6 +83,7 @@ from fleet.generation.serverstate import Endpoint
 
 if TYPE_CHECKING:
     from fleet.generation.manifest import RunFacts
+    from fleet.generation.publish import Publisher
     from fleet.generation.store import ResultStore
 
 
@@ -134,6 +142,8 @@ class _Run:
         self._disp: Dispatcher | None = None
         self._signals = 0
         self.rows_in_input: int | None = None   # every row of the input, whatever the limit (`_count_rows`)
+        self.publisher: Publisher | None = None   # the output's copy on object storage (job.store)
+        self._publishing: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(cls, job: JobSpec) -> _Run:
@@ -154,10 +164,16 @@ class _Run:
         out_ino = out.stat().st_ino
         started_at = time.time()
         t0 = time.monotonic()
+        await asyncio.to_thread(_from_store, job, out)
         fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
         store = ResultStore(out, shard_rows=cfg.generation.shard_rows, input_fingerprint=fingerprint,
                             job_params=job_params(cfg))
-        return cls(job, cfg, out, out_ino, fingerprint, store, started_at, t0)
+        run = cls(job, cfg, out, out_ino, fingerprint, store, started_at, t0)
+        if job.store:
+            from fleet.generation.publish import Publisher
+
+            run.publisher = Publisher(out, job.store)
+        return run
 
     @property
     def disp(self) -> Dispatcher:
@@ -286,6 +302,7 @@ class _Run:
                 if now - last_flush >= every:
                     await asyncio.to_thread(self.guarded.flush)   # thread-safe store; the loop keeps serving
                     last_flush = now
+                    self._publish_shards()
                 p = self.progress.write(self.disp)
                 if console and now - last_console >= job.console_interval_s:
                     print(Progress.line(p), flush=True)
@@ -293,6 +310,30 @@ class _Run:
             except Exception as exc:   # a ticker that dies must not leave the job running blind
                 self.fail(exc)
                 return
+
+    def _publish_shards(self) -> None:
+        """Put the new committed shards in the store, in a thread of their own: a slow store must not
+        hold up progress.json (the controller would take a still progress file for a lost node)."""
+        if self.publisher is None or (self._publishing is not None and not self._publishing.done()):
+            return
+        publisher = self.publisher
+
+        def sync() -> None:
+            try:
+                publisher.sync_shards()
+            except Exception as exc:   # the store unreachable for a while: the next commit tries again
+                log.warning("could not put shards in %s: %s", publisher.store.root, exc)
+
+        self._publishing = asyncio.ensure_future(asyncio.to_thread(sync))
+
+    async def publish(self, state: str) -> None:
+        """The end of a run with a store: every shard there, and for a finished run the record files
+        and the manifest (last). A failure here fails the run: the chunk is not done until it is there."""
+        if self.publisher is None:
+            return
+        if self._publishing is not None:
+            await self._publishing
+        await asyncio.to_thread(self.publisher.finish if state == "done" else self.publisher.sync_shards)
 
     def _items(self) -> Iterator[Any]:
         """The input, stopping cleanly at a corrupt/unreadable point: the rows before it still run."""
@@ -459,9 +500,22 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
         run.prepare()
         summary = await run.dispatch(install_signals=install_signals, console=console)
         state, reason, counts = await run.finish(summary, console=console)
+        await run.publish(state)
     finally:
         run.close()
     return run.exit_code(state, reason, counts, exit_file, console=console)
+
+
+def _from_store(job: JobSpec, out: Path) -> None:
+    """An input on object storage read from a local copy; a fresh attempt seeded with earlier attempts'
+    shards (see fleet.generation.publish)."""
+    from fleet.generation.publish import seed, stage_input
+
+    job.input = stage_input(job.input, out, job.input_span)
+    if job.store and job.seed:
+        n = seed(out, job.seed)
+        if n:
+            log.info("started from %d shard(s) that earlier attempts put in the store", n)
 
 
 def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: list[ServerEntry | dict[str, Any]],

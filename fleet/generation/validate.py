@@ -401,6 +401,10 @@ def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = 
     from fleet.node import LocalNode
     from fleet.node import connect as default_connect
 
+    from fleet.generation.objstore import is_url
+
+    if is_url(output) or is_url(input):
+        return _plan_store_job(input, output, cwd)
     own_nodes = connect is None   # a caller's connect (the flow's cached nodes) keeps its nodes open
     connect = connect or default_connect
     local_in = _resolve(input, cwd)
@@ -431,6 +435,30 @@ def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = 
     order = {"attach": 0, "done": 1, "resume": 2, "new": 3}
     best = min(plans, key=lambda p: order[p.verdict])
     return JobPlan(best.input, best.output, best.verdict, best.message, inp is not None, best.done)
+
+
+def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
+    """A job whose input or output is on object storage: the input is there, the output a URL (the nodes'
+    runners put their commits there; a plain --output path would be on each node's own disk)."""
+    from fleet.generation.objstore import Store, is_url
+
+    if not is_url(output):
+        raise InputError(f"--input {input} is on object storage but --output {output} is a local path",
+                         remedy="give --output an object-storage URL too (s3://bucket/prefix): every node writes there")
+    if is_url(input):
+        parent, _, name = input.rstrip("/").rpartition("/")
+        if not Store(parent).exists(name):
+            raise InputError(f"input {input} does not exist (or these credentials cannot read it)",
+                             remedy="check the URL, and the AWS_* variables of this shell")
+    else:
+        input = str(_resolve(input, cwd))
+        if not Path(input).is_file():
+            raise InputError(f"input {input} is not a file", remedy="give --input a JSONL or Parquet file")
+    done = Store(output).read_bytes("manifest.json")
+    if done and json.loads(done).get("complete"):
+        return JobPlan(input, output, "done", f"{output} already holds this job's finished output", True)
+    return JobPlan(input, output, "new", f"{input} → {output} (object storage: nodes read and write it directly)",
+                   not is_url(input))
 
 
 def _memo(fn: Callable[[], str]) -> Callable[[], str]:
