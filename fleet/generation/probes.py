@@ -73,10 +73,10 @@ async def server_info(ep: Endpoint, session: aiohttp.ClientSession,
     return {}
 
 
-def first_model(body: bytes) -> str | None:
+def first_model(body: bytes | bytearray) -> str | None:
     """The first model id of a /v1/models answer (`{"data": [{"id": …}]}`), None when it lists none."""
     try:
-        doc = loads(body)
+        doc = loads(bytes(body))   # a small answer: the copy costs nothing
     except (ValueError, RecursionError):
         return None
     data = doc.get("data") if isinstance(doc, dict) else None
