@@ -27,7 +27,7 @@ from garbage import GarbageServer, Reply, write_rows  # noqa: E402
 CHILD = r'''
 import json, resource, sys
 from fleet.config import FleetConfig
-from fleet.generation.runner import run_local
+from fleet.generation.job.runner import run_local
 url, inp, out, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 cfg = FleetConfig(name="mem", engine={"kind": "sim"}, generation={"max_tokens": 8, "max_concurrency_per_server": rows})
 rc = run_local(cfg, inp, out, [{"node": "local", "index": 0, "url": url, "model": "m"}], flush_interval_s=3600)

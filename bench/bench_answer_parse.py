@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.answer import parse_answer  # noqa: E402
-from fleet.generation.jsonl import loads  # noqa: E402
+from fleet.generation.data.jsonl import loads  # noqa: E402
 
 
 def unchecked(raw: bytes) -> tuple[object, ...]:

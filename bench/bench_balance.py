@@ -5,7 +5,7 @@
 Four simulated SGLang servers, per-stream decode speeds `--base-tps` x 1, 1, 1, 0.33, each
 with `--slots` running requests, all with the same --seed so a row's completion length is
 the same whichever server answers it (the workload is fixed). Two policies, same rows,
-same client (`fleet.generation.client.chat`), same concurrency per server:
+same client (`fleet.generation.hotpath.client.chat`), same concurrency per server:
 
 - work stealing: the fleet Dispatcher (one queue, every server's workers pull from it);
 - round-robin pre-split: row i goes to server i mod 4 up front (SpecForge's shape), each
@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_client import NullStore, machine  # noqa: E402
 
 from fleet.config import GenerationConfig  # noqa: E402
-from fleet.generation.client import chat, new_session  # noqa: E402
-from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.rows import Request  # noqa: E402
+from fleet.generation.hotpath.client import chat, new_session  # noqa: E402
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint  # noqa: E402
+from fleet.generation.data.rows import Request  # noqa: E402
 
 
 class TokenStore(NullStore):

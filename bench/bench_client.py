@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fleet.config import GenerationConfig  # noqa: E402
-from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.rows import Request  # noqa: E402
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint  # noqa: E402
+from fleet.generation.data.rows import Request  # noqa: E402
 
 
 def free_port() -> int:
@@ -109,7 +109,7 @@ def measure(name: str, urls: list[str], n: int, in_flight: int, tag: str) -> dic
     reqs = make_requests(n, 8, tag)
     tmp = None
     if name == "fleet Dispatcher + ResultStore":
-        from fleet.generation.store import ResultStore
+        from fleet.generation.data.store import ResultStore
 
         tmp = tempfile.mkdtemp(prefix="bench-client-")
         store = ResultStore(tmp, shard_rows=10000)

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fleet.generation.store import ResultStore  # noqa: E402
+from fleet.generation.data.store import ResultStore  # noqa: E402
 
 N_ROWS = 902_087
 WORDS = ("the", "model", "a", "reason", "step", "so", "we", "check", "value", "then", "answer", "is", "because",

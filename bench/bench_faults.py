@@ -4,7 +4,7 @@
 
 The fleet is launched through fleet's own path (LocalNode, plan_servers, launch, wait_ready), so
 the runner relaunches servers with their launch specs exactly as on a GPU node. The runner runs as
-its own process (`python -m fleet.generation.runner --job JOB.json`) at DEFAULT generation
+its own process (`python -m fleet.generation.job.runner --job JOB.json`) at DEFAULT generation
 settings (stall_s derived, 30 s floor; 20 s generation probe), and these faults are injected at
 random moments, one at a time, on a server that is up:
 
@@ -57,9 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fleet.config import FleetConfig  # noqa: E402
-from fleet.generation.checks import account  # noqa: E402
-from fleet.generation.runner import ServerEntry  # noqa: E402
-from fleet.generation.results import read_errors, read_rejects  # noqa: E402
+from fleet.generation.data.checks import account  # noqa: E402
+from fleet.generation.job.runner import ServerEntry  # noqa: E402
+from fleet.generation.data.results import read_errors, read_rejects  # noqa: E402
 
 KINDS = ("server-kill", "server-stop", "runner-kill", "burst-5xx", "relaunch-kill")
 
@@ -165,7 +165,7 @@ def _progress(out: Path) -> dict[str, Any] | None:
 
 def _start_runner(job: Path, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(job)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(job)], cwd=ROOT, env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -413,7 +413,7 @@ def _open_attempt(ctl: Any, node: str, index: int) -> int | None:
 
 def _chunk_complete(out: Path) -> bool:
     """Has the runner of this (local) chunk output written its complete manifest?"""
-    from fleet.generation.manifest import MANIFEST_FILE
+    from fleet.generation.data.manifest import MANIFEST_FILE
 
     try:
         return bool(json.loads((out / MANIFEST_FILE).read_text()).get("complete"))
@@ -477,8 +477,8 @@ def soak_nodes(cfg: FleetConfig, specs: dict[str, list[Any]], work: Path, *, row
     errors exactly the rows over the context, rejects exactly the malformed lines."""
     import threading
 
-    from fleet.generation.chunks import ControllerLock
-    from fleet.generation.multinode import Controller, NodeWork
+    from fleet.generation.multinode.chunks import ControllerLock
+    from fleet.generation.multinode.controller import Controller, NodeWork
 
     work.mkdir(parents=True, exist_ok=True)
     inp = work / "input.jsonl"

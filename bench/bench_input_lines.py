@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.generation.inputs import iter_input  # noqa: E402
-from fleet.generation.sources import input_lines, open_text  # noqa: E402
+from fleet.generation.data.inputs import iter_input  # noqa: E402
+from fleet.generation.data.sources import input_lines, open_text  # noqa: E402
 
 
 def best(fn, n: int = 3) -> float:

@@ -48,12 +48,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fleet.config import GenerationConfig  # noqa: E402
-from fleet.generation.client import Outcome  # noqa: E402
-from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.manifest import Summary  # noqa: E402
-from fleet.generation.hedge import Flight  # noqa: E402
-from fleet.generation.rows import Request  # noqa: E402
-from fleet.generation.serverstate import ServerState  # noqa: E402
+from fleet.generation.hotpath.client import Outcome  # noqa: E402
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint  # noqa: E402
+from fleet.generation.data.manifest import Summary  # noqa: E402
+from fleet.generation.hotpath.hedge import Flight  # noqa: E402
+from fleet.generation.data.rows import Request  # noqa: E402
+from fleet.generation.hotpath.serverstate import ServerState  # noqa: E402
 
 import tail_floor  # noqa: E402
 

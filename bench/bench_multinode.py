@@ -97,7 +97,7 @@ class RssWatch:
 
 
 def by_hand(cfg, specs, inp: Path, tmp: Path, tag: str) -> dict[str, Any]:
-    from fleet.generation.remote import start_job
+    from fleet.generation.job.remote import start_job
     from fleet.node import LocalNode
 
     lines = inp.read_text().splitlines(keepends=True)
@@ -182,7 +182,7 @@ def main() -> int:
         if args.big:
             with RssWatch([tmp / "work-fast", tmp / "work-slow"]) as rss:
                 run = fleet_run(cfg, inp, tmp, "big")
-            from fleet.generation.checks import account
+            from fleet.generation.data.checks import account
 
             result["big"] = {**run, "runner_peak_rss_mb": {k: round(v / 1024, 1) for k, v in rss.peak.items()},
                              "max_runner_rss_mb": round(max(rss.peak.values()) / 1024, 1) if rss.peak else None,

@@ -118,10 +118,10 @@ def generate(work: Path) -> dict:
 
 
 def mark_half_done(work: Path) -> dict:
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.rows import Reject
-    from fleet.generation.sources import input_fingerprint
-    from fleet.generation.store import ResultStore
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.rows import Reject
+    from fleet.generation.data.sources import input_fingerprint
+    from fleet.generation.data.store import ResultStore
 
     rng = random.Random(7)
     out = work / "out"
@@ -154,10 +154,10 @@ def mark_half_done(work: Path) -> dict:
 
 def phase(name: str, work: Path) -> dict:
     t_imp = time.perf_counter()
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.rows import InputStats
-    from fleet.generation.sources import count_rows, input_fingerprint
-    from fleet.generation.store import ResultStore
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.rows import InputStats
+    from fleet.generation.data.sources import count_rows, input_fingerprint
+    from fleet.generation.data.store import ResultStore
 
     import resource
 
@@ -184,7 +184,7 @@ def phase(name: str, work: Path) -> dict:
         res["done_ids"] = len(done)
         res["rss_after_done_ids_mb"] = rss_mb()[0]
         if name == "resume":   # planned: the ids only (plan_resume), then the planned lines validated
-            from fleet.generation.resume import iter_planned, plan_resume
+            from fleet.generation.data.resume import iter_planned, plan_resume
 
             t = time.perf_counter()
             plan = plan_resume(inp, None, done)

@@ -27,10 +27,10 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     from fleet.config import GenerationConfig
-    from fleet.generation.client import Outcome
-    from fleet.generation.jsonl import dumps
-    from fleet.generation.rows import Request
-    from fleet.generation.store import ResultStore
+    from fleet.generation.hotpath.client import Outcome
+    from fleet.generation.data.jsonl import dumps
+    from fleet.generation.data.rows import Request
+    from fleet.generation.data.store import ResultStore
 
     rnd = random.Random(1)
     vocab = ["the", "model", "answer", "is", "a", "token", "of", "data", "and", "drafter", "to", "we"]
@@ -41,7 +41,7 @@ def main() -> None:
     out = Outcome("ok", status=200, completion=text, reasoning_content="because " * 50, finish_reason="stop",
                   prompt_tokens=50, completion_tokens=300, latency_s=0.5, started_at=1.0, finished_at=1.5)
     try:
-        from fleet.generation.work import RowPlan
+        from fleet.generation.hotpath.work import RowPlan
     except ImportError:
         RowPlan = None  # type: ignore[assignment,misc]
     with tempfile.TemporaryDirectory() as d:

@@ -4,7 +4,7 @@
 
 Short outputs, servers that answer at once: what is measured is fleet's own cost at the seed
 job's size — the runner's wall time, rows/s and peak RSS (the runner is its own process, as
-in production: `python -m fleet.generation.runner --job JOB.json`), and the exactly-once
+in production: `python -m fleet.generation.job.runner --job JOB.json`), and the exactly-once
 account at the end (every input id once in shards + errors + rejects). Resume planning at
 50 % done is bench/bench_resume.py. Appends to bench/RESULTS.md under "## Scale".
 """
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     args = ap.parse_args()
     from fleet.config import FleetConfig
-    from fleet.generation.checks import account
+    from fleet.generation.data.checks import account
 
     tmp = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     inp = tmp / "prompts.jsonl"
@@ -56,7 +56,7 @@ def main() -> None:
                "servers": [{"node": "local", "index": i, "url": u, "model": "sim-model"} for i, u in enumerate(urls)]}
         (tmp / "job.json").write_text(json.dumps(job))
         t = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "fleet.generation.runner", "--job", str(tmp / "job.json")],
+        r = subprocess.run([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(tmp / "job.json")],
                            cwd=ROOT, capture_output=True, text=True)
         wall = time.monotonic() - t
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

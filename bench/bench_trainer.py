@@ -59,10 +59,10 @@ def write_input(path: Path, n: int, refused_share: float, rng: random.Random) ->
 def run(name: str, inp: Path, out: Path, entries: list[Any], rules: str, keep: bool, speeds: list[float],
         max_tokens: int) -> dict[str, Any]:
     from fleet.config import FleetConfig
-    from fleet.generation.checks import account
-    from fleet.generation.export import export
-    from fleet.generation.results import iter_results, read_errors, read_quality_rejects
-    from fleet.generation.runner import run_local
+    from fleet.generation.data.checks import account
+    from fleet.generation.data.export import export
+    from fleet.generation.data.results import iter_results, read_errors, read_quality_rejects
+    from fleet.generation.job.runner import run_local
 
     cfg = FleetConfig(name="b", engine={"kind": "sim"}, generation={
         "max_tokens": max_tokens, "regenerate": "all-turns", "max_concurrency_per_server": SLOTS, "seed": 7,
@@ -101,7 +101,7 @@ def main() -> None:
     speeds = [args.tps, args.tps, args.tps, args.tps / 3]
     flags = ["--loop-rate", str(args.loop_rate), "--lengths", "lognormal:40:0.6"]
     procs, urls = start_sims(speeds, SLOTS, seed=5, extra=[flags] * 4)
-    from fleet.generation.runner import ServerEntry
+    from fleet.generation.job.runner import ServerEntry
 
     try:
         entries = [ServerEntry(node="local", index=i, url=u, model="sim-model") for i, u in enumerate(urls)]

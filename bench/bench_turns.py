@@ -34,8 +34,8 @@ def main() -> None:
     ap.add_argument("--fast-tps", type=float, default=800.0, help="the fast server's tok/s (the slow one: a quarter)")
     args = ap.parse_args()
     from fleet.config import FleetConfig
-    from fleet.generation.checks import account
-    from fleet.generation.runner import ServerEntry, run_local
+    from fleet.generation.data.checks import account
+    from fleet.generation.job.runner import ServerEntry, run_local
 
     procs, urls = start_sims([args.fast_tps, args.fast_tps / 4], 16, seed=5)
     try:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.sims import start_sims  # noqa: E402
 from fleet.config import GenerationConfig  # noqa: E402
-from fleet.generation.dispatch import Dispatcher, Endpoint  # noqa: E402
-from fleet.generation.rows import Request  # noqa: E402
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint  # noqa: E402
+from fleet.generation.data.rows import Request  # noqa: E402
 
 
 class Store:

@@ -251,9 +251,9 @@ def fuzz_job(work: Path, good_url: str | None, bad: GarbageServer, faults: list[
     """One job of `rows` rows through a good sim (at `good_url`; None: none) and `bad` answering
     `faults`; the rows numbered in `marked` carry the word MARKED (for `GarbageServer(only_for=...)`)."""
     from fleet.config import FleetConfig
-    from fleet.generation.checks import account
-    from fleet.generation.manifest import read_manifest
-    from fleet.generation.runner import ServerEntry, run_local
+    from fleet.generation.data.checks import account
+    from fleet.generation.data.manifest import read_manifest
+    from fleet.generation.job.runner import ServerEntry, run_local
 
     bad.set_script(faults)
     work.mkdir(parents=True)

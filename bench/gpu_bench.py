@@ -179,7 +179,7 @@ async def plain_client(urls: list[str], model: str, rows: list[dict[str, Any]], 
 
 
 def runner_pass(cfg: Any, rows_up: list[dict[str, Any]], model: str, inp: Path, out: Path) -> dict[str, Any]:
-    from fleet.generation.runner import ServerEntry, run_local
+    from fleet.generation.job.runner import ServerEntry, run_local
 
     servers = [ServerEntry(node=r["node"], index=r["server"], url=f"http://127.0.0.1:{r['port']}", model=model,
                            gpus=list(r["gpus"] or [])) for r in rows_up]
@@ -271,7 +271,7 @@ def stop_test(args: argparse.Namespace, cfg: Any, rows_up: list[dict[str, Any]],
     import threading
 
     from flows.fleet import fleet
-    from fleet.generation.checks import account
+    from fleet.generation.data.checks import account
 
     res: dict[str, Any] = {}
     victim = len(rows_up) - 1

@@ -120,9 +120,9 @@ REC: Recorder | None = None   # the pass being recorded
 
 def install_runner_hooks() -> None:
     """Record the runner's requests where it sends them (dispatch's `chat`) and trace its sessions."""
-    import fleet.generation.client as client_mod
-    import fleet.generation.dispatch as dispatch_mod
-    import fleet.generation.health as health_mod
+    import fleet.generation.hotpath.client as client_mod
+    import fleet.generation.hotpath.dispatch as dispatch_mod
+    import fleet.generation.hotpath.health as health_mod
 
     chat, new_session = client_mod.chat, client_mod.new_session
 
@@ -373,9 +373,9 @@ def plain_bodies(rows: list[dict[str, Any]], model: str, max_tokens: int, rec: R
 def runner_bodies(cfg: Any, inp: Path, model: str, rec: Recorder, stream: bool = False) -> list[bytes]:
     """The bytes fleet's runner sends for each row: its input reader, then `client.chat`'s body
     (`stream`: as `client.chat` sends a streamed one)."""
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.jsonl import dumps
-    from fleet.generation.rows import Request
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.jsonl import dumps
+    from fleet.generation.data.rows import Request
 
     out = []
     for req in iter_input(str(inp), cfg.generation):
@@ -391,8 +391,8 @@ def runner_bodies(cfg: Any, inp: Path, model: str, rec: Recorder, stream: bool =
 def runner_child(job_file: str, rec_file: str) -> int:
     """Kind S: the runner in its own process, as a job runs it (`run_job` on a JobSpec), recorded."""
     global REC
-    from fleet.generation.jobspec import JobSpec
-    from fleet.generation.runner import run_job
+    from fleet.generation.job.jobspec import JobSpec
+    from fleet.generation.job.runner import run_job
 
     install_runner_hooks()
     REC = Recorder()
@@ -404,7 +404,7 @@ def runner_child(job_file: str, rec_file: str) -> int:
 
 
 def runner_process(cfg: Any, entries: list[Any], inp: Path, out: Path, rec: Recorder) -> int:
-    from fleet.generation.jobspec import JobSpec
+    from fleet.generation.job.jobspec import JobSpec
 
     shutil.rmtree(out, ignore_errors=True)
     job = JobSpec(config=cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), input=str(inp),
@@ -422,7 +422,7 @@ def runner_process(cfg: Any, entries: list[Any], inp: Path, out: Path, rec: Reco
 def runner_run(cfg: Any, entries: list[Any], inp: Path, out: Path, streamed_rows: int | None = None) -> int:
     """`streamed_rows`: the rows streamed at a time per server instead of the runner's own (kind A:
     every row, as the runner did before issue 27's fix; kind N: none)."""
-    import fleet.generation.runner as runner_mod
+    import fleet.generation.job.runner as runner_mod
 
     endpoints = runner_mod._endpoints
 
@@ -714,7 +714,7 @@ def main() -> int:
         where = Path("/tmp/fleet-models/tiny-cpu" if args.cpu else "/root/fleet-models/qwen3-random")
         model = build_tiny_model(where, device="cpu" if args.cpu else "cuda", **shape)
     from fleet.demo import free_port_block
-    from fleet.generation.runner import ServerEntry
+    from fleet.generation.job.runner import ServerEntry
 
     cfg = make_cfg(args, model, gpus, free_port_block(gpus, start=31000))
     gpu_log, canary_log, gc_dir = out / "gpu_util.txt", out / "canary.txt", Path("/tmp/gpu-busy-gcwatch")

@@ -23,7 +23,7 @@ def load_store_credentials() -> list[str]:
     import json
     import os
 
-    from fleet.generation.objstore import STORE_ENV
+    from fleet.generation.data.objstore import STORE_ENV
 
     name = os.environ.get(STORE_SECRET_ENV)
     if not name:

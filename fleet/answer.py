@@ -1,7 +1,7 @@
 """A chat completion as a server sends it, judged: `parse_answer(body)` gives a typed `Answer`
 or raises ValueError with the reason (the row's error, the server's count of invalid answers).
 In the core because both sides read answers: bring-up's smoke test (`fleet.smoke`) and
-generation's client (`fleet.generation.client`).
+generation's client (`fleet.generation.hotpath.client`).
 
 The schema is strict and keeps only what it validated, so nothing a server sends reaches the
 store, the quality gates or the counters with a type they do not expect. Strict means no
@@ -10,7 +10,7 @@ number. A server that sends those is broken (a proxy in the way, the wrong endpo
 coercing would store its numbers as if they were true and hide it, and a lenient reading of
 one field says nothing of the next. Read strictly, such a body is an invalid answer, and a
 server that keeps sending them is taken out and relaunched like a crashing one
-(`fleet.generation.dispatch`). Extra fields are ignored (engines add their own:
+(`fleet.generation.hotpath.dispatch`). Extra fields are ignored (engines add their own:
 `matched_stop`, `prompt_tokens_details`, `logprobs`, …), and what is kept is rebuilt from the
 validated model (a tool call's extra keys are dropped), never the raw document.
 

@@ -188,7 +188,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-# fleet.generation.export.FORMATS, spelled out: importing it (pyarrow) would slow every --help
+# fleet.generation.data.export.FORMATS, spelled out: importing it (pyarrow) would slow every --help
 EXPORT_FORMATS = ["openai-batch", "jsonl", "sharegpt", "specforge", "speculators", "speculators-tokens"]
 
 
@@ -205,12 +205,12 @@ def _positive_int(text: str) -> int:
 def cmd_fetch(args: argparse.Namespace) -> int:
     from fleet.config import load_config
     from fleet.errors import ConfigError
-    from fleet.generation.remote import check_fetch_path, fetch, job_outputs
+    from fleet.generation.job.remote import check_fetch_path, fetch, job_outputs
     from fleet.node import connect
 
     cfg = load_config(args.config)
     if len(cfg.nodes) > 1:   # one job over every node: gather every chunk, merge into one directory
-        from fleet.generation.multinode import fetch_job, find_plan_dir
+        from fleet.generation.multinode.controller import fetch_job, find_plan_dir
 
         plan_dir = find_plan_dir(cfg, args.remote)
         if plan_dir is not None:
@@ -248,7 +248,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fleet.generation.plan import format_plan, plan
+    from fleet.generation.data.plan import format_plan, plan
 
     try:
         d = plan(completions=args.completions, avg_output_tokens=args.avg_output_tokens,
@@ -275,15 +275,15 @@ def export_dest(out_dir: str, fmt: str) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fleet.generation.export import export
-    from fleet.generation.objstore import is_url
+    from fleet.generation.data.export import export
+    from fleet.generation.data.objstore import is_url
 
     dest = args.dest or export_dest(args.dir, args.format)
     keep = args.keep_flagged
     try:
         flags: bool | frozenset[str] = True if keep == "all" else frozenset(keep.split(",")) if keep else False
         if is_url(args.dir) or is_url(dest):
-            from fleet.generation.objstore import export_via_copy
+            from fleet.generation.data.objstore import export_via_copy
 
             s = export_via_copy(args.dir, dest, lambda src, to: export(src, args.format, to, keep_flagged=flags))
             # the side files went up beside DEST: name them there, not in the temporary directory

@@ -332,7 +332,7 @@ GateAction = Literal["keep", "flag", "reject", "retry"]
 
 
 class QualityConfig(_Section):
-    """Per-row quality gates on each generated turn (fleet.generation.gates).
+    """Per-row quality gates on each generated turn (fleet.generation.data.gates).
 
     keep: store the row as is; flag: store it with the reason in its `flags` column;
     reject: leave it out of the results, in quality_rejects.jsonl with the reason;
@@ -435,8 +435,8 @@ class EndpointConfig(_Section):
 # config, so one that names no setting is an error, like an unknown TOML key (a misspelled
 # section must not be silently ignored). Add a variable here when fleet or its tooling uses one.
 NOT_CONFIG_ENV: dict[str, str] = {
-    "FLEET_API_KEY": "the servers' API key, handed to the detached runner (fleet/generation/runner.py)",
-    "FLEET_ENGINE_ENV": "engine.env as JSON, handed to the detached runner (fleet/generation/remote.py)",
+    "FLEET_API_KEY": "the servers' API key, handed to the detached runner (fleet/generation/job/runner.py)",
+    "FLEET_ENGINE_ENV": "engine.env as JSON, handed to the detached runner (fleet/generation/job/remote.py)",
     "FLEET_ENGINE_API_KEY": "the API key, handed to an SGLang or sim server (fleet/engines/base.py)",
     "FLEET_DEMO_DIR": "where `fleet demo` keeps its state (fleet/demo.py)",
     "FLEET_VENV": "the venv dev.sh creates",

@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import os
 
     from fleet.config import load_config
-    from fleet.generation.validate import plan_job
+    from fleet.generation.job.validate import plan_job
     from flows.api import ensure_api, run_flow
 
     cfg = load_config(args.config)

@@ -26,7 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError, JobConflict
-from fleet.generation.objstore import is_url
+from fleet.generation.data.objstore import is_url
 from fleet.interrupt import clear_stop, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
@@ -374,8 +374,8 @@ def _run(cfg: FleetConfig, action: Action, free_ramdisk: bool, node_wait_s: floa
 
 def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:
     """Check the job before any server starts, bring up (holding the nodes), then run the job (not holding them)."""
-    from fleet.generation.endpoints import endpoint_keys
-    from fleet.generation.validate import plan_job
+    from fleet.generation.job.endpoints import endpoint_keys
+    from fleet.generation.job.validate import plan_job
     from tasks.nodes import node_for
 
     try:

@@ -20,9 +20,9 @@ from prefect.states import Completed
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
-from fleet.generation.chunks import ControllerLock, plan_dir_for
-from fleet.generation.multinode import Controller, NodeWork, plan_root
-from fleet.generation.objstore import is_url
+from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
+from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
+from fleet.generation.data.objstore import is_url
 from tasks.states import failed
 
 
@@ -38,8 +38,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")
     if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once
-        from fleet.generation.publish import stage_input
-        from fleet.generation.ranges import in_place
+        from fleet.generation.job.publish import stage_input
+        from fleet.generation.data.ranges import in_place
 
         if not is_url(output):
             return failed(f"--input {input} is on object storage: give --output a URL there too")

@@ -19,9 +19,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, JobConflict
-from fleet.generation.endpoints import endpoint_keys
+from fleet.generation.job.endpoints import endpoint_keys
 from fleet.jobs import job_dir
-from fleet.generation.remote import outcome, start_job, watch_job
+from fleet.generation.job.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
 from fleet.stages import Generated
 from tasks.audit import artifact_key, write_stage, write_table

@@ -8,7 +8,7 @@ still a task run of its own (`chunk-00007@gpu2`), so the UI shows every chunk's 
 timing and failure, and `fleet-progress` artifacts show the job as a whole.
 
 The controller (this flow run) is disposable: chunk plan and assignments are on disk
-(`fleet.generation.chunks`), the runners are detached. Kill the flow and run it again: the
+(`fleet.generation.multinode.chunks`), the runners are detached. Kill the flow and run it again: the
 node tasks claim their own running chunks first and re-attach to those runners.
 """
 
@@ -22,7 +22,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from fleet.config import FleetConfig
-from fleet.generation.multinode import Controller, format_line
+from fleet.generation.multinode.controller import Controller, format_line
 from tasks.audit import artifact_key, write_table
 
 PROGRESS_EVERY_S = 5.0

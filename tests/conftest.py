@@ -480,7 +480,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def start_local_servers(cfg: Any, pids: list[int] | None = None) -> list[Any]:
     """Launch every server of `cfg` on this machine, wait until each is ready, and return the
     runner's `ServerEntry` of each; `pids` gets each pid as it starts (the caller's cleanup)."""
-    from fleet.generation.runner import ServerEntry
+    from fleet.generation.job.runner import ServerEntry
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, wait_ready
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fleet.cli import export_dest, main
-from fleet.generation.store import ResultStore
+from fleet.generation.data.store import ResultStore
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 
 ROOT = Path(__file__).parent.parent
@@ -120,8 +120,8 @@ def test_runner_final_line_and_manifest_give_the_same_tok_s(tmp_path: Path, sims
     log showed the last minute's rate, the manifest the run's average, both called "tok/s".
     Now running lines name both ("now", "avg") and the final line's avg is the manifest's."""
     from fleet.config import FleetConfig
-    from fleet.generation.progress import Progress
-    from fleet.generation.runner import run_local
+    from fleet.generation.job.progress import Progress
+    from fleet.generation.job.runner import run_local
 
     sim = sims("--tokens-per-s", "5000")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"

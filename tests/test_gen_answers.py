@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fleet.answer import parse_answer
-from fleet.generation.client import chat, classify_status, new_session
-from fleet.generation.rows import Request
+from fleet.generation.hotpath.client import chat, classify_status, new_session
+from fleet.generation.data.rows import Request
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,8 +185,8 @@ def test_a_worker_that_raises_still_leaves_cause_and_remedy_everywhere(tmp_path:
     `failure: null` in exit.json and no `error` in progress.json or the manifest. Now all three carry
     the cause and a remedy."""
     from fleet.config import FleetConfig
-    from fleet.generation.dispatch import Dispatcher
-    from fleet.generation.runner import JobSpec, ServerEntry, run_job
+    from fleet.generation.hotpath.dispatch import Dispatcher
+    from fleet.generation.job.runner import JobSpec, ServerEntry, run_job
 
     def broken(self: Any, *a: Any) -> None:
         raise RuntimeError("worker exploded")
@@ -252,7 +252,7 @@ def test_a_shard_keeps_no_statistics_of_its_texts(tmp_path: Path) -> None:
     The small columns a reader filters on keep theirs."""
     import pyarrow.parquet as pq
 
-    from fleet.generation.store import ResultStore
+    from fleet.generation.data.store import ResultStore
 
     store = ResultStore(tmp_path / "out", shard_rows=1)
     store.add_result({"id": "a", "completion": "c" * 1000, "reasoning_content": "r" * 1000, "finish_reason": "stop",
@@ -275,9 +275,9 @@ def test_a_server_fleet_owns_that_turns_to_garbage_is_relaunched_and_no_row_is_l
     exactly once, all done (none in errors or quality rejects), the relaunches counted."""
     from bench_faults import launch_fleet, sim_config, stop_fleet
     from conftest import port_block
-    from fleet.generation.checks import account
-    from fleet.generation.manifest import read_manifest
-    from fleet.generation.runner import run_local
+    from fleet.generation.data.checks import account
+    from fleet.generation.data.manifest import read_manifest
+    from fleet.generation.job.runner import run_local
 
     cfg = sim_config(tmp_path / "work", port_block(1), 1, tokens_per_s=400, slots=4, startup_s=0.2, max_tokens=16)
     cfg = cfg.model_copy(update={"servers": cfg.servers.model_copy(

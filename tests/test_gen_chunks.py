@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fleet.generation.chunks import (
+from fleet.generation.multinode.chunks import (
     Assignments, ControllerLock, Source, load_plan, merge, plan_sizes, split_input,
 )
-from fleet.generation.results import read_errors, read_rejects, shard_paths
-from fleet.generation.store import ResultStore
+from fleet.generation.data.results import read_errors, read_rejects, shard_paths
+from fleet.generation.data.store import ResultStore
 
 
 def lines_file(path: Path, n: int, *, blank_every: int = 0) -> Path:
@@ -172,7 +172,7 @@ def test_one_controller_per_job(tmp_path: Path) -> None:
 
 
 def _store(d: Path, ids: list[str], *, errors: list[str] = (), reject_line: int | None = None) -> None:
-    from fleet.generation.rows import Reject
+    from fleet.generation.data.rows import Reject
 
     s = ResultStore(d, shard_rows=3)
     for i in ids:
@@ -206,7 +206,7 @@ def test_merge_first_wins_and_every_id_once(tmp_path: Path) -> None:
     assert [r["line"] for r in rej] == [2]
     assert m["counts"] == {"completed": 20, "errors": 0, "rejects": 1, "quality_rejects": 0,
                            "shards": m["counts"]["shards"]}
-    from fleet.generation.export import export
+    from fleet.generation.data.export import export
 
     assert export(tmp_path / "out", "jsonl", tmp_path / "x.jsonl").rows == 20
 
@@ -215,7 +215,7 @@ def test_chunk_rows_follow_the_measured_rate_and_shrink_to_the_tail() -> None:
     """The pure sizing rule (issue 14: a chunk is a few minutes of work at the node's measured rate):
     unknown rate -> the plan's cut stands; early -> target_s of work; at the end -> the node's share of
     half of what is left, so both nodes' last chunks take about the same time; never below min_s of work."""
-    from fleet.generation.chunks import CHUNK_TARGET_S, chunk_rows_for
+    from fleet.generation.multinode.chunks import CHUNK_TARGET_S, chunk_rows_for
 
     rates = {"fast": 20.0, "slow": 10.0}
     assert chunk_rows_for(None, rates, 10_000) is None and chunk_rows_for(0.0, rates, 10_000) is None
@@ -228,7 +228,7 @@ def test_chunk_rows_follow_the_measured_rate_and_shrink_to_the_tail() -> None:
 
 
 def test_a_slow_node_leaves_the_last_chunk_to_a_faster_one_that_would_end_it_sooner() -> None:
-    from fleet.generation.chunks import finishes_first
+    from fleet.generation.multinode.chunks import finishes_first
 
     assert finishes_first(100, None, [(0.0, 20.0)])                       # no rate yet: take it
     assert finishes_first(100, 10.0, [(60.0, 20.0)])                      # fast busy for a minute: 10 s < 65 s
@@ -241,7 +241,7 @@ def test_a_slow_node_leaves_the_last_chunk_to_a_faster_one_that_would_end_it_soo
 def test_a_node_rate_counts_overlapping_chunks_busy_time_once() -> None:
     """A chunk started early overlaps the one draining: summing their spans counted the overlap twice
     (a fast node of short chunks measured at half its rate). The busy time is the spans' union."""
-    from fleet.generation.chunks import busy_seconds
+    from fleet.generation.multinode.chunks import busy_seconds
 
     assert busy_seconds([]) == 0.0
     assert busy_seconds([(0.0, 10.0), (8.0, 20.0), (18.0, 25.0)]) == 25.0     # each started 2 s early
@@ -279,7 +279,7 @@ def test_claim_cuts_a_chunk_to_the_wanted_size_and_keeps_every_line(tmp_path: Pa
 def test_the_next_chunk_starts_a_runner_start_before_the_current_one_ends() -> None:
     """`_draining`: the next chunk's runner is started once what is left of the running chunk is in flight
     or would be sent within PRESTART_LEAD_S at its rate, so the servers stay busy across runner starts."""
-    from fleet.generation.multinode import PRESTART_LEAD_S, _draining
+    from fleet.generation.multinode.controller import PRESTART_LEAD_S, _draining
 
     rate = 10.0
     lead = int(rate * PRESTART_LEAD_S)
@@ -299,7 +299,7 @@ def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_pat
     A faster node's chunk started early counts to its busy time: seen free the moment it started
     its next chunk, it took every chunk from the slow node, which idled."""
     from fleet.config import FleetConfig
-    from fleet.generation.multinode import Controller, NodeWork
+    from fleet.generation.multinode.controller import Controller, NodeWork
     from fleet.node import LocalNode
 
     cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},

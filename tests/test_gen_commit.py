@@ -14,8 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from fleet.config import FleetConfig, GenerationConfig
-from fleet.generation.jobspec import JobSpec
-from fleet.generation.results import read_errors, read_rejects, shard_paths
+from fleet.generation.job.jobspec import JobSpec
+from fleet.generation.data.results import read_errors, read_rejects, shard_paths
 from test_gen_runner import progress, result_ids, start_runner, wait_for, write_input
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 

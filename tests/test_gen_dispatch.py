@@ -21,10 +21,10 @@ import pytest
 
 from conftest import free_port
 from fleet.config import GenerationConfig
-from fleet.generation.client import chat, classify_status, new_session
-from fleet.generation.dispatch import Dispatcher, Endpoint
-from fleet.generation.rows import Reject, Request
-from fleet.generation.rowqueue import WorkQueue
+from fleet.generation.hotpath.client import chat, classify_status, new_session
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint
+from fleet.generation.data.rows import Reject, Request
+from fleet.generation.hotpath.rowqueue import WorkQueue
 
 SIM = ("-m", "fleet.sim")  # the simulated SGLang server
 
@@ -142,7 +142,7 @@ def test_classify_status() -> None:
 
 
 def test_parse_completion_fields() -> None:
-    from fleet.generation.client import Outcome, parse_completion
+    from fleet.generation.hotpath.client import Outcome, parse_completion
 
     out = Outcome("ok")
     parse_completion({"choices": [{"message": {"content": None, "reasoning_content": "hmm",
@@ -514,8 +514,8 @@ def test_cancellation_lost_to_aiohttps_timeout_no_request_reaches_the_down_serve
     watchdog takes it out, and the sim's own count proves that no request reached it after it
     was marked down (the recovery callback never brings it back); every row ends exactly once,
     uncharged, on the other server."""
-    import fleet.generation.dispatch as dispatch_mod
-    from fleet.generation.client import Outcome
+    import fleet.generation.hotpath.dispatch as dispatch_mod
+    from fleet.generation.hotpath.client import Outcome
 
     real_chat = dispatch_mod.chat
 
@@ -601,7 +601,7 @@ def test_two_equal_servers_input_exhausted_at_once_both_work_to_the_end(sims) ->
 def test_timeline_keeps_the_whole_job_in_bounded_memory() -> None:
     """A two-day job must not grow progress.json without bound: past `cap` points every other
     one is dropped and the interval doubles, so the record still spans the whole job."""
-    from fleet.generation.serverstate import Timeline
+    from fleet.generation.hotpath.serverstate import Timeline
 
     tl = Timeline(every_s=2.0, cap=50)
     for t in range(0, 100_000, 1):

@@ -96,7 +96,7 @@ def test_endpoint_config_is_checked_before_anything_runs(tmp_path: Path) -> None
     base URL); credentials in the URL are refused without echoing them (the URL is written to
     job.json, progress and every row); servers.count = 0 needs endpoints; endpoints join a
     one-node job; one key source; a key variable not set is one clear error naming it."""
-    from fleet.generation.endpoints import endpoint_keys
+    from fleet.generation.job.endpoints import endpoint_keys
 
     cfg = FleetConfig(servers={"count": 0}, endpoints=[{"name": "router", "url": "http://10.0.0.5:30000/v1/"}])
     assert cfg.endpoints[0].url == "http://10.0.0.5:30000" and not cfg.launches_servers
@@ -132,8 +132,8 @@ def test_an_openai_only_endpoint_that_goes_away_and_comes_back_is_readmitted_row
     /server_info: health is /v1/models, the model is read from there, progress is its streamed
     chunks) behind a key. With it the job's only server, the job pauses while it is away and
     finishes only if it was re-admitted."""
-    from fleet.generation.endpoints import endpoint_entries
-    from fleet.generation.runner import run_local
+    from fleet.generation.job.endpoints import endpoint_entries
+    from fleet.generation.job.runner import run_local
 
     key = "sk-standin-31f0"
     # slow enough (about 9 s for the job) that it is killed mid-job, not after it
@@ -237,7 +237,7 @@ def test_an_endpoint_key_comes_from_a_prefect_secret_block() -> None:
     from prefect.blocks.system import Secret
 
     import tasks.nodes  # noqa: F401  (installs the Prefect credential store, as the flow's tasks do)
-    from fleet.generation.endpoints import endpoint_keys
+    from fleet.generation.job.endpoints import endpoint_keys
 
     Secret(value="sk-from-block-4d2").save("endpoint-key-test", overwrite=True)
     cfg = FleetConfig(endpoints=[{"name": "a", "url": "http://h:1"},

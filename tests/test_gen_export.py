@@ -11,12 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fleet.generation.checks import account, data_checks
-from fleet.generation.export import export
-from fleet.generation.plan import format_plan, plan
-from fleet.generation.manifest import write_manifest
-from fleet.generation.schema import RESULT_SCHEMA
-from fleet.generation.store import ResultStore
+from fleet.generation.data.checks import account, data_checks
+from fleet.generation.data.export import export
+from fleet.generation.data.plan import format_plan, plan
+from fleet.generation.data.manifest import write_manifest
+from fleet.generation.data.schema import RESULT_SCHEMA
+from fleet.generation.data.store import ResultStore
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CALL = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]
@@ -257,8 +257,8 @@ def test_account_proves_exactly_once_and_catches_violations(tmp_path):
             f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": str(i)}]}) + "\n")
         f.write("not json\n")
     out = tmp_path / "out"
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.rows import Reject
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.rows import Reject
 
     with ResultStore(out, shard_rows=4) as s:
         for item in iter_input(inp, None):
@@ -392,10 +392,10 @@ def test_specforge_error_and_skipped_files_hold_the_input_row_in_its_key_order(t
     quality-rejected rows to _error, input rejects to _skipped, each read back from the input;
     and a completed row keeps the input's key order too."""
     from fleet.config import GenerationConfig
-    from fleet.generation.client import Outcome
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.rows import Reject
-    from fleet.generation.work import RowPlan
+    from fleet.generation.hotpath.client import Outcome
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.rows import Reject
+    from fleet.generation.hotpath.work import RowPlan
 
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "old"}]
     rows = [{"source": "s1", "conversations": conv, "id": "r1", "category": "c"},

@@ -1,4 +1,4 @@
-"""Backup requests (fleet.generation.hedge) against real simulated SGLang servers.
+"""Backup requests (fleet.generation.hotpath.hedge) against real simulated SGLang servers.
 
 Every test counts (ids written, backups sent and won, requests the sims saw), none times:
 each speed gap is wide enough that the order of events cannot flip on a busy machine.
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from conftest import wait_until
-from fleet.generation.dispatch import Dispatcher, Endpoint
-from fleet.generation.manifest import read_manifest
-from fleet.generation.rows import Request
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint
+from fleet.generation.data.manifest import read_manifest
+from fleet.generation.data.rows import Request
 from test_gen_dispatch import MemStore, Sim, assert_exactly_once, fast, gen, sims  # noqa: F401  (fixture re-used)
 from test_gen_runner import job_file, progress, result_ids, start_runner, write_input
 
@@ -244,8 +244,8 @@ def test_lost_send_whose_cancellation_is_swallowed_never_touches_the_row(sims, m
     every cancellation inside `chat` is swallowed that way: the slow server's primaries, lost
     to their backups, "answer" with a timeout — which must neither retry, charge nor write the
     row again. Every id exactly once, every attempt 1, nothing in errors."""
-    import fleet.generation.dispatch as dispatch_mod
-    from fleet.generation.client import Outcome
+    import fleet.generation.hotpath.dispatch as dispatch_mod
+    from fleet.generation.hotpath.client import Outcome
 
     real_chat = dispatch_mod.chat
 

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleet.config import GenerationConfig
-from fleet.generation.inputs import _SeenIds, iter_input
-from fleet.generation.rows import InputStats, Reject, Request, content_id, digest
-from fleet.generation.sources import count_rows, input_fingerprint
+from fleet.generation.data.inputs import _SeenIds, iter_input
+from fleet.generation.data.rows import InputStats, Reject, Request, content_id, digest
+from fleet.generation.data.sources import count_rows, input_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GenerationConfig(max_tokens=4096, temperature=0.6)
@@ -261,7 +261,7 @@ def test_content_ids_are_stable_key_order_free_and_documented(tmp_path):
 def test_content_ids_identical_across_processes(tmp_path):
     """Ids must not depend on the per-process string hash seed (digests are in-process only)."""
     p = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(50)])
-    code = ("import sys; from fleet.generation.inputs import iter_input; "
+    code = ("import sys; from fleet.generation.data.inputs import iter_input; "
             "print(','.join(r.id for r in iter_input(sys.argv[1], None)))")
     outs = {subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
@@ -374,7 +374,7 @@ def _nasty_rows() -> list:
 
 
 def _both_paths(p: Path, done_ids: set[str], cfg: GenerationConfig | None = CFG):
-    from fleet.generation.idset import IdSet
+    from fleet.generation.data.idset import IdSet
 
     done = IdSet()
     for i in done_ids:
@@ -410,7 +410,7 @@ def test_planned_resume_of_a_truncated_gzip_yields_the_rows_before_the_break_the
     p = tmp_path / "in.jsonl.gz"
     p.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows))[:-4000])
     done = {f"r{i}" for i in range(0, 3000, 2)}
-    from fleet.generation.idset import IdSet
+    from fleet.generation.data.idset import IdSet
 
     ids = IdSet()
     for i in done:
@@ -428,8 +428,8 @@ def test_planned_resume_of_a_truncated_gzip_yields_the_rows_before_the_break_the
 
 
 def test_plan_resume_counts_without_validating_done_rows(tmp_path):
-    from fleet.generation.resume import plan_resume
-    from fleet.generation.idset import IdSet
+    from fleet.generation.data.resume import plan_resume
+    from fleet.generation.data.idset import IdSet
 
     q = [{"role": "user", "content": "q"}]
     p = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "messages": 1}, {"id": "b", "messages": q},

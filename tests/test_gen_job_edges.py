@@ -58,7 +58,7 @@ def test_chunk_durations_come_from_the_monotonic_clock() -> None:
     of wall-clock timestamps, so a clock step (NTP, `date -s`) between a chunk's start and end made them
     wrong by the step. Now they come from the controller's monotonic clock when this boot measured every
     attempt (the timestamps stay wall clock), and from the wall clock only for attempts it did not."""
-    from fleet.generation.chunks import BOOT_ID, Attempt, attempt_spans
+    from fleet.generation.multinode.chunks import BOOT_ID, Attempt, attempt_spans
 
     if BOOT_ID is None:
         pytest.skip("no /proc/sys/kernel/random/boot_id: monotonic readings cannot be matched to a boot")
@@ -88,7 +88,7 @@ def test_a_wall_clock_step_mid_job_leaves_the_manifests_durations_right(tmp_path
            "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     log = tmp_path / "runner.log"
     t0 = time.monotonic()
-    runner = subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(job)], cwd=ROOT, env=env,
+    runner = subprocess.Popen([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(job)], cwd=ROOT, env=env,
                               stdout=open(log, "ab"), stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: (p := progress(out)) and (p.get("rows_done") or 0) >= 30, timeout=120, what="30 rows done")
@@ -154,7 +154,7 @@ def test_the_loser_of_two_generates_into_one_directory_exits_2_and_names_the_oth
     it exits 2 naming the input the running job reads and its own. (The race is made certain: the check
     before bring-up is told nothing runs yet, as it was at that moment.)"""
     from fleet.demo import to_toml
-    from fleet.generation import validate
+    from fleet.generation.job import validate
     from fleet.jobs import job_dir
     from fleet.node import connect
     from fleet.servers import stop_servers
@@ -173,7 +173,7 @@ def test_the_loser_of_two_generates_into_one_directory_exits_2_and_names_the_oth
     (jdir / "job.json").write_text(json.dumps({
         "config": cfg.model_dump(mode="json", exclude={"servers": {"api_key"}}), "input": str(winner_input),
         "output": str(out), "servers": [{"node": "local", "index": 0, "url": slow.url, "model": "sim-model"}]}))
-    winner = subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(jdir / "job.json")],
+    winner = subprocess.Popen([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(jdir / "job.json")],
                               cwd=jdir, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                               stderr=open(jdir / "runner.log", "wb"))
     (jdir / "runner.pid").write_text(str(winner.pid))
@@ -208,7 +208,7 @@ def test_many_starts_into_one_directory_at_once_leave_one_runner_and_its_files_i
     which runs."""
     import threading
 
-    from fleet.generation.remote import start_job
+    from fleet.generation.job.remote import start_job
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, wait_ready
     from test_bringup import port_block, sim_config

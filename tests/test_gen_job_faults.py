@@ -24,9 +24,9 @@ import pytest
 from conftest import wait_until
 from fleet.config import FleetConfig
 from fleet.errors import InputError, JobConflict
-from fleet.generation.validate import ExistingJob
-from fleet.generation.checks import account
-from fleet.generation.runner import run_local
+from fleet.generation.job.validate import ExistingJob
+from fleet.generation.data.checks import account
+from fleet.generation.job.runner import run_local
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 from test_gen_runner import job_file, progress, result_ids, start_runner, write_input
 
@@ -228,8 +228,8 @@ def test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte(tmp_
 def test_truncated_and_corrupt_parquet_and_directory_inputs_are_clear_errors(tmp_path: Path) -> None:
     """Fault: a truncated Parquet file (ArrowInvalid escaped count_rows), a corrupt page mid-file, a directory
     (`ended None:`). Each is an InputError naming the file (and the row for a bad page)."""
-    from fleet.generation.inputs import iter_input
-    from fleet.generation.sources import count_rows
+    from fleet.generation.data.inputs import iter_input
+    from fleet.generation.data.sources import count_rows
 
     path = tmp_path / "in.parquet"
     n = 20000
@@ -287,7 +287,7 @@ def test_a_dispatcher_task_that_raises_fails_the_job_loudly(tmp_path: Path, sims
     """Fault: an exception in one of the dispatcher's background tasks (stats, liveness, watchdog) was
     dropped with the task, and the job ran on without that part. Now the job stops as failed with the
     exception as its cause, exit 1 (the fault is injected by making the stats poller raise)."""
-    from fleet.generation import health
+    from fleet.generation.hotpath import health
 
     async def broken(self: Any) -> None:
         raise RuntimeError("stats poller exploded")
@@ -382,7 +382,7 @@ def test_generate_validates_input_and_output_before_any_server_starts(tmp_path: 
 def test_relative_input_is_taken_from_the_callers_directory(tmp_path: Path, monkeypatch) -> None:
     """Fault: a relative --input that exists failed after ~50 s (the detached runner has another working
     directory). Now it is resolved against the caller's directory before anything starts."""
-    from fleet.generation.validate import plan_job
+    from fleet.generation.job.validate import plan_job
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "in.jsonl").write_bytes(rows_jsonl(2))
@@ -436,7 +436,7 @@ def test_a_finished_job_is_done_only_for_the_rows_this_call_asks_for(done_limit:
     """Fault: the directory's done count was never compared to this call's --limit: a job finished under
     `--limit 100` was "nothing to do" for `--limit 200` and for no limit. Now it goes on (resume) unless
     its rows cover what this call asks for (its limit, or every row of the input: 300 here)."""
-    from fleet.generation.validate import decide
+    from fleet.generation.job.validate import decide
 
     cfg = FleetConfig(name="t")
     cfg.generation.limit = asked
@@ -449,7 +449,7 @@ def test_a_finished_job_is_done_only_for_the_rows_this_call_asks_for(done_limit:
 def test_a_manifest_from_before_the_input_count_still_goes_on_under_a_larger_limit() -> None:
     """Fault guarded for directories finished before the manifest recorded the input's row count and
     limit: the limit is read from the recorded config; an input that ended before its limit is whole."""
-    from fleet.generation.validate import covers
+    from fleet.generation.job.validate import covers
 
     assert not covers(_finished(100, 100, old=True).manifest or {}, None)
     assert not covers(_finished(100, 100, old=True).manifest or {}, 200)
@@ -498,7 +498,7 @@ def live_runner(tmp_path: Path, sims):
            "output": str(out), "servers": [{"node": "local", "index": 0, "url": a.url, "model": "sim-model"}],
            "progress_interval_s": 0.2}
     (jdir / "job.json").write_text(json.dumps(job))
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(jdir / "job.json")],
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(jdir / "job.json")],
                             cwd=jdir, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=open(jdir / "runner.log", "wb"))
     (jdir / "runner.pid").write_text(str(proc.pid))
@@ -515,7 +515,7 @@ def test_a_live_job_is_not_reattached_with_another_input_params_or_retry_errors(
     """Fault: `fleet generate` with a different --input, --retry-errors or changed settings into a live job's
     directory printed "re-attached", then "generated 6000 row(s)" — rows never generated. Now each is
     refused (exit 2) naming the live runner and how to stop it; the same command re-attaches."""
-    from fleet.generation.validate import plan_job
+    from fleet.generation.job.validate import plan_job
     from fleet.config import load_config
 
     cfg_path, inp, out, proc = live_runner
@@ -539,7 +539,7 @@ def test_bringup_refuses_a_spec_change_under_a_live_job(tmp_path: Path, sims) ->
     """Fault: `fleet up` with a changed spec while a runner used the servers replaced them under it (the two
     then fought over the slot). Now the launch is refused naming the job and how to stop it; the server
     keeps running; once the job is stopped the new spec is applied."""
-    from fleet.generation.remote import start_job
+    from fleet.generation.job.remote import start_job
     from fleet.jobs import live_jobs
     from fleet.node import LocalNode
     from fleet.servers import launch, plan_servers, wait_ready
@@ -585,7 +585,7 @@ def test_bringup_refuses_a_spec_change_under_a_live_job(tmp_path: Path, sims) ->
 def test_a_killed_runner_is_reported_with_a_cause_and_a_remedy(tmp_path: Path, live_runner) -> None:
     """Fault: the runner's death was reported as `generation on local ended running: running`. Now the
     watcher says it died without a final state, how it probably died, and to run the same command again."""
-    from fleet.generation.remote import JobHandle, outcome, watch_job
+    from fleet.generation.job.remote import JobHandle, outcome, watch_job
     from fleet.jobs import job_dir
     from fleet.node import LocalNode
     from fleet.config import load_config
@@ -638,7 +638,7 @@ def test_fleet_generate_prints_the_runners_cause_and_remedy(tmp_path: Path) -> N
 def test_a_repaired_copy_of_a_broken_input_may_continue_its_job_but_no_other_input(tmp_path: Path) -> None:
     """Fault guarded both ways: after a truncated input failed the job, its complete copy (another SHA-256)
     must continue the job rather than be refused; an input into a directory whose input was fine is refused."""
-    from fleet.generation.validate import ExistingJob, decide
+    from fleet.generation.job.validate import ExistingJob, decide
 
     cfg = FleetConfig(name="t")
     broken = ExistingJob("local", "/o", store_job={"input_fingerprint": "a" * 64, "input_broken": "input x is "
@@ -656,7 +656,7 @@ def test_the_flows_generate_action_validates_before_bringup_and_fleet_up_names_t
     every server first; now it ends Failed with the reason and starts nothing. (2) `fleet up` with a changed
     spec under a live job replaced its server; now it fails naming the job and `kill -TERM <runner pid>`."""
     from flows.cli import run_bringup
-    from fleet.generation.remote import start_job
+    from fleet.generation.job.remote import start_job
     from fleet.node import LocalNode, connect
     from fleet.servers import plan_servers, stop_servers
     from flows.fleet import fleet
@@ -700,7 +700,7 @@ def test_an_input_path_on_the_node_is_checked_there(tmp_path: Path) -> None:
     """Fault: an --input that is only a path on an SSH node (not on this machine) was found missing, a
     directory or empty only by the runner, after the bring-up. Now it is checked on the node first (exercised
     through the same shell the SSH node runs, on the local node)."""
-    from fleet.generation.validate import _check_input_on_node
+    from fleet.generation.job.validate import _check_input_on_node
     from fleet.node import LocalNode
 
     node = LocalNode()

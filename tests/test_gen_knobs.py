@@ -17,13 +17,13 @@ import pytest
 
 from fleet.cli import build_parser
 from fleet.config import FleetConfig, GenerationConfig
-from fleet.generation.checks import account
-from fleet.generation.inputs import iter_input
-from fleet.generation.rows import Reject, Request
-from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.results import read_results
-from fleet.generation.schema import params_from_arrow
-from fleet.generation.work import RowPlan
+from fleet.generation.data.checks import account
+from fleet.generation.data.inputs import iter_input
+from fleet.generation.data.rows import Reject, Request
+from fleet.generation.job.runner import ServerEntry, run_local
+from fleet.generation.data.results import read_results
+from fleet.generation.data.schema import params_from_arrow
+from fleet.generation.hotpath.work import RowPlan
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from fleet.generation import probes, promtext
-from fleet.generation.dispatch import Dispatcher, Endpoint
-from fleet.generation.rows import Request
+from fleet.generation.hotpath import probes, promtext
+from fleet.generation.hotpath.dispatch import Dispatcher, Endpoint
+from fleet.generation.data.rows import Request
 from test_gen_dispatch import MemStore, assert_exactly_once, fast, gen, sims  # noqa: F401  (sims: a fixture)
 
 DATA = Path(__file__).parent / "data" / "metrics"
@@ -278,8 +278,8 @@ def test_only_the_engine_without_counters_is_streamed() -> None:
     """Streaming costs client CPU per token (bench/bench_stream.py): the runner streams only
     where the engine counts no tokens (`transformers serve`), never for SGLang, vLLM or the sim."""
     from fleet.engines import PROFILES
-    from fleet.generation.jobspec import ServerEntry
-    from fleet.generation.runner import _endpoints
+    from fleet.generation.job.jobspec import ServerEntry
+    from fleet.generation.job.runner import _endpoints
 
     assert {k: p.stream_progress for k, p in PROFILES.items()} == {
         "sglang": False, "vllm": False, "transformers": True, "sim": False}
@@ -297,7 +297,7 @@ def test_streamed_tool_calls_and_usage_are_put_back_together() -> None:
     pieces, keyed by index) and sends usage in a last chunk without choices: the streamed
     Outcome must hold the same call and counts as a whole answer would (put back together, then
     judged by the same strict parser)."""
-    from fleet.generation.client import Outcome, _Stream, parse_completion
+    from fleet.generation.hotpath.client import Outcome, _Stream, parse_completion
 
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
@@ -325,7 +325,7 @@ def test_a_mistyped_streamed_answer_is_refused_like_a_whole_one() -> None:
     as a string (or content that is not text) is an invalid answer, never stored."""
     import pytest as _pytest
 
-    from fleet.generation.client import Outcome, _Stream, parse_completion
+    from fleet.generation.hotpath.client import Outcome, _Stream, parse_completion
 
     acc = _Stream()
     acc.add({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})

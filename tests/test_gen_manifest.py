@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from fleet.generation.manifest import Summary
-from fleet.generation.manifest import RunFacts, ServerFacts, build_manifest, cost, run_record
+from fleet.generation.data.manifest import Summary
+from fleet.generation.data.manifest import RunFacts, ServerFacts, build_manifest, cost, run_record
 
 
 def _summary(**kw: Any) -> Summary:
@@ -43,7 +43,7 @@ def test_manifest_of_one_clean_run() -> None:
     assert m["state"] == "done" and m["complete"] is True and m["error"] is None
     assert m["input"] == {"path": "/data/in.jsonl", "fingerprint": "ab" * 32, "rows": 102, "rows_in_input": None,
                           "limit": None}
-    # what a later call's --limit is compared with (fleet/generation/validate.py `covers`)
+    # what a later call's --limit is compared with (fleet/generation/job/validate.py `covers`)
     assert build_manifest(_facts(rows_in_input=300, limit=102))["input"]["rows_in_input"] == 300
     assert m["accounted"] == 90 + 6 + 4 + 2
     assert m["servers"][0] == {"name": "gpu1/0", "url": "http://127.0.0.1:30000", "model": "m", "gpus": 2,

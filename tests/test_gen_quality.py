@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 from fleet.config import FleetConfig, QualityConfig
-from fleet.generation.checks import account
-from fleet.generation.client import Outcome
-from fleet.generation.gates import fired, repeated_tail, verdict
-from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.results import read_quality_rejects, read_results
+from fleet.generation.data.checks import account
+from fleet.generation.hotpath.client import Outcome
+from fleet.generation.data.gates import fired, repeated_tail, verdict
+from fleet.generation.job.runner import ServerEntry, run_local
+from fleet.generation.data.results import read_quality_rejects, read_results
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 
 

@@ -14,8 +14,8 @@ import json
 import urllib.request
 from typing import Any
 
-from fleet.generation.dispatch import Dispatcher
-from fleet.generation.rows import Request
+from fleet.generation.hotpath.dispatch import Dispatcher
+from fleet.generation.data.rows import Request
 from test_gen_dispatch import MemStore, Sim, assert_exactly_once, fast, gen, rows, sims  # noqa: F401  (fixture)
 
 

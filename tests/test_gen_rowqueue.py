@@ -1,4 +1,4 @@
-"""The row books (`fleet.generation.rowqueue.Ledger`) on their own: no server, no network.
+"""The row books (`fleet.generation.hotpath.rowqueue.Ledger`) on their own: no server, no network.
 
 The dispatcher suite (test_gen_dispatch.py) proves the same rules end to end against simulated
 servers; these pin each rule where it now lives, in a few milliseconds each.
@@ -11,10 +11,10 @@ import random
 from typing import Any
 
 from fleet.config import GenerationConfig
-from fleet.generation.client import Outcome
-from fleet.generation.rows import Reject, Request
-from fleet.generation.rowqueue import Job, Ledger, WorkQueue
-from fleet.generation.work import RowPlan
+from fleet.generation.hotpath.client import Outcome
+from fleet.generation.data.rows import Reject, Request
+from fleet.generation.hotpath.rowqueue import Job, Ledger, WorkQueue
+from fleet.generation.hotpath.work import RowPlan
 
 
 class Store:

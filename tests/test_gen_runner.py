@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleet.config import FleetConfig
-from fleet.generation.checks import account
-from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.results import read_errors, read_rejects, shard_paths
+from fleet.generation.data.checks import account
+from fleet.generation.job.runner import ServerEntry, run_local
+from fleet.generation.data.results import read_errors, read_rejects, shard_paths
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 from conftest import start_local_servers, wait_until
 
@@ -70,7 +70,7 @@ def job_file(tmp: Path, inp: Path, out: Path, servers: list[Sim], **kw: Any) -> 
 
 def start_runner(job: Path, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "fleet.generation.runner", "--job", str(job)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "fleet.generation.job.runner", "--job", str(job)], cwd=ROOT, env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
@@ -176,7 +176,7 @@ def sim_fleet(tmp_path: Path, base_port: int, n: int, **servers: Any) -> FleetCo
 
 @pytest.mark.parametrize("how", ["in-process", "pyz"])
 def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path: Path, how: str) -> None:
-    """`pyz`: the runner as SSH nodes run it (fleet shipped as one zip, fleet.generation.remote),
+    """`pyz`: the runner as SSH nodes run it (fleet shipped as one zip, fleet.generation.job.remote),
     where fleet/sim's modules are not files on disk.
 
     Protects: a server that dies mid-job is relaunched with its own launch spec, smoked, and
@@ -209,7 +209,7 @@ def test_crashed_server_is_relaunched_with_its_spec_and_nothing_is_lost(tmp_path
         if how == "in-process":
             rc = run_local(cfg, inp, out, entries, flush_interval_s=0.5, progress_interval_s=0.2)
         else:
-            from fleet.generation.remote import build_pyz
+            from fleet.generation.job.remote import build_pyz
 
             pyz = tmp_path / "fleet-runner.pyz"
             pyz.write_bytes(build_pyz())
@@ -271,10 +271,10 @@ def test_all_servers_down_shows_paused_then_finishes(tmp_path: Path, sims) -> No
 
 
 def test_bad_job_file_and_locked_output_exit_2(tmp_path: Path, sims) -> None:
-    from fleet.generation.store import ResultStore
+    from fleet.generation.data.store import ResultStore
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runner = [sys.executable, "-m", "fleet.generation.runner", "--job"]
+    runner = [sys.executable, "-m", "fleet.generation.job.runner", "--job"]
     r = subprocess.run([*runner, str(tmp_path / "missing.json")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "cannot read the job file" in r.stderr
 
@@ -350,8 +350,8 @@ def test_liveness_reads_pid_files_that_carry_the_start_time(tmp_path: Path) -> N
     """Fault: pid files became "PID STARTTIME" and the runner's liveness check, which read a bare
     number, answered "cannot tell" for every server: a crashed server was then only noticed
     after connection failures. It must read the first field: alive, dead, and unknown."""
-    from fleet.generation.dispatch import Endpoint
-    from fleet.generation.relaunch import JobServers
+    from fleet.generation.hotpath.dispatch import Endpoint
+    from fleet.generation.job.relaunch import JobServers
     from fleet.servers import server_paths
 
     cfg = FleetConfig(name="live", nodes=[{"name": "local", "workdir": str(tmp_path)}])

@@ -22,14 +22,14 @@ import pytest
 
 from conftest import wait_until
 from fleet.errors import FatalError
-from fleet.generation.checks import account
-from fleet.generation.inputs import iter_input
-from fleet.generation.rows import Reject
-from fleet.generation.idset import IdSet
-from fleet.generation.manifest import write_manifest
-from fleet.generation.results import read_errors, read_rejects, read_results, shard_paths
-from fleet.generation.schema import RESULT_COLUMNS, RESULT_SCHEMA, message_from_arrow
-from fleet.generation.store import ResultStore
+from fleet.generation.data.checks import account
+from fleet.generation.data.inputs import iter_input
+from fleet.generation.data.rows import Reject
+from fleet.generation.data.idset import IdSet
+from fleet.generation.data.manifest import write_manifest
+from fleet.generation.data.results import read_errors, read_rejects, read_results, shard_paths
+from fleet.generation.data.schema import RESULT_COLUMNS, RESULT_SCHEMA, message_from_arrow
+from fleet.generation.data.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +176,7 @@ def test_retry_errors_moves_the_file_aside_and_reopens_the_ids(tmp_path):
 
 def test_second_store_on_the_same_dir_fails_naming_the_holder(tmp_path):
     out = tmp_path / "out"
-    code = ("import sys; from fleet.generation.store import ResultStore; s = ResultStore(sys.argv[1]); "
+    code = ("import sys; from fleet.generation.data.store import ResultStore; s = ResultStore(sys.argv[1]); "
             "print('locked', flush=True); sys.stdin.read(); s.close()")
     p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT)
@@ -278,8 +278,8 @@ def test_idset_matches_a_set():
 
 WRITER = r"""
 import random, sys
-from fleet.generation.rows import Reject
-from fleet.generation.store import ResultStore
+from fleet.generation.data.rows import Reject
+from fleet.generation.data.store import ResultStore
 
 out, n, shard_rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rnd = random.Random()
@@ -384,7 +384,7 @@ def test_nested_columns_read_as_lists_and_structs_by_pandas_and_datasets(tmp_pat
         s.add_result(result(0, messages=TOOL_MSGS, params=params, flags=["truncated"], turns=2,
                             extra={"source": "x"},
                             tool_calls=[{"id": "c2", "type": "function", "function": {"name": "get", "arguments": "{}"}}]))
-    from fleet.generation.schema import message_from_arrow, params_from_arrow
+    from fleet.generation.data.schema import message_from_arrow, params_from_arrow
 
     row = read_results(out).to_pylist()[0]
     back = [message_from_arrow(m) for m in row["messages"]]
@@ -479,7 +479,7 @@ def test_rows_with_large_answers_are_committed_without_waiting_for_the_timed_flu
     timed flush (or shard_rows rows), and at the commit each was held twice (its strings and their
     Arrow copy): 8 such rows peaked the runner at 4.6x their size. Now the buffer commits a shard as
     soon as its answer text passes BUFFER_CHARS; rows of ordinary size still wait for shard_rows."""
-    from fleet.generation import store
+    from fleet.generation.data import store
 
     monkeypatch.setattr(store, "BUFFER_CHARS", 1000)
     out = tmp_path / "out"

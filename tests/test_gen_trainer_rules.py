@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from fleet.config import GenerationConfig
-from fleet.generation.inputs import iter_input
-from fleet.generation.rows import Reject, Request
-from fleet.generation.trainerrules import specforge_problem
+from fleet.generation.data.inputs import iter_input
+from fleet.generation.data.rows import Reject, Request
+from fleet.generation.data.trainerrules import specforge_problem
 
 U, A, S = "user", "assistant", "system"
 
@@ -80,7 +80,7 @@ def test_input_rules_specforge_last_turn_checks_the_kept_assistant_turns(tmp_pat
 def test_a_planned_resume_refuses_the_same_rows(tmp_path):
     """The planned resume path (ids first, then the planned lines) applies the same rules as
     the one-pass reader: the same lines are rejects, with the same reasons."""
-    from fleet.generation.idset import IdSet
+    from fleet.generation.data.idset import IdSet
 
     rows = [{"id": f"r{i}", "conversations": conv((U, "a"), (U, "b")) if i % 3 == 0 else conv((U, f"q{i}"))}
             for i in range(12)] + [{"conversations": conv((U, ""), (A, "x"))}]

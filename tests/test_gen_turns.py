@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from fleet.config import FleetConfig, GenerationConfig
-from fleet.generation.checks import account
-from fleet.generation.client import Outcome
-from fleet.generation.inputs import iter_input
-from fleet.generation.rows import Reject, Request
-from fleet.generation.runner import ServerEntry, run_local
-from fleet.generation.results import read_quality_rejects, read_results
-from fleet.generation.schema import message_from_arrow
-from fleet.generation.work import RowPlan
+from fleet.generation.data.checks import account
+from fleet.generation.hotpath.client import Outcome
+from fleet.generation.data.inputs import iter_input
+from fleet.generation.data.rows import Reject, Request
+from fleet.generation.job.runner import ServerEntry, run_local
+from fleet.generation.data.results import read_quality_rejects, read_results
+from fleet.generation.data.schema import message_from_arrow
+from fleet.generation.hotpath.work import RowPlan
 from test_gen_dispatch import Sim, sims  # noqa: F401  (the fixture is re-used)
 from test_gen_runner import job_file, progress, result_ids, start_runner, wait_for
 
@@ -197,7 +197,7 @@ def test_the_drafter_example_config_and_sample_give_a_specforge_file(tmp_path: P
     tests/data/drafter-sharegpt.jsonl, run on sims with the config's own fault flags, end in a
     SpecForge file every line of which its validator accepts, with the gates' findings counted."""
     from fleet.config import load_config
-    from fleet.generation.export import export
+    from fleet.generation.data.export import export
     from test_gen_export import read_lines, specforge_problem
 
     root = Path(__file__).resolve().parents[1]
@@ -240,7 +240,7 @@ def test_token_ids_as_sampled_reach_speculators_pretokenized_rows(tmp_path: Path
     differ. With generation.return_token_ids the sim (like vLLM) returns prompt_token_ids and
     the choice's token_ids; each turn's are stored, and `speculators-tokens` makes one row per
     turn: the rendered prompt (mask 0), then exactly the sampled ids (mask 1)."""
-    from fleet.generation.export import export
+    from fleet.generation.data.export import export
     from fleet.sim.generation import _token_id, prompt_token_ids
     from test_gen_export import read_lines
 

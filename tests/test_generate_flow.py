@@ -74,7 +74,7 @@ def test_generate_local_end_to_end(tmp_path: Path, stop_everything) -> None:
 @pytest.mark.ssh
 def test_generate_over_ssh_runner_on_node_then_fetch(tmp_path: Path, sshd, stop_everything) -> None:
     """On an SSH node the runner runs from its own venv and a zip of fleet; `fleet fetch` brings the data back."""
-    from fleet.generation.remote import fetch
+    from fleet.generation.job.remote import fetch
     from fleet.node.ssh import SSHNode
     from flows.fleet import fleet
 

@@ -127,7 +127,7 @@ def test_the_core_imports_nothing_from_prefect_or_the_layers_above() -> None:
 def test_no_import_cycles() -> None:
     """Fault: fleet/cli.py and fleet/demo.py imported each other, fleet/config.py and the engine
     profiles too, tasks/bringup.py and tasks/teardown.py too, and the generation modules through
-    generation/remote.py (hidden by function-level imports), so none of them could be read,
+    generation/job/remote.py (hidden by function-level imports), so none of them could be read,
     tested or moved on its own."""
     graph, _ = import_graph()
     assert cycles(graph) == []

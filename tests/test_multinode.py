@@ -331,8 +331,8 @@ def test_a_second_job_over_several_nodes_into_one_output_exits_2(tmp_path: Path,
     README's exit-code table says 2 for a second job into a job's directory. Now it exits 2 with the
     reason (another controller, its pid) and the remedy; the live controller is left alone."""
     from fleet.demo import to_toml
-    from fleet.generation.chunks import ControllerLock, plan_dir_for
-    from fleet.generation.multinode import plan_root
+    from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
+    from fleet.generation.multinode.controller import plan_root
     from flows.cli import main
 
     cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 150})

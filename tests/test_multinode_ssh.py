@@ -48,8 +48,8 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
     outage (or resuming it). With the node the job's only one, the job cannot end without the rejoin.
     After it: every id exactly once."""
     from conftest import port_block
-    from fleet.generation.chunks import ControllerLock
-    from fleet.generation.multinode import Controller, NodeWork
+    from fleet.generation.multinode.chunks import ControllerLock
+    from fleet.generation.multinode.controller import Controller, NodeWork
     from fleet.node import connect
     from fleet.servers import launch, plan_servers, wait_ready
 

@@ -47,7 +47,7 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
     for k, v in {"AWS_ACCESS_KEY_ID": "fleet-test", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1",
                  "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(k, v)
-    from fleet.generation.objstore import Store
+    from fleet.generation.data.objstore import Store
 
     Store("s3://jobs").fs.mkdir("jobs")
     try:
@@ -59,8 +59,8 @@ def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
 
 
 def store_ids(url: str) -> list[str]:
-    from fleet.generation.objstore import Store
-    from fleet.generation.publish import store_shards
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.job.publish import store_shards
 
     st = Store(url)
     ids: list[str] = []
@@ -73,7 +73,7 @@ def store_ids(url: str) -> list[str]:
 def test_an_unfinished_upload_never_becomes_an_object(s3: str, tmp_path: Path) -> None:
     """A shard is visible in the store only when complete: a write cut short by an error leaves no object
     (on S3 and in a local directory alike), so a reader never takes half a shard for a commit."""
-    from fleet.generation.objstore import Store
+    from fleet.generation.data.objstore import Store
 
     for root in (f"{s3}/unit", str(tmp_path / "local")):
         st = Store(root)
@@ -99,7 +99,7 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
                     sim={"tokens_per_s": 40, "max_running_requests": 4})
     stop_everything(cfg)
     inp = prompts(tmp_path / "in.jsonl", 900)
-    from fleet.generation.objstore import Store
+    from fleet.generation.data.objstore import Store
 
     Store(s3).put_file(str(inp), "in/prompts.jsonl")   # the input read from the store too
     out = f"{s3}/job"
@@ -176,9 +176,9 @@ def test_a_jsonl_input_on_the_store_is_cut_into_byte_ranges_never_copied(s3: str
     ranges, a cut made at claim time included, hold every line once and in order (the last line has no
     newline), and a plan for another version of the input is refused."""
     from fleet.errors import ConfigError
-    from fleet.generation.chunks import split_chunk, split_input
-    from fleet.generation.objstore import Store
-    from fleet.generation.ranges import read_span
+    from fleet.generation.multinode.chunks import split_chunk, split_input
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.data.ranges import read_span
 
     lines = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "é" * (i % 7)}]}) for i in range(250)]
     Store(s3).write_bytes("in/p.jsonl", ("\n".join(lines)).encode())

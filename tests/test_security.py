@@ -623,8 +623,8 @@ def test_fleet_config_block_masks_engine_env_in_the_api(prefect_api) -> None:
 def test_runner_gets_the_real_engine_env_back_for_a_relaunch(monkeypatch: pytest.MonkeyPatch) -> None:
     """job.json holds engine.env masked; a relaunch by the runner must still export the real
     HF_TOKEN, which the runner gets from its environment (FLEET_ENGINE_ENV), never from the file."""
-    from fleet.generation.remote import runner_secret_env
-    from fleet.generation.jobspec import fleet_config
+    from fleet.generation.job.remote import runner_secret_env
+    from fleet.generation.job.jobspec import fleet_config
 
     cfg = FleetConfig(servers={"api_key": "sk-run-1"}, engine={"env": {"HF_TOKEN": "hf_run_2"}})
     masked = json.loads(json.dumps(cfg.model_dump(mode="json")))
@@ -672,7 +672,7 @@ def test_an_endpoint_key_appears_nowhere_after_an_endpoints_only_job(tmp_path: P
     assert [s.get("label") for s in job["servers"]] == ["endpoint/router"]
     assert job["servers"][0]["api_key_env"] == "ENDPOINT_API_KEY_0"
     leaked = {pid: cmd for pid, cmd in watch.seen.items() if key in cmd}
-    assert any("fleet.generation.runner" in cmd for cmd in watch.seen.values()) and not leaked, leaked
+    assert any("fleet.generation.job.runner" in cmd for cmd in watch.seen.values()) and not leaked, leaked
     assert not _scan_tree(work, [key]) and not _scan_tree(out, [key])
     with get_client(sync_client=True) as client:
         run_id = state.state_details.flow_run_id
@@ -692,7 +692,7 @@ def test_store_credentials_reach_a_runner_only_through_its_env_file(tmp_path: Pa
     job.json (a file on the node), in the runner's argv (`ps`), or in the store URL itself. start_job
     hands the AWS_* variables of the controller's environment to start_detached's env (the 0600 file
     its launch shell removes, tested above), and job.json and argv name only URLs."""
-    from fleet.generation.remote import start_job
+    from fleet.generation.job.remote import start_job
     from fleet.node import LocalNode
 
     secret = "aws-secret-9f8e7d6c5b"

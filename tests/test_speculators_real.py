@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet.generation.export import export
-from fleet.generation.manifest import write_manifest
-from fleet.generation.store import ResultStore
+from fleet.generation.data.export import export
+from fleet.generation.data.manifest import write_manifest
+from fleet.generation.data.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / ".venv" / "speculators-0.9.0"

@@ -121,7 +121,7 @@ def test_stopped_launch_shell_during_a_relaunch_is_retried_and_the_job_ends(tmp_
     and is tried again; the server comes back and every row ends exactly once. Server 0 is slow
     (one row at a time), so the job outlasts the relaunches whatever the load."""
     from conftest import port_block
-    from fleet.generation.runner import run_local
+    from fleet.generation.job.runner import run_local
     from fleet.servers import stop_servers
     from test_gen_runner import progress, result_ids, sim_fleet, wait_for, write_input
 

@@ -1,0 +1,185 @@
+"""Checks on a generation job's output, streamed shard by shard.
+
+`data_checks(DIR)`: is this a usable drafter training set? For the manifest:
+
+    rows                       completed rows
+    cut_at_max_tokens          finish_reason == "length": the answer was cut off
+    empty_completions          completion empty after stripping whitespace, and no tool calls
+                               (a tool-call-only answer is not empty)
+    think_tags                 completion still holding "<think>" or "</think>": the server's
+                               reasoning parser did not separate the reasoning (wrong
+                               --reasoning-parser, or none)
+    with_reasoning, with_tool_calls, finish_reasons
+    completion_tokens          mean / p50 / p95 / max
+
+Each count comes with its share of rows (`*_share`, None for an empty job).
+
+`account(INPUT, DIR)`: the exactly-once proof. Reads the input again and checks that every
+request id ended in exactly one of completed / errors, every rejected line is in
+rejects.jsonl, and no id is in two result rows. Exact (strings, not digests), so it can
+run at the end of a job and in tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from fleet.generation.data.inputs import iter_input
+from fleet.generation.data.rows import InputStats, Reject
+from fleet.generation.data.results import iter_results, read_errors, read_quality_rejects, read_rejects
+
+if TYPE_CHECKING:
+    from fleet.config import GenerationConfig
+
+__all__ = ["data_checks", "account", "quality_summary"]
+
+_THINK = ("<think>", "</think>")
+
+
+def _share(n: int, rows: int) -> float | None:
+    return n / rows if rows else None
+
+
+def _count(mask: pa.Array) -> int:
+    return int(pc.sum(pc.cast(pc.fill_null(mask, False), pa.int64())).as_py() or 0)
+
+
+def data_checks(out_dir: str | Path) -> dict[str, Any]:
+    """Quality numbers of the completed rows in `out_dir` (see the module docstring)."""
+    rows = cut = empty = think = reasoning = tools = multi = 0
+    finish: dict[str, int] = {}
+    flagged: dict[str, int] = {}
+    tokens: list[pa.Array] = []
+    cols = ["completion", "finish_reason", "completion_tokens", "tool_calls", "reasoning_content", "flags", "turns"]
+    for batch in iter_results(out_dir, cols):
+        rows += batch.num_rows
+        comp = batch.column("completion")
+        fr = batch.column("finish_reason")
+        has_tools = pc.is_valid(batch.column("tool_calls"))
+        cut += _count(pc.equal(fr, "length"))
+        blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(comp), ""), True)
+        empty += _count(pc.and_(blank, pc.invert(has_tools)))
+        think += _count(pc.or_(pc.match_substring(comp, _THINK[0]), pc.match_substring(comp, _THINK[1])))
+        rc = batch.column("reasoning_content")
+        reasoning += _count(pc.greater(pc.utf8_length(rc), 0))
+        tools += _count(has_tools)
+        vc = pc.value_counts(pc.fill_null(fr, "null"))
+        for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+            finish[v] = finish.get(v, 0) + c
+        tokens.append(pc.drop_null(batch.column("completion_tokens")))
+        flags = pc.list_flatten(batch.column("flags"))
+        if len(flags):
+            vc = pc.value_counts(flags)
+            for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+                flagged[v] = flagged.get(v, 0) + c
+        multi += _count(pc.greater(batch.column("turns"), 1))
+    toks = pa.chunked_array(tokens, pa.int64()) if tokens else pa.chunked_array([], pa.int64())
+    if len(toks):
+        q = pc.quantile(toks, q=[0.5, 0.95]).to_pylist()
+        tok_stats = {"mean": pc.mean(toks).as_py(), "p50": q[0], "p95": q[1], "max": pc.max(toks).as_py(),
+                     "total": pc.sum(toks).as_py(), "rows": len(toks)}
+    else:
+        tok_stats = {"mean": None, "p50": None, "p95": None, "max": None, "total": 0, "rows": 0}
+    return {
+        "rows": rows,
+        "cut_at_max_tokens": cut, "cut_at_max_tokens_share": _share(cut, rows),
+        "empty_completions": empty, "empty_completions_share": _share(empty, rows),
+        "think_tags": think, "think_tags_share": _share(think, rows),
+        "with_reasoning": reasoning, "with_reasoning_share": _share(reasoning, rows),
+        "with_tool_calls": tools, "with_tool_calls_share": _share(tools, rows),
+        "finish_reasons": dict(sorted(finish.items())),
+        "flagged": dict(sorted(flagged.items())),  # quality gate -> rows stored with its flag
+        "multi_turn_rows": multi,
+        "completion_tokens": tok_stats,
+    }
+
+
+def quality_summary(out_dir: str | Path, this_run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the quality gates did, across every run into `out_dir` (flags from the shards,
+    rejections from quality_rejects.jsonl), plus this run's retries."""
+    rejected: dict[str, int] = {}
+    rejected_rows = 0
+    for rec in read_quality_rejects(out_dir):
+        rejected_rows += 1
+        for r in rec.get("reasons") or []:
+            rejected[r] = rejected.get(r, 0) + 1
+    flagged: dict[str, int] = {}
+    flagged_rows = 0
+    for batch in iter_results(out_dir, ["flags"]):
+        col = batch.column("flags")
+        flagged_rows += len(col) - col.null_count
+        flat = pc.list_flatten(col)
+        if len(flat):
+            vc = pc.value_counts(flat)
+            for v, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
+                flagged[v] = flagged.get(v, 0) + c
+    return {"flagged_rows": flagged_rows, "flagged": dict(sorted(flagged.items())),
+            "rejected_rows": rejected_rows, "rejected": dict(sorted(rejected.items())),
+            "this_run": this_run or {}}
+
+
+def account(input_path: str | Path, out_dir: str | Path,
+            defaults: GenerationConfig | None = None, *, sample: int = 10) -> dict[str, Any]:
+    """Check that every input row ended in exactly one place; `ok` says whether all holds.
+
+    Holds every request id of the input as Arrow strings (tens of MB for a million ids):
+    meant for the end of a job and for tests, not for the hot path.
+    """
+    st = InputStats()
+    chunks: list[pa.Array] = []
+    pending: list[str] = []
+    input_reject_lines: set[int] = set()
+    for item in iter_input(input_path, defaults, stats=st):
+        if isinstance(item, Reject):
+            input_reject_lines.add(item.line)
+            continue
+        pending.append(item.id)
+        if len(pending) >= 65536:
+            chunks.append(pa.array(pending, pa.string()))
+            pending = []
+    chunks.append(pa.array(pending, pa.string()))
+    requests = pa.chunked_array(chunks, pa.string())
+
+    completed = pa.chunked_array([b.column("id") for b in iter_results(out_dir, ["id"])], pa.string())
+    error_ids = [str(r["id"]) for r in read_errors(out_dir)]
+    quality_ids = [str(r["id"]) for r in read_quality_rejects(out_dir)]
+    # a row a quality gate rejected ended too: for exactly-once it counts like an error
+    errors = pa.array(error_ids + quality_ids, pa.string())
+    reject_lines = {r["line"] for r in read_rejects(out_dir) if isinstance(r.get("line"), int)}
+
+    def first(arr: Any) -> list[str]:
+        ids: list[str] = arr.slice(0, sample).to_pylist()  # Arrow strings (pyarrow is untyped)
+        return ids
+
+    vc = pc.value_counts(completed) if len(completed) else None
+    duplicated = (pc.filter(vc.field("values"), pc.greater(vc.field("counts"), 1))
+                  if vc is not None else pa.array([], pa.string()))
+    err_counts = pc.value_counts(errors) if len(errors) else None
+    err_dup = (pc.filter(err_counts.field("values"), pc.greater(err_counts.field("counts"), 1))
+               if err_counts is not None else pa.array([], pa.string()))
+    done = pa.chunked_array(list(completed.chunks) + [errors], pa.string())
+    done_values = pc.unique(done) if len(done) else pa.array([], pa.string())
+    missing = pc.filter(requests, pc.invert(pc.is_in(requests, value_set=done_values)))
+    req_values = pc.unique(requests) if len(requests) else pa.array([], pa.string())
+    unexpected = pc.filter(done_values, pc.invert(pc.is_in(done_values, value_set=req_values)))
+    both = pc.filter(errors, pc.is_in(errors, value_set=pc.unique(completed) if len(completed)
+                                      else pa.array([], pa.string())))
+    unrecorded = sorted(input_reject_lines - reject_lines)
+    result = {
+        "input_rows": st.rows, "blank_lines": st.blank, "requests": st.requests,
+        "input_rejects": st.rejects, "input_duplicates": st.duplicates,
+        "completed": len(completed), "errors": len(error_ids), "quality_rejects": len(quality_ids),
+        "rejects": len(reject_lines),
+        "missing": len(missing), "missing_ids": first(missing),
+        "duplicated": len(duplicated) + len(err_dup), "duplicated_ids": first(duplicated) + first(err_dup),
+        "completed_and_errored": len(both), "completed_and_errored_ids": first(both),
+        "unexpected": len(unexpected), "unexpected_ids": first(unexpected),
+        "unrecorded_rejects": len(unrecorded), "unrecorded_reject_lines": unrecorded[:sample],
+    }
+    result["ok"] = not (result["missing"] or result["duplicated"] or result["completed_and_errored"]
+                        or result["unexpected"] or result["unrecorded_rejects"])
+    return result

@@ -1,0 +1,339 @@
+"""The generation hot path: one chat completion over a kept-alive aiohttp session.
+
+Measured on a 2-core machine against instant servers (DESIGN.md, "HTTP client cost"):
+`AsyncOpenAI` + a semaphore ≈ 850 req/s, a raw httpx pool ≈ 410, raw aiohttp ≈ 8,500. So
+the runner speaks HTTP through aiohttp directly, one `ClientSession` per server (its own
+connection pool, `limit` = that server's concurrency), body encoded once (orjson when it is
+importable: Prefect depends on it), answer parsed and validated in one pass (`answer.py`).
+
+`chat()` never raises for anything the server or the network does: it returns an
+`Outcome` whose `kind` tells the dispatcher what to do next:
+
+| kind | when | dispatcher |
+| --- | --- | --- |
+| ok | HTTP 200 with a completion that passed `parse_completion` | store the result |
+| permanent | other 4xx (400: prompt longer than the context, bad parameter) | errors file at once |
+| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff |
+| invalid | a 200 body that is not a chat completion (cut, not JSON, wrong types), an answer over `max_bytes`, a status no chat endpoint answers (1xx, another 2xx, 3xx, ≥ 600) | a suspect: the server is out after a few in a row, or when a probe is not answered right either |
+| connection | refused, reset, disconnected, a truncated body | retry; counts toward "server down" |
+| timeout | no answer within the request timeout | retry; counts toward "server down" |
+| unusable | 401/403/404: wrong key, wrong model, wrong URL | the *server* is wrong, not the row: take it out |
+
+Every answer is judged, never trusted: a 200 body goes through `answer.parse_answer` (a strict
+schema; see there), which gives a typed answer or the reason it is none.
+
+The body is read in chunks up to `max_bytes` (`generation.max_response_mib`): a bigger answer
+(or a Content-Length that announces one) ends the request at once, with no more read than the cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from fleet.answer import parse_answer
+from fleet.generation.data.jsonl import dumps, loads
+
+if TYPE_CHECKING:
+    from fleet.generation.data.rows import Request
+
+__all__ = ["DEFAULT_MAX_BYTES", "Outcome", "TRANSIENT_STATUS", "TooLarge", "chat", "classify_status", "new_session",
+           "parse_completion", "read_capped"]
+
+# Retried statuses, as the OpenAI SDK and speculators' scripts do: request timeout,
+# conflict, too early, rate limited, and every server-side error.
+TRANSIENT_STATUS = frozenset({408, 409, 425, 429})
+# The server, not the row, is wrong: every other row would fail the same way.
+UNUSABLE_STATUS = frozenset({401, 403, 404})
+
+DEFAULT_MAX_BYTES = 64 << 20   # generation.max_response_mib's default: far above any real answer
+
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError, OSError)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one chat request came to."""
+
+    kind: str                              # ok | permanent | transient | invalid | connection | timeout | unusable
+    status: int | None = None              # HTTP status; None when no answer came
+    error: str | None = None               # one line: what went wrong (None when ok)
+    completion: str = ""
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids (vLLM): the rendered prompt
+    token_ids: list[int] | None = None          # ... and the completion's ids as sampled
+    latency_s: float = 0.0
+    started_at: float = 0.0                # wall clock (time.time()) when the request was sent
+    finished_at: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def server_fault(self) -> bool:
+        """The failure says something about the server's health (not just this request)."""
+        return self.kind in ("connection", "timeout", "unusable", "invalid")
+
+
+def classify_status(status: int) -> str:
+    """The Outcome kind of a non-200 HTTP status.
+
+    A 4xx speaks of the request (permanent) or of our key/model/URL (unusable); a 5xx is the
+    server's passing trouble (transient). Anything else (1xx, another 2xx, a redirect, a code
+    past 599) is no answer a chat endpoint gives: invalid, the server's fault, not the row's."""
+    if status in TRANSIENT_STATUS or 500 <= status <= 599:
+        return "transient"
+    if status in UNUSABLE_STATUS:
+        return "unusable"
+    if 400 <= status <= 499:
+        return "permanent"
+    return "invalid"
+
+
+def new_session(concurrency: int, *, api_key: str | None = None) -> aiohttp.ClientSession:
+    """A session for one server: a keep-alive pool as wide as its concurrency, auth set once.
+
+    Must be created inside the running event loop.
+    """
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    connector = aiohttp.TCPConnector(limit=max(1, concurrency), limit_per_host=0, keepalive_timeout=60,
+                                     enable_cleanup_closed=True, ttl_dns_cache=None)
+    # No session-wide timeout: each request passes its own.
+    return aiohttp.ClientSession(connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                 json_serialize=json.dumps, auto_decompress=True, skip_auto_headers=("User-Agent",),
+                                 raise_for_status=False)
+
+
+_TIMEOUTS: dict[float, aiohttp.ClientTimeout] = {}
+
+
+def _timeout(seconds: float) -> aiohttp.ClientTimeout:
+    t = _TIMEOUTS.get(seconds)
+    if t is None:
+        # connect within a bounded time even when the whole request may take half an hour:
+        # a refused or black-holed server must be noticed in seconds, not at the deadline.
+        t = _TIMEOUTS[seconds] = aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, 10.0))
+    return t
+
+
+def _error_message(body: bytes | bytearray, status: int) -> str:
+    """The server's own message from an OpenAI/SGLang error body, else the raw text."""
+    text = body[:2000].decode("utf-8", "replace")
+    try:
+        doc = loads(bytes(body))   # an error body: small (the caller passes 64 KiB at most)
+    except ValueError:
+        return f"HTTP {status}: {text.strip()[:500]}"
+    msg = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict):
+            msg = err.get("message")
+        elif isinstance(err, str):
+            msg = err
+        msg = msg or doc.get("message") or doc.get("detail")
+    return f"HTTP {status}: {str(msg if msg else text)[:1000]}"
+
+
+def parse_completion(body: bytes | bytearray | str | dict[str, Any], out: Outcome) -> None:
+    """Fill `out` from a chat.completion body (`answer.parse_answer`); ValueError with the reason
+    when it is not one."""
+    a = parse_answer(body)
+    out.completion, out.reasoning_content, out.tool_calls = a.content, a.reasoning_content, a.tool_calls
+    out.finish_reason, out.prompt_tokens, out.completion_tokens = a.finish_reason, a.prompt_tokens, a.completion_tokens
+    out.prompt_token_ids, out.token_ids = a.prompt_token_ids, a.token_ids
+
+
+class TooLarge(ValueError):
+    """An answer over the size cap."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | bytearray:
+    """The body, read in chunks; TooLarge past `max_bytes` (nothing more is read).
+
+    With a Content-Length (what the engines send for a whole answer) the chunks go straight into
+    one buffer of that size: the body is held once, never twice (a list of chunks joined at the
+    end held it twice at the moment of the join: 8 answers of 30 MB at once, 480 MB more). The
+    parser reads the buffer as it is. Without one (chunked), the chunks are joined once."""
+    announced = resp.content_length
+    if announced is not None and announced > max_bytes:
+        raise TooLarge(f"answer of {announced:,} bytes announced, over the cap of {max_bytes:,}")
+    if announced:
+        return await _read_into(resp, announced)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"answer over the cap of {max_bytes:,} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_into(resp: aiohttp.ClientResponse, size: int) -> bytearray:
+    """A body of a known `size`, read into one buffer; a body longer than it announced is cut off
+    by aiohttp (it reads Content-Length bytes); a shorter one is a broken answer."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    async for chunk in resp.content.iter_any():
+        n = len(chunk)
+        if got + n > size:
+            raise aiohttp.ClientPayloadError(f"answer longer than its Content-Length of {size:,}")
+        view[got:got + n] = chunk
+        got += n
+    view.release()
+    if got != size:
+        raise aiohttp.ClientPayloadError(f"answer of {got:,} bytes, its Content-Length said {size:,}")
+    return buf   # a bytearray: the parser takes it as it is (no copy into bytes)
+
+
+class _Stream:
+    """A streamed chat completion put back together, chunk by chunk (`chat(..., on_chunk=…)`)."""
+
+    __slots__ = ("content", "reasoning", "calls", "finish", "usage")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, doc: Any) -> None:
+        if not isinstance(doc, dict):
+            raise ValueError(f"not a chat completion chunk: {str(doc)[:200]}")
+        if isinstance(doc.get("usage"), dict):
+            self.usage = doc["usage"]
+        for choice in doc.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            r = delta.get("reasoning_content") or delta.get("reasoning")
+            if r:
+                self.reasoning.append(r)
+            for tc in delta.get("tool_calls") or ():
+                blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                call = self.calls.setdefault(int(tc.get("index", len(self.calls))), blank)
+                call["id"] = tc.get("id") or call["id"]
+                call["type"] = tc.get("type") or call["type"]
+                fn = tc.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+
+    def completion(self) -> bytes:
+        """The whole chat.completion these chunks make, as a body for the strict parser."""
+        message = {"role": "assistant", "content": "".join(self.content),
+                   "reasoning_content": "".join(self.reasoning) or None,
+                   "tool_calls": [self.calls[i] for i in sorted(self.calls)] or None}
+        return dumps({"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None})
+
+
+class BadStream(ValueError):
+    """A streamed answer whose chunks do not make a chat completion."""
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None], max_bytes: int) -> bytes:
+    """Server-sent events of a streamed chat completion, put back together as one completion body
+    (judged by `_judge` like an unstreamed one; a chunk that cannot be read makes it invalid);
+    `on_chunk()` at each event; TooLarge past `max_bytes` of stream."""
+    acc = _Stream()
+    done, size = False, 0
+    try:
+        async for line in resp.content:
+            size += len(line)
+            if size > max_bytes:
+                raise TooLarge(f"streamed answer over the cap of {max_bytes:,} bytes")
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            on_chunk()
+            if data == b"[DONE]":
+                done = True
+                break
+            acc.add(loads(data))
+        if not done and acc.finish is None:
+            raise aiohttp.ClientPayloadError("the stream ended before the completion did")
+        return acc.completion()
+    except TooLarge:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BadStream(f"a stream chunk is not a chat completion chunk: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
+               api_key: str | None = None, timeout: float = 1800.0,
+               max_bytes: int = DEFAULT_MAX_BYTES, on_chunk: Callable[[], None] | None = None) -> Outcome:
+    """POST one chat completion for `request` to the server at `url` (its base, e.g. http://h:p).
+
+    `api_key` is normally set once on the session (`new_session`); pass it here only for a
+    session made without it. `max_bytes` caps the answer's size (see the module docstring). With
+    `on_chunk` the answer is streamed (usage included) and `on_chunk()` is called at every event:
+    the token progress of engines that count none (`transformers serve`); the streamed answer is
+    put back together and judged like a whole one, so the Outcome is the same as unstreamed.
+    """
+    body: dict[str, Any] = {"model": model, "messages": request.messages}
+    if request.params:
+        body.update(request.params)
+    if on_chunk is not None:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    started = time.time()
+    t0 = time.perf_counter()
+    out = Outcome("ok", started_at=started)
+    raw: bytes | bytearray | None = None
+    try:
+        # no redirects: a chat endpoint that sends us elsewhere is not answering (and could send
+        # the prompt and the key to another host)
+        async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
+                                timeout=_timeout(timeout), allow_redirects=False) as resp:
+            out.status = resp.status
+            if on_chunk is not None and resp.status == 200:
+                raw = await _read_stream(resp, on_chunk, max_bytes)
+            else:
+                raw = await read_capped(resp, max_bytes)
+    except asyncio.TimeoutError:
+        out.kind, out.error = "timeout", f"no answer within {timeout:g} s"
+    except TooLarge as exc:
+        out.kind, out.error = "invalid", f"{exc} (generation.max_response_mib)"
+    except BadStream as exc:
+        out.kind, out.error = "invalid", f"unusable answer: {exc}"
+    except _CONNECTION_ERRORS as exc:
+        out.kind, out.error = "connection", f"{type(exc).__name__}: {exc}"[:500]
+    else:
+        assert raw is not None
+        _judge(raw, out)
+    out.latency_s = time.perf_counter() - t0
+    out.finished_at = started + out.latency_s
+    return out
+
+
+def _judge(raw: bytes | bytearray, out: Outcome) -> None:
+    """The Outcome of a full answer: a completion, an invalid body, an abort or an HTTP error."""
+    if out.status != 200:
+        assert out.status is not None
+        out.kind, out.error = classify_status(out.status), _error_message(raw[:65536], out.status)
+        return
+    try:
+        parse_completion(raw, out)
+    except ValueError as exc:
+        out.kind, out.error = "invalid", f"unusable answer: {exc}"[:500]
+        return
+    if out.finish_reason == "abort":
+        # SGLang answers 200 with finish_reason "abort" when it drops a request
+        # (shutdown, retraction, a scheduler error): not a completion to keep.
+        out.kind, out.error = "transient", "the server aborted the request (finish_reason 'abort')"

@@ -1,0 +1,90 @@
+"""`<out>/progress.json` and the console line of a running job, rewritten every
+`progress_interval_s` from the dispatcher's counters and the store's, for whoever watches
+(the flow's task, `fleet status`, a human with `cat`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fleet.generation.hotpath.dispatch import Dispatcher
+from fleet.generation.data.durable import write_json_atomic
+from fleet.generation.job.jobspec import JobSpec
+
+__all__ = ["PROGRESS_FILE", "Progress", "fmt_s"]
+
+PROGRESS_FILE = "progress.json"
+
+
+def fmt_s(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """progress.json and the console line, from the dispatcher's counters and the store's."""
+
+    def __init__(self, job: JobSpec, store: Any, started_at: float) -> None:
+        self.job = job
+        self.store = store
+        self.rows_total: int | None = None
+        self.started_at = started_at
+        self.path = Path(job.output) / PROGRESS_FILE
+
+    def build(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
+        snap = disp.snapshot()
+        counts = self.store.counts()   # the truth, across every run into this directory
+        completed, errors, rejects = counts["completed"], counts["errors"], counts["rejects"]
+        quality_rejects = counts.get("quality_rejects", 0)
+        done = completed + errors + rejects + quality_rejects
+        total = self.rows_total
+        remaining = None if total is None else max(0, total - done)
+        rows_per_s = snap["completed"] + snap["errors"]
+        rows_per_s = rows_per_s / snap["elapsed_s"] if snap["elapsed_s"] > 0 else 0.0
+        eta = remaining / rows_per_s if remaining is not None and rows_per_s > 0 else None
+        st = state or snap["state"]
+        return {
+            "state": st.split(":")[0] if not st.startswith("paused") else "paused",
+            "detail": st, "reason": snap["reason"],
+            "pid": os.getpid(), "started_at": self.started_at, "updated_at": time.time(),
+            "elapsed_s": snap["elapsed_s"],
+            "input": self.job.input, "output": self.job.output,
+            "rows_total": total, "rows_done": done, "completed": completed, "errors": errors,
+            "rejects": rejects, "quality_rejects": quality_rejects,
+            "committed": counts.get("committed"), "shards": counts.get("shards"),
+            "percent": round(100 * done / total, 2) if total else None,
+            "this_run": {k: snap[k] for k in ("fed", "completed", "errors", "rejects", "retries", "requeues")},
+            "in_flight": snap["in_flight"], "queued": snap["queued"],
+            "tok_s": snap["tok_s"], "tok_s_avg": snap["tok_s_avg"],
+            "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta) if eta is not None else None,
+            "prompt_tokens": snap["prompt_tokens"], "completion_tokens": snap["completion_tokens"],
+            "servers_up": snap["servers_up"], "hedge": snap["hedge"], "servers": snap["servers"],
+        }
+
+    def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
+        data = self.build(disp, state)
+        write_json_atomic(self.path, data, sync=False)
+        return data
+
+    @staticmethod
+    def line(p: dict[str, Any]) -> str:
+        total = p["rows_total"]
+        pct = f" ({p['percent']:.1f}%)" if p["percent"] is not None else ""
+        return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
+                f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
+            f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,}"
+            + (f" gated {p['quality_rejects']:,}" if p.get("quality_rejects") else "")
+            + f" | in flight {p['in_flight']}"
+            # two rates, named: the last minute's (tok_s) and this run's average (tok_s_avg), which
+            # in the final line is the manifest's throughput.completion_tok_s
+            + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
+               f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + f" | ETA {fmt_s(p['eta_s'])}"
+            f" | servers up {p['servers_up']}/{len(p['servers'])}")

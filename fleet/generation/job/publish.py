@@ -1,0 +1,112 @@
+"""A runner whose job lives on object storage: its chunk read from the store, its commits put there.
+
+The runner still writes its output directory on the node's disk first (the store's lock, the
+atomic shard rename, resume: the single-node machinery unchanged); what is new is the copy to
+the store, by the runner itself, so no controller is in the data path:
+
+- `stage_input`: the job's input URL downloaded once next to the output (a temporary name, then
+  a rename; a re-run of the same job finds it and reads it again).
+- `seed`: a fresh attempt of a chunk first copies the shards that earlier attempts (on other
+  nodes, maybe lost ones) put in the store, so its resume skips their ids. Their names are kept in
+  `.seeded.json` and not published again: those rows are already in the store, under the attempt
+  that generated them.
+- `Publisher.sync_shards`: after every commit, each committed shard not yet in the store is put
+  there whole (an object is visible only once complete: a shard in the store is a complete shard).
+- `Publisher.finish`: at the end of a finished run, errors, rejects and quality rejects, then
+  `manifest.json` last: a manifest in the store means the attempt's whole output is there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+from pathlib import Path
+
+from fleet.generation.data.manifest import MANIFEST_FILE
+from fleet.generation.data.objstore import Store, is_url
+from fleet.generation.data.results import ERRORS_FILE, QUALITY_REJECTS, REJECTS_FILE, SHARD_RE, SHARDS_DIR, shard_paths
+
+__all__ = ["Publisher", "SEEDED_FILE", "seed", "stage_input", "store_shards"]
+
+log = logging.getLogger("fleet.generation.job.publish")
+
+SEEDED_FILE = ".seeded.json"
+
+
+def stage_input(url: str, out: Path, span: list[int] | None = None) -> str:
+    """The local copy of input `url` (downloaded once, beside the output directory; `span`: only those
+    bytes of it, see ranges.py); a path is itself."""
+    if not is_url(url):
+        return url[len("file://"):] if url.startswith("file://") else url
+    name = posixpath.basename(url.rstrip("/"))
+    local = out.parent / f".{out.name}.input" / (f"{span[0]}-{span[1]}-{name}" if span else name)
+    if span is not None and not local.exists():
+        from fleet.generation.data.ranges import read_span
+
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(local.name + ".tmp")
+        tmp.write_bytes(read_span(url, span))
+        tmp.replace(local)
+    if not local.exists():
+        parent, name = url.rstrip("/").rsplit("/", 1)
+        Store(parent).get_file(name, str(local))
+    return str(local)
+
+
+def store_shards(store: Store) -> list[str]:
+    """The shard names committed under `store`'s shards/, in commit order."""
+    found = [(int(m.group(1)), n) for n in store.names(SHARDS_DIR) if (m := SHARD_RE.match(n))]
+    return [n for _, n in sorted(found)]
+
+
+def seed(out: Path, urls: list[str]) -> int:
+    """Copy the shards of earlier attempts (`urls`: their store directories) into a fresh output's
+    shards/ (none there yet); return how many. Their names go to `.seeded.json` (never published)."""
+    shards = out / SHARDS_DIR
+    if not urls or shard_paths(out):
+        return 0
+    shards.mkdir(parents=True, exist_ok=True)
+    names: list[str] = []
+    for url in urls:
+        src = Store(url)
+        for name in store_shards(src):
+            target = f"part-{len(names) + 1:06d}.parquet"
+            src.get_file(f"{SHARDS_DIR}/{name}", str(shards / target))
+            names.append(target)
+    (out / SEEDED_FILE).write_text(json.dumps(names))
+    return len(names)
+
+
+class Publisher:
+    """The committed part of one runner's output directory `out`, mirrored to the store at `url`."""
+
+    def __init__(self, out: Path, url: str) -> None:
+        self.out = out
+        self.store = Store(url)
+        try:
+            self.skip = set(json.loads((out / SEEDED_FILE).read_text()))
+        except FileNotFoundError:
+            self.skip = set()
+        self._there: set[str] | None = None
+
+    def sync_shards(self) -> int:
+        """Put every committed shard that is not in the store yet; return how many were put."""
+        if self._there is None:   # listed once per runner: after that, this runner is the only writer here
+            self._there = set(self.store.names(SHARDS_DIR))
+        n = 0
+        for path in shard_paths(self.out):
+            if path.name in self.skip or path.name in self._there:
+                continue
+            self.store.put_file(str(path), f"{SHARDS_DIR}/{path.name}")
+            self._there.add(path.name)
+            n += 1
+        return n
+
+    def finish(self) -> None:
+        """Shards, then the record files, then the manifest (last: it says the rest is there)."""
+        self.sync_shards()
+        for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
+            path = self.out / name
+            if path.exists():
+                self.store.put_file(str(path), name)

@@ -1,0 +1,8 @@
+"""One job over several nodes: many single-node jobs (generation.job), one per chunk of the input.
+
+    chunks.py      the chunk plan, the assignment state (state.json) and the first-wins merge
+    controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
+
+May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
+and flows (tests/test_layers.py).
+"""
