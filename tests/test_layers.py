@@ -9,6 +9,7 @@ only `if TYPE_CHECKING:` blocks are left out (they never run). A relative import
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,3 +139,108 @@ def test_the_walk_sees_function_level_imports_and_cycles(tmp_path: Path) -> None
     tree = ast.parse("def f():\n    import prefect\nif TYPE_CHECKING:\n    import flows\n")
     assert [n.names[0].name for n in _runtime_imports(tree)] == ["prefect"]  # type: ignore[union-attr]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- which way the arrows point ---------------------------------------------------------------------
+# Every import statement counts here, deferred (inside a function) and `if TYPE_CHECKING:` alike: an
+# arrow that only a type checker follows still tells a reader that the lower module knows the upper.
+
+LAYERS = ("fleet", "blocks", "tasks", "flows")          # each imports only those before it
+GEN_ROOMS = ("data", "hotpath", "job", "multinode")     # fleet/generation/'s rooms, the same rule
+CORE_ENTRY = ("fleet.cli",)                             # the commands: over bring-up and generation alike
+
+
+def _every_import(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    return [n for n in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def arrows() -> list[tuple[str, int, str]]:
+    """(module, line, project module it names) for every import in the project."""
+    mods = _modules()
+    out = []
+    for mod, path in mods.items():
+        for node in _every_import(path):
+            for target in _targets(mod, path, node, mods):
+                if target.split(".")[0] in PACKAGES:
+                    out.append((mod, node.lineno, target))
+    return out
+
+
+def _room(mod: str) -> int | None:
+    parts = mod.split(".")
+    return GEN_ROOMS.index(parts[2]) if parts[:2] == ["fleet", "generation"] and len(parts) > 2 \
+        and parts[2] in GEN_ROOMS else None
+
+
+def test_every_arrow_points_down_the_layers() -> None:
+    """Fault: tasks/revalidate.py imported flows.outcome — the task layer reaching into the flow layer
+    (and blocks/ must not lean on tasks or flows either). Deferred and TYPE_CHECKING imports count."""
+    up = [f"{m} (line {n}) imports {t}" for m, n, t in arrows()
+          if LAYERS.index(t.split(".")[0]) > LAYERS.index(m.split(".")[0])]
+    assert up == []
+
+
+def test_bring_up_does_not_reach_into_generation() -> None:
+    """Fault: fleet/servers.py imported fleet.generation.remote (deferred) to learn which servers a live
+    job uses, and fleet/smoke.py the answer schema from generation — bring-up depending on the
+    generation layer. Both questions are the core's now (fleet/jobs.py, fleet/answer.py); only the
+    CLI, which has commands for both, imports generation."""
+    reach = [f"{m} (line {n}) imports {t}" for m, n, t in arrows()
+             if m.startswith("fleet.") and not m.startswith("fleet.generation") and m not in CORE_ENTRY
+             and t.startswith("fleet.generation")]
+    assert reach == []
+
+
+def test_generation_rooms_import_only_the_rooms_above_them() -> None:
+    """Fault: fleet/generation/ was one flat room of 36 modules where the data layer named the
+    dispatcher (manifest.py's Summary) and job.json's record the job checks (params_diff). The rooms
+    are data < hotpath < job < multinode (fleet/generation/__init__.py): the data layer imports no
+    hot-path module, the hot path no job or multi-node module, a single job no multi-node module."""
+    assert {p.name for p in (ROOT / "fleet" / "generation").iterdir() if p.is_dir() and p.name != "__pycache__"} \
+        == set(GEN_ROOMS)
+    assert not [p for p in (ROOT / "fleet" / "generation").glob("*.py") if p.name != "__init__.py"]
+    wrong = [f"{m} (line {n}) imports {t}" for m, n, t in arrows()
+             if _room(m) is not None and _room(t) is not None and _room(t) > _room(m)]  # type: ignore[operator]
+    assert wrong == []
+
+
+def test_the_uploaded_scripts_import_only_the_standard_library() -> None:
+    """Fault: a node runs fleet/remote/stage.py and the sim's zip (fleet/sim/, `fleet.sim.bundle`) with
+    a bare python3 — a third-party (or other fleet) import would fail there and only there."""
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    scripts = [ROOT / "fleet" / "remote" / "stage.py", *sorted((ROOT / "fleet" / "sim").glob("*.py"))]
+    bad = []
+    for path in scripts:
+        for node in _every_import(path):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if getattr(node, "level", 0) == 0 and name.split(".")[0] not in stdlib and not name.startswith("fleet.sim"):
+                    bad.append(f"{path.relative_to(ROOT)} (line {node.lineno}) imports {name}")
+    assert bad == []
+
+
+def test_the_arrow_checks_see_what_they_must(tmp_path: Path) -> None:
+    """The checkers themselves: a deferred or TYPE_CHECKING import counts as an arrow; a room's rank."""
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    import flows\nif TYPE_CHECKING:\n    import tasks\n")
+    assert sorted(n.names[0].name for n in _every_import(src)) == ["flows", "tasks"]
+    assert _room("fleet.generation.data.store") == 0 and _room("fleet.generation.multinode.chunks") == 3
+    assert _room("fleet.generation") is None and _room("fleet.servers") is None
+
+
+def test_each_room_is_drawn_the_same_in_readme_its_docstring_and_its_files() -> None:
+    """Fault: a map that differs from the house — README's layout, a room's docstring and the modules on
+    disk drifting apart as modules are added, so a newcomer looks in the wrong room."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    for room in GEN_ROOMS:
+        pkg = ROOT / "fleet" / "generation" / room
+        files = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"}
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
+        in_doc = set(re.findall(r"(?<![/\w])(\w+)\.py\b", doc))   # a module it names, not a path
+        line = re.search(rf"^ +{room}/ +(.*(?:\n {{30,}}\S.*)*)", readme, re.M)   # continuation: deeper than the names
+        assert line, f"README's layout has no line for generation/{room}/"
+        in_readme = set(re.findall(r"[a-z_]+", re.sub(r"\([^)]*\)", "", line.group(1))))   # (notes) aside
+        assert files == in_doc, (room, files ^ in_doc)
+        assert files == in_readme, (room, files ^ in_readme)
