@@ -399,8 +399,14 @@ GROUPED: dict[str, str | None] = {
     # that the deployments group, the longest unit of work, is shorter
     "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
+    # `fleet deploy`'s own deployments on the module's server and worker: a third group (its own
+    # server and worker on another test worker), so that neither half is the longest unit of work
+    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet":
+        "deployments-block",
+    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": "deployments-block",
     "test_ui.py": "ui",
-    "test_fresh_clone.py": "fresh-clone",   # one clone, Prefect server and worker for its three tests
+    # (not grouped: each of its three README walks has its own clone, Prefect server and worker,
+    # so the three run side by side)
     "test_tinymodel.py": "tinymodel",
 }
 # The longest tests (seconds with 4 workers on a busy 2-core machine: `./dev.sh test
@@ -413,6 +419,9 @@ SLOW_S: dict[str, float] = {
     "test_fresh_clone.py::test_readme_yaml_recipe_on_a_fresh_clone": 286,
     "test_fresh_clone.py::test_readme_serve_on_a_fresh_clone": 281,
     "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet": 228,
+    # measured with -n 0 at load 20 (2026-12-01, beside other runs): not yet with 4 workers
+    "test_gen_answers.py::test_fuzz_a_broken_server_beside_a_good_one_never_stops_the_job": 172,
+    "test_waits.py::test_stopped_server_at_bringup_is_a_failed_server_and_the_job_starts_on_its_peers": 122,
     "test_multinode_ssh.py::test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes": 153,
     "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 139,
     "test_deployments.py::test_bringup_revalidate_teardown_through_a_worker": 139,
@@ -442,6 +451,10 @@ SLOW_S: dict[str, float] = {
     "test_bringup.py::test_transformers_engine_end_to_end": 57,
     "test_multinode.py::test_two_nodes_one_job_split_merge_fetch_export": 54,
     "test_security.py::test_fetch_remote_cannot_inject_options_or_leave_the_job_output[ssh]": 49,
+    "test_gen_hedge.py::test_kill_9_during_a_hedge_then_resume_every_id_exactly_once": 42,
+    "test_gen_answers.py::test_a_server_fleet_owns_that_turns_to_garbage_is_relaunched_and_no_row_is_lost": 41,
+    "test_waits.py::test_every_wait_in_fleet_has_a_timeout": 30,
+    "test_waits.py::test_stopped_launch_shell_during_a_relaunch_is_retried_and_the_job_ends": 27,
     "test_gen_job_faults.py::test_fleet_generate_prints_the_runners_cause_and_remedy": 48,
     "test_bringup.py::test_demo_command_from_readme": 40,
     "test_deployments.py::test_default_config_is_read_relative_to_the_repo": 39,
@@ -459,21 +472,38 @@ SLOW_S: dict[str, float] = {
 }
 
 
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its GROUPED group, or the test itself."""
+    short = nodeid.removeprefix("tests/")
+    group = next((GROUPED[p] for p in sorted(GROUPED, key=len, reverse=True) if short.startswith(p)), None)
+    return f"group:{group}" if group else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by GROUPED. xdist's own loadgroup reads `xdist_group` marks by renaming each
+    item's `_nodeid`, which pytest 9 no longer reads (a node id is `_id` there): every mark was ignored,
+    and each test of a grouped module ran wherever it was sent, setting up the module's servers on
+    every worker that got one (up to four Prefect servers and workers for the deployment tests). The
+    scheduler (in the controller) groups by node id instead, the order of the collection kept."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return GroupedScheduling(config, log)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run keeps pytest's order (and module fixtures set up once)
     unit_cost: dict[str, float] = {}
-    unit_of: dict[str, str] = {}
-    prefixes = sorted(GROUPED, key=len, reverse=True)
     for item in items:
-        nodeid = item.nodeid.removeprefix("tests/")
-        group = next((GROUPED[p] for p in prefixes if nodeid.startswith(p)), None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-        unit = group or item.nodeid
-        unit_of[item.nodeid] = unit
-        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(nodeid, 0.0)
-    items.sort(key=lambda it: -unit_cost[unit_of[it.nodeid]])  # stable: the rest keeps its order
+        unit = work_unit(item.nodeid)
+        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(item.nodeid.removeprefix("tests/"), 0.0)
+    items.sort(key=lambda it: -unit_cost[work_unit(it.nodeid)])  # stable: the rest keeps its order
 
 
 def start_local_servers(cfg: Any, pids: list[int] | None = None) -> list[Any]:
