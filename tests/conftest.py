@@ -399,8 +399,14 @@ GROUPED: dict[str, str | None] = {
     # that the deployments group, the longest unit of work, is shorter
     "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
+    # `fleet deploy`'s own deployments on the module's server and worker: a third group (its own
+    # server and worker on another test worker), so that neither half is the longest unit of work
+    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet":
+        "deployments-block",
+    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": "deployments-block",
     "test_ui.py": "ui",
-    "test_fresh_clone.py": "fresh-clone",   # one clone, Prefect server and worker for its three tests
+    # (not grouped: each of its three README walks has its own clone, Prefect server and worker,
+    # so the three run side by side)
     "test_tinymodel.py": "tinymodel",
 }
 # The longest tests (seconds with 4 workers on a busy 2-core machine: `./dev.sh test
@@ -408,73 +414,96 @@ GROUPED: dict[str, str | None] = {
 # left running a long one while the others are done. Only the order depends on these numbers; a
 # test missing here runs after them, in pytest's order.
 SLOW_S: dict[str, float] = {
-    # measured at load 12 with -n 0 (not yet with 4 workers): slower than its neighbours, if anything
-    "test_fresh_clone.py::test_readme_fleet_deploy_block_on_a_fresh_clone": 305,
-    "test_fresh_clone.py::test_readme_yaml_recipe_on_a_fresh_clone": 286,
-    "test_fresh_clone.py::test_readme_serve_on_a_fresh_clone": 281,
-    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet": 228,
-    "test_multinode_ssh.py::test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes": 153,
-    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 139,
-    "test_deployments.py::test_bringup_revalidate_teardown_through_a_worker": 139,
-    "test_interrupt.py::test_two_commands_at_once_both_work_and_the_second_names_the_holder": 137,
-    "test_multinode.py::test_controller_killed_runners_go_on_then_rerun_reattaches": 136,
-    "test_multinode.py::test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows": 116,
-    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-launching]": 115,
-    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-holding]": 110,
-    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-launching]": 105,
-    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[2]": 102,
-    "test_generate_flow.py::test_flow_killed_runner_goes_on_then_reattached": 95,
-    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[9]": 89,
-    "test_deployments.py::test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback": 85,
-    "test_deployments.py::test_the_yaml_declares_four_deployments": 78,
-    "test_engines.py::test_transformers_profile_runs_real_transformers_serve": 76,
-    "test_bringup.py::test_cli_up_status_down": 76,
-    "test_interrupt.py::test_ctrl_c_of_generate_leaves_the_runner_going": 75,
-    "test_gen_faults.py::test_fault_soak_node_loss_small_every_row_exactly_once": 74,
-    "test_multinode.py::test_a_local_and_an_ssh_node_one_job": 70,
-    "test_generate_flow.py::test_generate_with_real_transformers_servers_readable_by_pandas": 68,
-    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": 65,
-    "test_interrupt.py::test_embedded_server_that_cannot_start_is_one_line_with_the_remedy": 65,
-    "test_gen_job_faults.py::test_disk_full_on_a_real_tmpfs_fails_loud_then_resumes_exactly_once": 63,
-    "test_generate_flow.py::test_generate_over_ssh_runner_on_node_then_fetch": 62,
-    "test_gen_faults.py::test_fault_soak_small_every_row_exactly_once": 60,
-    "test_ui.py::test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy": 58,
-    "test_bringup.py::test_transformers_engine_end_to_end": 57,
-    "test_multinode.py::test_two_nodes_one_job_split_merge_fetch_export": 54,
-    "test_security.py::test_fetch_remote_cannot_inject_options_or_leave_the_job_output[ssh]": 49,
+    # `./dev.sh test --durations=60` 2026-12-01 06:17-07:00 UTC, 4 workers, beside other developers' runs
+    # (load average 15-21): about three times the seconds of an otherwise idle machine
+    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet": 806,
+    "test_fresh_clone.py::test_readme_yaml_recipe_on_a_fresh_clone": 617,
+    "test_fresh_clone.py::test_readme_fleet_deploy_block_on_a_fresh_clone": 577,
+    "test_deployments.py::test_the_yaml_declares_four_deployments": 403,
+    "test_fresh_clone.py::test_readme_serve_on_a_fresh_clone": 397,
+    "test_multinode.py::test_controller_killed_runners_go_on_then_rerun_reattaches": 351,
+    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": 273,
+    "test_deployments.py::test_bringup_revalidate_teardown_through_a_worker": 269,
+    "test_multinode_ssh.py::test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes": 248,
+    "test_generate_flow.py::test_flow_killed_runner_goes_on_then_reattached": 232,
+    "test_multinode.py::test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows": 221,
+    "test_deployments.py::test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the_lock_back": 194,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 192,
+    "test_deployments.py::test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback": 172,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-holding]": 166,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-launching]": 157,
+    "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-launching]": 153,
+    "test_ui.py::test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy": 134,
+    "test_bringup.py::test_demo_command_from_readme": 118,
+    "test_gen_faults.py::test_fault_soak_node_loss_small_every_row_exactly_once": 110,
+    "test_generate_flow.py::test_generate_with_real_transformers_servers_readable_by_pandas": 108,
+    "test_waits.py::test_stopped_server_at_bringup_is_a_failed_server_and_the_job_starts_on_its_peers": 106,
+    "test_interrupt.py::test_two_commands_at_once_both_work_and_the_second_names_the_holder": 100,
+    "test_multinode.py::test_a_local_and_an_ssh_node_one_job": 95,
+    "test_deployments.py::test_default_config_is_read_relative_to_the_repo": 91,
+    "test_multinode.py::test_a_job_over_two_nodes_goes_on_under_a_larger_or_no_limit": 86,
+    "test_generate_flow.py::test_fleet_generate_without_limit_goes_on_after_a_limited_job": 81,
+    "test_deployments.py::test_generate_deployment_errors_name_parameters_not_cli_options": 76,
+    "test_interrupt.py::test_double_ctrl_c_says_what_it_cut_short_and_the_next_up_completes": 75,
+    "test_gen_faults.py::test_fault_soak_small_every_row_exactly_once": 73,
+    "test_interrupt.py::test_embedded_server_that_cannot_start_is_one_line_with_the_remedy": 67,
+    "test_generate_flow.py::test_generate_over_ssh_runner_on_node_then_fetch": 64,
+    "test_gen_job_faults.py::test_disk_full_on_a_real_tmpfs_fails_loud_then_resumes_exactly_once": 62,
+    "test_interrupt.py::test_ctrl_c_of_generate_leaves_the_runner_going[15]": 62,
+    "test_engines.py::test_transformers_profile_runs_real_transformers_serve": 60,
+    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[2]": 60,
+    "test_multinode.py::test_two_nodes_one_job_split_merge_fetch_export": 59,
+    "test_interrupt.py::test_ctrl_c_of_generate_leaves_the_runner_going[2]": 56,
+    "test_interrupt.py::test_timeout_stops_a_bringup_like_ctrl_c": 54,
+    "test_bringup.py::test_transformers_engine_end_to_end": 53,
+    "test_localserver.py::test_the_server_stops_when_idle_and_the_next_command_starts_another": 52,
+    "test_types.py::test_fleet_is_strict_clean": 50,
+    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock[9]": 49,
+    "test_bringup.py::test_cli_up_status_down": 48,
     "test_gen_job_faults.py::test_fleet_generate_prints_the_runners_cause_and_remedy": 48,
-    "test_bringup.py::test_demo_command_from_readme": 40,
-    "test_deployments.py::test_default_config_is_read_relative_to_the_repo": 39,
-    "test_security.py::test_secrets_appear_nowhere_after_a_bringup_over_ssh": 37,
-    "test_revalidate.py::test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup": 33,
+    "test_gen_store.py::test_kill_9_at_random_moments_never_tears_a_shard_or_duplicates_an_id": 47,
+    "test_gen_answers.py::test_fuzz_a_broken_server_beside_a_good_one_never_stops_the_job": 46,
+    "test_revalidate.py::test_revalidate_after_teardown_says_nothing_is_up_until_the_next_bringup": 45,
+    "test_localserver.py::test_a_stale_record_is_replaced": 44,
+    "test_security.py::test_secrets_appear_nowhere_after_a_bringup_over_ssh": 34,
+    "test_localserver.py::test_two_first_commands_at_once_start_one_server_and_the_next_reuses_it": 34,
     "test_speculators_real.py::test_speculators_loaders_take_both_exports": 97,   # -n 0 at load 13, install included
-    "test_bringup.py::test_all_healthy_local_with_artifacts": 29,
-    "test_gen_job_faults.py::test_truncated_gzip_input_keeps_the_rows_before_and_names_line_and_byte": 28,
-    "test_tinymodel.py::test_transformers_serve_chat_completion": 28,
-    "test_bringup.py::test_all_healthy_over_ssh_with_forwarded_ports": 28,
-    "test_security.py::test_secrets_appear_nowhere_after_a_bringup_and_a_job": 27,
-    "test_gen_store.py::test_kill_9_at_random_moments_never_tears_a_shard_or_duplicates_an_id": 27,
-    "test_security.py::test_fetch_remote_cannot_inject_options_or_leave_the_job_output[local]": 25,
-    "test_gen_runner.py::test_sigkill_mid_run_then_resume_exact_counts": 25,
-    "test_bringup.py::test_one_server_crashing_over_ssh": 23,
+    "test_objstore.py::test_node_lost_and_controller_killed_every_id_once_in_the_store": 400,   # -n 0, load 15-20
 }
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its GROUPED group, or the test itself."""
+    short = nodeid.removeprefix("tests/")
+    group = next((GROUPED[p] for p in sorted(GROUPED, key=len, reverse=True) if short.startswith(p)), None)
+    return f"group:{group}" if group else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by GROUPED. xdist's own loadgroup reads `xdist_group` marks by renaming each
+    item's `_nodeid`, which pytest 9 no longer reads (a node id is `_id` there): every mark was ignored,
+    and each test of a grouped module ran wherever it was sent, setting up the module's servers on
+    every worker that got one (up to four Prefect servers and workers for the deployment tests). The
+    scheduler (in the controller) groups by node id instead, the order of the collection kept."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return GroupedScheduling(config, log)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run keeps pytest's order (and module fixtures set up once)
     unit_cost: dict[str, float] = {}
-    unit_of: dict[str, str] = {}
-    prefixes = sorted(GROUPED, key=len, reverse=True)
     for item in items:
-        nodeid = item.nodeid.removeprefix("tests/")
-        group = next((GROUPED[p] for p in prefixes if nodeid.startswith(p)), None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-        unit = group or item.nodeid
-        unit_of[item.nodeid] = unit
-        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(nodeid, 0.0)
-    items.sort(key=lambda it: -unit_cost[unit_of[it.nodeid]])  # stable: the rest keeps its order
+        unit = work_unit(item.nodeid)
+        unit_cost[unit] = unit_cost.get(unit, 0.0) + SLOW_S.get(item.nodeid.removeprefix("tests/"), 0.0)
+    items.sort(key=lambda it: -unit_cost[work_unit(it.nodeid)])  # stable: the rest keeps its order
 
 
 def start_local_servers(cfg: Any, pids: list[int] | None = None) -> list[Any]:

@@ -1,7 +1,7 @@
 """README's three ways to run fleet from Prefect, walked as written on a fresh `git clone` of this
-repository in a new temporary directory: `fleet deploy` (with a process worker), the YAML recipe (the
-same worker) and `python -m flows.serve` — each bringup, generate and teardown run must end Completed,
-the job's rows exactly once.
+repository in a new temporary directory: `fleet deploy` (with a process worker), the YAML recipe (with
+the same worker command) and `python -m flows.serve` — each bringup, generate and teardown run must end
+Completed, the job's rows exactly once.
 
 Why a clone: a deployment that finds its code only by accident (an entrypoint relative to the
 directory it was registered from, `path: '.'`, the worker's CWD) passes where it was written and
@@ -14,8 +14,10 @@ any test); the deployments' pull step names the clone, and the configs the recip
 path exist only in the clone (under another fleet name than the checkout's own file). The clone is of
 the checkout's HEAD: uncommitted changes are not in it.
 
-Real parts: `prefect server start` (one for the module), one process worker from an unrelated
-directory, sim servers, the CLI as README types it.
+Real parts: `prefect server start`, a process worker from an unrelated directory, sim servers, the CLI as
+README types it. Each walk has its own clone and server (and, for the two pool recipes, its own worker):
+the three run side by side on three test workers, not one after the other on one (≈ 15 min at load 12);
+and none depends on what another left on a shared server.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from conftest import wait_until as poll
 from test_deployments import stop_group
 from test_generate_flow import prompts, shard_ids
 
-# Nine flow runs through a worker or `serve`, each a fresh Python process: ≈ 2–5 min a test at load 12
-# on 2 cores (the module's setup, a server and a worker, counts in its first test), past the default 300 s.
+# Three flow runs through a worker or `serve`, each a fresh Python process, after a server (and a worker)
+# start: ≈ 2–5 min a test at load 12 on 2 cores, past the default 300 s.
 pytestmark = [pytest.mark.prefect, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +80,8 @@ README_SERVE = ["python -m flows.serve --config deployments/configs/local-sim.to
 
 @dataclass
 class Clone:
-    """A fresh clone, its shell environment (the venv activated, PREFECT_API_URL exported) and the module's
-    Prefect server; `sh` runs one README line there."""
+    """A fresh clone, its shell environment (the venv activated, PREFECT_API_URL exported) and its Prefect
+    server; `sh` runs one README line there."""
 
     root: Path
     tmp: Path
@@ -173,10 +175,10 @@ def start_server(c: Clone, line: str) -> None:
     poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; minutes at load 12
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
-    """README's `fleet deploy` block up to its worker, on a fresh clone: the server, `fleet deploy` (which
-    creates the pool), a process worker started in an unrelated directory."""
+    """A fresh clone and README's `prefect server start` for it (each test its own: the walks run in
+    parallel, and none sees another's pool, deployments or runs)."""
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: nothing to clone")
     tmp = tmp_path_factory.mktemp("fresh")
@@ -191,31 +193,29 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
                # test pace only: the worker and `serve` look for new runs every second, not every 10 s
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_POLL_FREQUENCY="1")
     c = Clone(root, tmp, env)
-    elsewhere = tmp / "elsewhere"
-    elsewhere.mkdir()
+    (tmp / "elsewhere").mkdir()
     where = subprocess.run(["python", "-c", "import fleet, flows, tasks, blocks; "
                             "print('\\n'.join(m.__file__ for m in (fleet, flows, tasks, blocks)))"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
+                           cwd=tmp / "elsewhere", env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(f).is_relative_to(root) for f in where), f"the clone's env imports {where}, not {root}"
-
-    lines = readme_block("### One command per fleet")
-    assert lines == README_DEPLOY, "README's `fleet deploy` block changed: walk the new one here"
     try:
-        start_server(c, lines[1])
-        sim_fleet(c, "deployments/configs/ssh-sglang.toml", "b200")
-        out = c.sh(lines[3]).stdout
-        assert "work pool fleet-pool created" in out, out
-        worker = start(c, lines[4], cwd=elsewhere, log="worker.log", sigints=2)
-        poll(lambda: worker.poll() is None and c.api("/work_pools/fleet-pool/workers/filter", {}), timeout=90,
-             what="the worker to register with fleet-pool")
+        start_server(c, README_DEPLOY[1])
         yield c
     finally:
-        for proc, sigints in reversed(c.procs):   # worker, serve, then the server
+        for proc, sigints in reversed(c.procs):   # worker or serve, then the server
             stop_group(proc, sigints=sigints)
 
 
+def start_worker(c: Clone) -> None:
+    """README's `prefect worker start --pool fleet-pool`, from an unrelated directory; registered."""
+    worker = start(c, README_DEPLOY[4], cwd=c.tmp / "elsewhere", log="worker.log", sigints=2)
+    poll(lambda: worker.poll() is None and c.api("/work_pools/fleet-pool/workers/filter", {}), timeout=90,
+         what="the worker to register with fleet-pool")
+
+
 def teardown_all(c: Clone, *names: str) -> None:
-    """Stop whatever a failed test left running (by the clone's own CLI, no worker needed)."""
+    """Stop whatever a failed test left running (by the clone's own CLI, no worker needed; after a
+    passed walk its teardown run stopped everything)."""
     for rel in names:
         c.sh(f"fleet down -c {rel}", check=False)
 
@@ -227,6 +227,12 @@ def test_readme_fleet_deploy_block_on_a_fresh_clone(clone: Clone) -> None:
     default one. Now each deployment sets its working directory to the checkout fleet is installed from:
     README's block, as written, brings the fleet up, runs a job (each row exactly once) and tears it down."""
     c = clone
+    lines = readme_block("### One command per fleet")
+    assert lines == README_DEPLOY, "README's `fleet deploy` block changed: walk the new one here"
+    sim_fleet(c, "deployments/configs/ssh-sglang.toml", "b200")
+    out = c.sh(lines[3]).stdout
+    assert "work pool fleet-pool created" in out, out
+    start_worker(c)
     data = c.tmp / "data"
     data.mkdir()
     prompts(data / "prompts.jsonl", ROWS)
@@ -245,8 +251,9 @@ def test_readme_fleet_deploy_block_on_a_fresh_clone(clone: Clone) -> None:
         assert sorted(ids) == sorted(f"r{i}" for i in range(ROWS))   # every row, exactly once
         fr = c.run(README_DEPLOY[7])
         assert fr["name"] == "teardown-b200" and "stopped 2 server(s)" in fr["state"]["message"]
-    finally:
+    except BaseException:
         teardown_all(c, "deployments/configs/ssh-sglang.toml")
+        raise
 
 
 def walk_generic(c: Clone, bringup: str, fleet_name: str, *params: str) -> None:
@@ -264,35 +271,36 @@ def walk_generic(c: Clone, bringup: str, fleet_name: str, *params: str) -> None:
 
 
 def test_readme_yaml_recipe_on_a_fresh_clone(clone: Clone) -> None:
-    """The YAML recipe on the same fresh clone and worker: its pull step sets the directory `prefect deploy`
-    ran in, so a relative config path is read there (the clone's file, whose fleet is `yaml-sim`)."""
+    """The YAML recipe on a fresh clone, with README's worker on its pool: its pull step sets the directory
+    `prefect deploy` ran in, so a relative config path is read there (the clone's file, whose fleet is
+    `yaml-sim`)."""
     c = clone
     lines = readme_block("### The YAML recipe")
     assert lines == README_YAML, "README's YAML block changed: walk the new one here"
     rel = "deployments/configs/local-sim.toml"
     sim_fleet(c, rel, "yaml-sim")
-    res = c.sh(lines[0], check=False)   # the pool `fleet deploy` created is there already: fine
-    assert res.returncode == 0 or "already exists" in res.stdout + res.stderr, res.stdout + res.stderr
+    c.sh(lines[0])
     c.sh(lines[1])
+    start_worker(c)
     for d in c.api("/deployments/filter", {}):
         if d["name"] in ACTIONS:
             assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory":
                                         {"directory": str(c.root)}}]
     try:
         walk_generic(c, lines[2], "yaml-sim", f"config={rel}")
-    finally:
+    except BaseException:
         teardown_all(c, rel)
+        raise
 
 
 def test_readme_serve_on_a_fresh_clone(clone: Clone) -> None:
-    """`python -m flows.serve` from the fresh clone (no pool, no worker): README's switch from the YAML
-    deployments (delete them), then bringup, generate, teardown through the served deployments."""
+    """`python -m flows.serve` from the fresh clone on a fresh server (no pool, no worker, no deployments
+    before it: each registered one is serve's), then bringup, generate, teardown through the served
+    deployments."""
     c = clone
     assert readme_block("### Without a work pool") == README_SERVE
     rel = "deployments/configs/local-sim.toml"
     sim_fleet(c, rel, "serve-sim")
-    for action in ACTIONS:
-        c.sh(f"prefect deployment delete fleet/{action}", check=False)
     serve = start(c, README_SERVE[0], cwd=c.root, log="serve.log", sigints=2)
 
     def served() -> bool:
@@ -303,6 +311,6 @@ def test_readme_serve_on_a_fresh_clone(clone: Clone) -> None:
     poll(served, timeout=120, what="flows.serve to register its four deployments")
     try:
         walk_generic(c, "prefect deployment run fleet/bringup --watch", "serve-sim")
-    finally:
+    except BaseException:
         teardown_all(c, rel)
-        stop_group(serve, sigints=2)
+        raise
