@@ -296,3 +296,43 @@ def test_a_server_fleet_owns_that_turns_to_garbage_is_relaunched_and_no_row_is_l
     assert m["counts"]["completed"] == 250 and m["counts"]["errors"] == 0 and m["counts"]["quality_rejects"] == 0
     (srv,) = m["servers"]
     assert srv["restarts"] >= 2 and srv["downs"] >= 2 and srv["invalid"] >= 2, srv
+
+
+def test_a_gzipped_answer_is_read_whole_not_cut_at_its_compressed_length() -> None:
+    """Fault: with a Content-Length, the answer was read into a buffer of that size — but a gateway
+    that gzips answers (nginx, a FastAPI app) announces the *compressed* size while aiohttp hands
+    over the decompressed body, so every row and every /v1/models probe of such an endpoint failed
+    with "answer longer than its Content-Length". A real aiohttp server on loopback gzips here."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from fleet.generation.hotpath.client import read_capped
+
+    body = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "word " * 2000}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2000, "total_tokens": 2003}}
+
+    async def answer(request: web.Request) -> web.Response:
+        resp = web.json_response(body)
+        resp.enable_compression(web.ContentCoding.gzip)
+        return resp
+
+    async def main() -> tuple[str | None, bytes | bytearray]:
+        app = web.Application()
+        app.router.add_get("/a", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/a") as r:
+                return r.headers.get("Content-Encoding"), await read_capped(r, 1 << 20)
+        finally:
+            await runner.cleanup()
+
+    encoding, got = asyncio.run(main())
+    assert encoding == "gzip"              # the server did compress: the case under test
+    assert parse_answer(got).content == "word " * 2000

@@ -170,7 +170,9 @@ async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes | b
     announced = resp.content_length
     if announced is not None and announced > max_bytes:
         raise TooLarge(f"answer of {announced:,} bytes announced, over the cap of {max_bytes:,}")
-    if announced:
+    # a compressed body's Content-Length is its compressed size: aiohttp decompresses it on the way,
+    # so only an uncompressed body fits a buffer of the announced size (a gateway may gzip answers)
+    if announced and resp.headers.get("Content-Encoding", "identity").lower() in ("", "identity"):
         return await _read_into(resp, announced)
     chunks: list[bytes] = []
     size = 0
