@@ -285,12 +285,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         if is_url(args.dir) or is_url(dest):
             from fleet.generation.data.objstore import export_via_copy
 
-            s = export_via_copy(args.dir, dest, lambda src, to: export(src, args.format, to, keep_flagged=flags))
-            # the side files went up beside DEST: name them there, not in the temporary directory
-            s.files = {k: f"{dest.rpartition('/')[0]}/{v.rpartition('/')[2]}" for k, v in s.files.items()}
+            s = export_via_copy(args.dir, dest, lambda src, to: export(
+                src, args.format, to, keep_flagged=flags, named=dest if is_url(dest) else None))
         else:
             s = export(args.dir, args.format, dest, keep_flagged=flags)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, ImportError) as exc:   # OSError: a store's refusal too; ImportError: no s3fs
         print(f"fleet export: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(f"wrote {s.rows} rows to {dest}")

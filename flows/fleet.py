@@ -380,6 +380,10 @@ def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, nod
 
     try:
         try:
+            if is_url(input) or is_url(output):   # a worker's run never passes through flows/cli.py, which loads them
+                from blocks.credentials import load_store_credentials
+
+                load_store_credentials()
             plan = plan_job(cfg, input=input, output=output, retry_errors=retry_errors,
                             connect=lambda n: node_for(cfg, n.name))
         except FleetError as exc:

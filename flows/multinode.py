@@ -37,14 +37,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     if retry_errors:
         return failed("--retry-errors is not supported for a job over several nodes yet: run the failed "
                       "rows as a new job (their ids are in the fetched errors.jsonl)")
-    if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once
-        from fleet.generation.job.publish import stage_input
-        from fleet.generation.data.ranges import in_place
-
-        if not is_url(output):
-            return failed(f"--input {input} is on object storage: give --output a URL there too")
-        if not in_place(input):
-            input = stage_input(input, plan_dir_for(plan_root(), cfg.name, output) / "source")
+    if is_url(input) and not is_url(output):
+        return failed(f"--input {input} is on object storage: give --output a URL there too")
     if not is_url(input) and not Path(input).is_file():
         return failed(f"input {input} is not a file on this machine: a job over several nodes cuts the "
                       "input here and sends each node its chunks; give a local --input")
@@ -62,6 +56,12 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     ctl = Controller(cfg, pdir, output, nodes, say=say)
     t0 = time.monotonic()
     with ControllerLock(pdir):
+        if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once (under
+            from fleet.generation.data.ranges import in_place   # the lock: two controllers, one staged copy)
+            from fleet.generation.job.publish import stage_input
+
+            if not in_place(input):
+                input = stage_input(input, pdir / "source")
         plan = ctl.prepare(input)
         assert ctl.assign is not None
         logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),

@@ -447,3 +447,17 @@ def test_speculators_export_keeps_the_input_fields(tmp_path):
         s.add_result(row("a", "Hi", "stop", 1, extra={"source": "sharegpt", "turn_count": 1}))
     (line,) = read_lines(_export(out, "speculators", tmp_path / "s.jsonl"))
     assert line["source"] == "sharegpt" and line["turn_count"] == 1 and line["id"] == "a"
+
+
+def test_an_export_put_elsewhere_afterwards_is_recorded_under_its_real_name(flagged_job, tmp_path):
+    """Fault (found in review): `fleet export DIR --dest s3://…` exports to a temporary file first, and
+    the job's manifest recorded the export under that temporary path (/tmp/fleet-export-…), the
+    summary named its side files there. `named` is the destination the files are put at."""
+    tmp = tmp_path / "written" / "train.jsonl"
+    tmp.parent.mkdir()
+    s = export(flagged_job, "specforge", tmp, named="s3://bucket/jobs/train.jsonl")
+    assert s.dest == "s3://bucket/jobs/train.jsonl"
+    assert s.files["flagged"] == "s3://bucket/jobs/train_flagged.jsonl"
+    assert (tmp.parent / "train_flagged.jsonl").exists()          # written locally, to be put there
+    exports = json.loads((flagged_job / "manifest.json").read_text())["exports"]
+    assert list(exports) == ["s3://bucket/jobs/train.jsonl"]

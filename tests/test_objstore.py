@@ -221,3 +221,25 @@ def test_store_credentials_from_a_prefect_secret_block(prefect_api, monkeypatch:
     with pytest.raises(ConfigError) as info:
         load_store_credentials()
     assert SECRET not in str(info.value)
+
+
+def test_store_jobs_refuse_what_they_cannot_do_safely(tmp_path: Path) -> None:
+    """Found in review: an object-storage job with [[endpoints]] would run per chunk under the
+    controller, which starts only fleet's servers (an endpoints-only config failed with "no server
+    came up"; a mixed one sent rows to the endpoint without its key); and a URL with a user or a
+    password in it would be written to job.json, the manifest and the flow run's parameters. Both
+    are refused before anything starts, with the remedy, and nothing is read from a store."""
+    from fleet.config import FleetConfig
+    from fleet.errors import InputError
+    from fleet.generation.job.validate import plan_job
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt": "hi"}\n')
+    base = {"name": "t", "nodes": [{"name": "local", "workdir": str(tmp_path / "w")}], "engine": {"kind": "sim"}}
+    with_endpoint = FleetConfig(**base, endpoints=[{"name": "r", "url": "http://127.0.0.1:9/v1", "model": "m"}])
+    with pytest.raises(InputError, match="endpoints") as e:
+        plan_job(with_endpoint, input=str(inp), output="s3://bucket/out")
+    assert "local --input and --output" in (e.value.remedy or "")
+    with pytest.raises(InputError, match="user or password") as e:
+        plan_job(FleetConfig(**base), input=str(inp), output="s3://AKIA:secret@bucket/out")
+    assert "secret" not in str(e.value)

@@ -277,9 +277,11 @@ def _left_out(flags: list[str] | None, keep: bool | frozenset[str]) -> bool:
 
 
 def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
-           keep_flagged: bool | Collection[str] = False) -> ExportSummary:
+           keep_flagged: bool | Collection[str] = False, named: str | None = None) -> ExportSummary:
     """Write the job in `out_dir` to `dest` as `fmt` (see the module docstring). Streams shard by
-    shard; every file is written atomically."""
+    shard; every file is written atomically. `named`: where DEST really goes when `dest` is a
+    temporary file put there afterwards (an object-storage URL): the summary and the manifest's
+    record name it and its side files there."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     dest = Path(dest)
@@ -324,6 +326,9 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
                     summary.flagged_kept += bool(r.get("flags")) and fmt in TRAINER_FORMATS
         _trailers(out_dir, fmt, f, error, skipped, summary)
     summary.files = {k: str(a.dest) for k, a in sides.items() if a.dest is not None and a.used}
+    if named is not None:
+        summary.dest = named
+        summary.files = {k: f"{named.rpartition('/')[0]}/{Path(v).name}" for k, v in summary.files.items()}
     _record(out_dir, summary)
     return summary
 

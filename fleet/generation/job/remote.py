@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import posixpath
 import sys
@@ -27,11 +28,13 @@ from typing import Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
-from fleet.errors import CommandFailed, JobConflict
+from fleet.errors import CommandFailed, FleetError, JobConflict
 from fleet.generation.data.objstore import STORE_PACKAGES, is_url, store_env
 from fleet.interrupt import check_stop
-from fleet.jobs import EXIT_FILE, LIVE_PID_SH, job_dir
+from fleet.jobs import EXIT_FILE, job_dir
 from fleet.node import LocalNode, Node
+
+log = logging.getLogger(__name__)
 
 RUNNER_PACKAGES = ["pydantic>=2.7", "pydantic-settings>=2.3", "httpx>=0.27", "aiohttp>=3.9", "pyarrow>=15"]
 FLEET_ROOT = Path(__file__).resolve().parents[2]  # the fleet package directory
@@ -167,7 +170,11 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
                                   env=env, cwd=jdir)
         return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
     finally:
-        node.run(["sh", "-c", _UNCLAIM, "fleet-unclaim", jdir, token], check=False, timeout=30)
+        try:
+            node.run(["sh", "-c", _UNCLAIM, "fleet-unclaim", jdir, token], check=False, timeout=30)
+        except FleetError as exc:   # a runner started is not undone by a lost connection; the claim goes stale
+            log.warning("could not give back the start claim of %s (%s); it goes stale in %d s",
+                        jdir, exc.one_line(), CLAIM_STALE_S)
 
 
 def _attach(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, jdir: str, output: str, input_path: str,

@@ -404,6 +404,10 @@ def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = 
     from fleet.generation.data.objstore import is_url
 
     if is_url(output) or is_url(input):
+        if cfg.endpoints:
+            raise InputError("[[endpoints]] with an input or output on object storage is not supported yet (a store "
+                             "job runs per chunk under the multi-node controller, which starts only fleet's servers)",
+                             remedy="give the job a local --input and --output, or leave [[endpoints]] out of this config")
         return _plan_store_job(input, output, cwd)
     own_nodes = connect is None   # a caller's connect (the flow's cached nodes) keeps its nodes open
     connect = connect or default_connect
@@ -440,8 +444,15 @@ def plan_job(cfg: FleetConfig, *, input: str, output: str, retry_errors: bool = 
 def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
     """A job whose input or output is on object storage: the input is there, the output a URL (the nodes'
     runners put their commits there; a plain --output path would be on each node's own disk)."""
+    from urllib.parse import urlsplit
+
     from fleet.generation.data.objstore import Store, is_url
 
+    for url in (input, output):
+        if is_url(url) and (urlsplit(url).username or urlsplit(url).password):
+            raise InputError("an object-storage URL with a user or password in it would be written to job.json, the "
+                             "manifest and the flow run's parameters",
+                             remedy="give the URL without credentials; put them in AWS_* variables or FLEET_STORE_SECRET")
     if not is_url(output):
         raise InputError(f"--input {input} is on object storage but --output {output} is a local path",
                          remedy="give --output an object-storage URL too (s3://bucket/prefix): every node writes there")
