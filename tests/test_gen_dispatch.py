@@ -255,7 +255,7 @@ def test_heterogeneous_speeds_fast_server_takes_more(sims) -> None:
     row = store.results[0]
     assert set(row) == {"id", "messages", "completion", "reasoning_content", "tool_calls", "finish_reason",
                         "prompt_tokens", "completion_tokens", "server", "attempts", "latency_s", "started_at",
-                        "finished_at", "params", "flags", "turns", "extra"}
+                        "finished_at", "params", "flags", "turns", "extra", "token_ids", "key_order"}
     assert row["attempts"] == 1 and row["messages"][0]["role"] == "user" and row["server"] in ("fast", "slow")
 
 
