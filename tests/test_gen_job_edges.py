@@ -260,3 +260,33 @@ def test_many_starts_into_one_directory_at_once_leave_one_runner_and_its_files_i
             if node.is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         node.stop(server.pid, grace_s=2)
+
+
+def test_a_claim_left_by_a_killed_controller_does_not_refuse_its_successor(tmp_path: Path) -> None:
+    """Fault (seen on the CI run of the object-storage test): the multi-node controller was SIGKILLed
+    while it started a chunk's runner, after the start claim was taken and before it was given back;
+    the next controller's start of that chunk was refused as "another `fleet generate` is starting a
+    job" for CLAIM_STALE_S. A controller holds its own lock (ControllerLock) over its chunk
+    directories, so it starts them `exclusive`, without a claim; a plain start still honours one."""
+    from fleet.generation.job.remote import start_job
+    from fleet.jobs import job_dir
+    from fleet.node import LocalNode
+    from fleet.servers import plan_servers
+    from test_bringup import port_block, sim_config
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, generation={"max_tokens": 16})
+    node, node_cfg = LocalNode(), cfg.nodes[0]
+    spec = plan_servers(cfg, node_cfg, [], model_path=cfg.model.source, python=sys.executable)[0]
+    inp, out = tmp_path / "in.jsonl", str(tmp_path / "out")
+    inp.write_bytes(rows_jsonl(5))
+    jdir = Path(job_dir(node_cfg, cfg, out))
+    jdir.mkdir(parents=True)
+    (jdir / "start.claim").write_text("controller-host pid 4242 0123456789ab\n")   # its start was cut short
+    with pytest.raises(JobConflict, match="starting a job"):
+        start_job(node, cfg, node_cfg, input_path=str(inp), output=out, specs=[spec])
+    assert not (jdir / "job.json").exists()
+    h = start_job(node, cfg, node_cfg, input_path=str(inp), output=out, specs=[spec], exclusive=True)
+    try:
+        assert not h.attached and json.loads((jdir / "job.json").read_text())["input"] == str(inp)
+    finally:
+        node.stop(h.pid, grace_s=2)

@@ -119,7 +119,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
               specs: list[ServerSpec], retry_errors: bool = False,
               facts: dict[int, dict[str, Any]] | None = None,
               endpoint_keys: dict[str, str] | None = None, store: str | None = None,
-              seed: list[str] | None = None, input_span: list[int] | None = None) -> JobHandle:
+              seed: list[str] | None = None, input_span: list[int] | None = None,
+              exclusive: bool = False) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`.
 
     Claim first, then write: two `fleet generate` into one directory at the same moment both
@@ -133,7 +134,11 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     runner reads it from there); `store`: the URL the runner puts its committed output under,
     `seed`: earlier attempts' store URLs (fleet.generation.job.publish), `input_span`: the [start, end)
     bytes of `input_path` that are this job's input (ranges.py). The store's credentials go to the
-    runner in the environment, never in job.json or argv."""
+    runner in the environment, never in job.json or argv.
+
+    `exclusive`: the caller already holds the output's own lock (the multi-node controller's
+    ControllerLock over its chunk directories), so no start claim is taken: a controller killed
+    in the middle of a start leaves a claim that would refuse its successor for CLAIM_STALE_S."""
     from fleet.generation.job.endpoints import endpoint_entries
     from fleet.workdir import ensure_workdir
 
@@ -145,7 +150,7 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         return attached
     on_store = store is not None or is_url(input_path)
     prefix = runner_command(node, cfg, node_cfg, store=on_store)
-    token = _claim_start(node, jdir)
+    token = None if exclusive else _claim_start(node, jdir)
     try:
         attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)  # one that won meanwhile
         if attached is not None:
@@ -171,7 +176,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         return JobHandle(node_cfg.name, jdir, output, det.pid, False, log_path)
     finally:
         try:
-            node.run(["sh", "-c", _UNCLAIM, "fleet-unclaim", jdir, token], check=False, timeout=30)
+            if token is not None:
+                node.run(["sh", "-c", _UNCLAIM, "fleet-unclaim", jdir, token], check=False, timeout=30)
         except FleetError as exc:   # a runner started is not undone by a lost connection; the claim goes stale
             log.warning("could not give back the start claim of %s (%s); it goes stale in %d s",
                         jdir, exc.one_line(), CLAIM_STALE_S)

@@ -398,7 +398,8 @@ class Controller:
                 self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
                                        "earlier attempts")
             return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
-                             specs=work.specs, facts=work.facts, **self.store_args(name, index, out))
+                             specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
+                             **self.store_args(name, index, out))
         except FleetError as exc:
             if _unreachable(exc):
                 raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
@@ -520,7 +521,8 @@ class Controller:
             if not node.exists(f"{out}/{PROGRESS_FILE}"):
                 self._seed(node, nxt, out)
             h = start_job(node, self.chunk_cfg, self.node_cfg(name), input_path=remote_input, output=out,
-                          specs=self.nodes[name].specs, facts=self.nodes[name].facts, **self.store_args(name, nxt, out))
+                          specs=self.nodes[name].specs, facts=self.nodes[name].facts, exclusive=True,
+                          **self.store_args(name, nxt, out))
             self.say(logging.INFO, f"chunk {nxt} started on {name} while the previous one drains, runner pid {h.pid}")
         except Exception as exc:  # it stays claimed: the node's next run_chunk starts it the usual way
             log.warning("could not start chunk %d early on %s: %s", nxt, name, exc)
