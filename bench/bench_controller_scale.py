@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rng = random.Random(args.seed)
     clock = VClock(args.speed)
-    tag = f"bench-{os.getpid()}-{args.nodes}"
+    tag = f"bench-{os.getpid()}-{args.nodes}-{int(args.uncached)}"
     root = f"memory://{tag}"
     body = b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(args.rows))
     Store(root).write_bytes("input.jsonl", body)
@@ -301,11 +301,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         return _drive(args, cfg, tmp, hosts, counters, state, clock, root, Controller, NodeWork)
     finally:
+        Store(root).fs.rm(Store(root).path, recursive=True)
         ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic = saved
 
 
+def _uncached(ctl: Any) -> None:
+    """The code before the fix: each node's rate and running chunks from a fresh scan of the whole
+    state at every question (per node, per decision), instead of once per change of the state."""
+    assign = ctl.assign
+    real_rates = ctl._finished_by_node
+
+    def finished_by_node() -> Any:
+        ctl._finished = (-1, {})
+        return real_rates()
+
+    def running_on(node: str) -> list[int]:
+        with assign._lock:
+            return sorted(i for i, c in assign.chunks.items() if c.state == "running" and c.node == node)
+
+    ctl._finished_by_node = finished_by_node
+    assign.running_on = running_on
+
+
 def _instrument(ctl: Any, counters: Counters) -> None:
-    """next_size and claim count as decisions; their thread CPU is summed."""
+    """next_size and claim count as decisions; their thread CPU is summed. A question for the nodes'
+    rates that finds the state changed since the last one counts as a scan of the whole state."""
+    real_rates = ctl._finished_by_node
+
+    def rates() -> Any:
+        counters.add("rate_questions")
+        if ctl._finished[0] != ctl.assign.version:
+            counters.add("rate_scans")
+        return real_rates()
+
+    ctl._finished_by_node = rates
     for obj, name in ((ctl, "next_size"), (ctl.assign, "claim")):
         real = getattr(obj, name)
 
@@ -338,6 +367,8 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
 
     global counters_lines
     counters_lines = Lines()
+    if args.uncached:
+        _uncached(ctl)
     _instrument(ctl, counters)
     rss0 = _rss_kb()
 
@@ -382,6 +413,10 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     return {
         "nodes": n, "servers": sum(h.servers for h in hosts.values()), "rows": plan.total_lines,
         "chunks": len(ctl.assign.plan.chunks), "chunks_done": counts.get("done", 0), "speed": args.speed,
+        "chunks_done_once": sum(1 for c in ctl.assign.chunks.values()
+                                if sum(1 for a in c.attempts if a.outcome == "done") == 1),
+        "state_writes": state["writes"], "rate_scans": int(c.get("rate_scans", 0)),
+        "rate_questions": int(c.get("rate_questions", 0)),
         "losses": sum(1 for h in hosts.values() if h.outages), "errors": errors[:3],
         "makespan_s": round(vsec, 1), "ideal_s": round(plan.total_lines / rate, 1),
         "makespan_over_ideal": round(vsec / (plan.total_lines / rate), 3), "wall_s": round(wall, 1),
@@ -423,11 +458,16 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-wall-s", type=float, default=600.0)
+    ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    print(json.dumps(run(args)), flush=True)
+    passes = [True, False] if args.compare else [False]
+    for uncached in passes:
+        args.uncached = uncached
+        print(json.dumps({"scans": "per question (before)" if uncached else "per change (after)", **run(args)}),
+              flush=True)
 
 
 if __name__ == "__main__":
