@@ -312,8 +312,10 @@ def _uncached(ctl: Any) -> None:
     real_rates = ctl._finished_by_node
 
     def finished_by_node() -> Any:
-        ctl._finished = (-1, {})
-        return real_rates()
+        try:
+            return real_rates()
+        finally:
+            ctl._finished = (-1, {})   # never kept: the next question scans again
 
     def running_on(node: str) -> list[int]:
         with assign._lock:
@@ -330,9 +332,10 @@ def _instrument(ctl: Any, counters: Counters) -> None:
 
     def rates() -> Any:
         counters.add("rate_questions")
-        if ctl._finished[0] != ctl.assign.version:
-            counters.add("rate_scans")
-        return real_rates()
+        with ctl.assign._lock:   # the controller's own check is under it: two threads see one change once
+            if ctl._finished[0] != ctl.assign.version:
+                counters.add("rate_scans")
+            return real_rates()
 
     ctl._finished_by_node = rates
     for obj, name in ((ctl, "next_size"), (ctl.assign, "claim")):
