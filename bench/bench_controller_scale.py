@@ -439,6 +439,52 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     }
 
 
+def probe_decisions(nodes: int, rows: int, uncached: bool, asks: int = 50) -> dict[str, Any]:
+    """One decision's CPU (next_size, as node_loop and _prestart ask it) mid-job at `nodes` nodes,
+    without running the job: the plan cut for `nodes`, half its chunks done (one attempt each, spread
+    over the nodes), each node running one; `asks` nodes ask once each. The state is not changed
+    between questions, as between two polls of an idle node."""
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    root = f"memory://probe-{os.getpid()}-{nodes}-{int(uncached)}"
+    Store(root).write_bytes("input.jsonl", b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(rows)))
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-ctlprobe-"))
+    names = [f"n{i:04d}" for i in range(nodes)]
+    cfg = FleetConfig(name="bench-probe", nodes=[{"name": n, "workdir": str(tmp / n)} for n in names],
+                      engine={"kind": "sim"}, model={"served_name": "sim-model"})
+    ctl = Controller(cfg, tmp / "plan", f"{root}/out", {n: NodeWork(n, []) for n in names})
+    plan = ctl.prepare(f"{root}/input.jsonl")
+    assert ctl.assign is not None
+    t = 1000.0
+    for k, c in enumerate(plan.chunks):
+        name = names[k % nodes]
+        if k < len(plan.chunks) // 2:
+            ctl.assign.start(c.index, name, f"/w/{c.name}")
+            ctl.assign.finish(c.index, name, "done", fetched=True)
+            t += 1
+        elif k < len(plan.chunks) // 2 + nodes:
+            ctl.assign.start(c.index, name, f"/w/{c.name}")
+            ctl.nodes[name].chunk = c.index
+            ctl.nodes[name].progress = {"rows_total": c.lines, "rows_done": c.lines // 2, "rows_per_s": 7.0}
+    if uncached:
+        _uncached(ctl)
+    ctl.next_size(names[0])   # the first question after the last change scans (both ways)
+    t0 = _time.thread_time()
+    for name in names[:asks]:
+        ctl.next_size(name)
+    per = (_time.thread_time() - t0) / min(asks, nodes)
+    size = (tmp / "plan" / "state.json").stat().st_size
+    t1 = _time.thread_time()
+    ctl.assign._save()
+    save_s = _time.thread_time() - t1
+    Store(root).fs.rm(Store(root).path, recursive=True)
+    return {"nodes": nodes, "chunks": len(plan.chunks), "scans": "per question (before)" if uncached else
+            "per change (after)", "decision_ms": round(per * 1000, 3), "state_kb": round(size / 1024, 1),
+            "state_write_ms": round(save_s * 1000, 2)}
+
+
 def _rss_kb() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -462,8 +508,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-wall-s", type=float, default=600.0)
     ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
+    ap.add_argument("--probe-decisions", action="store_true",
+                    help="only time one decision mid-job at --nodes nodes, before and after the fix")
     args = ap.parse_args()
     import logging
+
+    if args.probe_decisions:
+        for uncached in (True, False):
+            # before the fix a decision at 1,000 nodes takes seconds: 3 of them are enough to say so
+            asks = 3 if uncached and args.nodes > 300 else 50
+            print(json.dumps(probe_decisions(args.nodes, args.rows, uncached, asks)), flush=True)
+        return
 
     logging.basicConfig(level=logging.ERROR)
     passes = [True, False] if args.compare else [False]
