@@ -480,6 +480,12 @@ class Assignments:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.started_at = time.time()
+        # Bumped by every change (each one ends in `_save`): what is derived from the whole state
+        # (each node's running chunks here, its measured rate in the controller) is computed once per
+        # change, not once per node per question. Asked per node, the scans cost O(nodes × chunks) per
+        # decision: 2.4 ms at 20 nodes, seconds at 1,000 (bench/bench_controller_scale.py).
+        self.version = 0
+        self._running: tuple[int, dict[str, list[int]]] = (-1, {})
         if self.path.exists():
             d = json.loads(self.path.read_text())
             for k, v in d.get("chunks", {}).items():
@@ -490,6 +496,7 @@ class Assignments:
             self.started_at = d.get("started_at", self.started_at)
 
     def _save(self) -> None:
+        self.version += 1
         write_json_atomic(self.path, {
             "started_at": self.started_at, "updated_at": time.time(),
             "chunks": {str(i): asdict(c) for i, c in self.chunks.items()},
@@ -501,7 +508,13 @@ class Assignments:
 
     def running_on(self, node: str) -> list[int]:
         with self._lock:
-            return sorted(i for i, c in self.chunks.items() if c.state == "running" and c.node == node)
+            if self._running[0] != self.version:
+                by_node: dict[str, list[int]] = {}
+                for i, c in self.chunks.items():
+                    if c.state == "running" and c.node is not None:
+                        by_node.setdefault(c.node, []).append(i)
+                self._running = (self.version, {n: sorted(v) for n, v in by_node.items()})
+            return list(self._running[1].get(node, ()))
 
     def pending(self) -> list[int]:
         """Pending chunks in input order (a chunk cut in two has its rest at the end of the list)."""

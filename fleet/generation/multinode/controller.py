@@ -47,7 +47,7 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.multinode.chunks import (
-    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, finishes_first, merge,
+    MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, finishes_first, merge,
     split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
@@ -115,6 +115,7 @@ class Controller:
         self.assign: Assignments | None = None
         self.started = time.monotonic()
         self._stop = threading.Event()
+        self._finished: tuple[int, dict[str, tuple[int, float]]] = (-1, {})   # see _finished_by_node
         # The chunk runners read the whole chunk: the job's --limit was applied when cutting.
         self.chunk_cfg = cfg.model_copy(deep=True)
         self.chunk_cfg.generation.limit = None
@@ -225,20 +226,31 @@ class Controller:
         runner's own rate; None before either. Busy time is the union of the attempts' spans: a chunk
         started early overlaps the one draining, and summing spans counted that overlap twice (a fast
         node of 250-row chunks measured at half its rate, and the slow node then took the last chunk)."""
-        assert self.assign is not None and self.plan is not None
-        rows, done = 0, []
-        with self.assign._lock:
-            for i, c in self.assign.chunks.items():
-                for a in c.attempts:
-                    if a.node == name and a.outcome == "done" and a.ended_at:
-                        rows += self.plan.chunks[i].lines
-                        done.append(a)
-        secs = busy_seconds(attempt_spans(done))
+        rows, secs = self._finished_by_node().get(name, (0, 0.0))
         if rows and secs > 0:
             return rows / secs
         w = self.nodes.get(name)
         live = float((w.progress or {}).get("rows_per_s") or 0.0) if w is not None and w.chunk is not None else 0.0
         return live or None
+
+    def _finished_by_node(self) -> dict[str, tuple[int, float]]:
+        """Per node: (lines of the chunks it finished, its busy seconds over them), from one pass over
+        the state, kept until the state changes (`Assignments.version`). A pass per node per question
+        made each decision O(nodes × chunks): the first limit the scale bench found."""
+        assert self.assign is not None and self.plan is not None
+        with self.assign._lock:
+            if self._finished[0] == self.assign.version:
+                return self._finished[1]
+            rows: dict[str, int] = {}
+            done: dict[str, list[Attempt]] = {}
+            for i, c in self.assign.chunks.items():
+                for a in c.attempts:
+                    if a.outcome == "done" and a.ended_at:
+                        rows[a.node] = rows.get(a.node, 0) + self.plan.chunks[i].lines
+                        done.setdefault(a.node, []).append(a)
+            out = {n: (rows[n], busy_seconds(attempt_spans(done[n]))) for n in rows}
+            self._finished = (self.assign.version, out)
+            return out
 
     def _free_in(self, name: str, rate: float) -> float:
         """Seconds until node `name` has no chunk left to work, at `rate`: what is left of the chunk it
@@ -557,9 +569,11 @@ class Controller:
         elapsed = max(1e-6, time.monotonic() - self.started)
         with self.assign._lock:
             done_by: dict[str, int] = {}
+            chunks_by: dict[str, int] = {}   # one pass: a count per node was O(nodes × chunks) per write
             for i, c in self.assign.chunks.items():
                 if c.state == "done" and c.node:
                     done_by[c.node] = done_by.get(c.node, 0) + self.plan.chunks[i].lines
+                    chunks_by[c.node] = chunks_by.get(c.node, 0) + 1
         nodes = []
         done_all = 0
         rate_all = 0.0
@@ -581,8 +595,7 @@ class Controller:
                           "rows_done": rows, "share": round(rows / total, 4) if total else None,
                           "rows_per_s": round(rate, 2), "tok_s": round(tok_s, 1), "servers_up": p.get("servers_up"),
                           "gpus": w.gpus if w is not None else None,
-                          "chunks_done": sum(1 for c in self.assign.chunks.values()
-                                             if c.state == "done" and c.node == name)})
+                          "chunks_done": chunks_by.get(name, 0)})
         remaining = max(0, total - done_all)
         eta = remaining / rate_all if rate_all > 0 else None
         counts = self.assign.counts()

@@ -1,0 +1,532 @@
+"""The multi-node controller's own cost at 20, 100, 1,000 nodes: its real code, fake nodes.
+
+    .venv/bin/python bench/bench_controller_scale.py --nodes 100 [--rows 902087 --speed 20 --losses 0.1]
+
+What runs for real: `Controller` (node_loop per node in a thread, as the flow's one task per node;
+run_chunk per chunk attempt; next_size/claim/cuts/prestart; `Assignments` writing state.json) and
+the flow's progress writer (`write_progress` every 5 s). What is fake: the node transport at the
+seam — `connect` hands out a FakeNode, and `start_job` starts a FakeRunner on it instead of the
+detached runner. A runner reports progress.json at its node's drawn rate (7–8 servers per node,
+≈ 1 row/s per server: the seed's job, 902,087 rows in 1.5 days on one node), after a runner start of
+8 s; two runners on one node (one started while the other drains) share its capacity, the older
+first. A node loss: every operation raises OSError for a drawn while and its runners die; it
+answers again afterwards and rejoins. The job is on object storage (memory://): each runner
+"puts" its manifest there, as publish.py does, and the controller reads it.
+
+Time is compressed by --speed: the controller's and the fake nodes' clocks (`time` in controller.py
+and chunks.py, the controller's stop event) run --speed times faster than the wall. Its settings
+(poll_s, node_lost_s, MIN_CHUNK_S, …) are therefore in job seconds. CPU is real: the controller's
+CPU over the job's (virtual) seconds is what it would use of one core on a real job; when that
+comes near 1 / --speed of the wall the compressed run itself is CPU-bound (reported: `gil_busy`).
+
+Reported (per run, one JSON line, `--json`): makespan ÷ ideal (ideal: rows over the nodes'
+summed rates, no runner start), controller CPU total and per decision (next_size + claim, thread
+CPU), peak RSS, state.json writes/bytes per job minute and its final size, node operations and SSH
+connections per node per job minute, Prefect task runs per job minute (one per node + one per chunk
+attempt) and the progress writes (each one Prefect artifact update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import tempfile
+import threading
+import time as _time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RUNNER_START_S = 8.0     # job seconds from a runner's start to its first rows (the seed's runner)
+START_JOB_OPS = 12       # node operations of one real start_job (ensure_workdir 3, read_pid, is_alive, claim,
+#                          read_pid, is_alive, write job.json, rm exit file, start_detached, unclaim)
+SLOTS_PER_SERVER = 64
+
+
+class VClock:
+    """A clock `speed` times faster than the wall, shaped like the `time` module for the controller's use."""
+
+    def __init__(self, speed: float) -> None:
+        self.speed = speed
+        self.real0 = _time.monotonic()
+        self.mono0 = _time.monotonic()
+        self.wall0 = _time.time()
+
+    def monotonic(self) -> float:
+        return self.mono0 + (_time.monotonic() - self.real0) * self.speed
+
+    def time(self) -> float:
+        return self.wall0 + (_time.monotonic() - self.real0) * self.speed
+
+    def sleep(self, s: float) -> None:
+        _time.sleep(s / self.speed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_time, name)
+
+
+class VEvent(threading.Event):
+    """The controller's stop event, its waits in job seconds."""
+
+    def __init__(self, speed: float) -> None:
+        super().__init__()
+        self.speed = speed
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait(None if timeout is None else timeout / self.speed)
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.c: dict[str, float] = {}
+
+    def add(self, key: str, n: float = 1) -> None:
+        with self.lock:
+            self.c[key] = self.c.get(key, 0) + n
+
+
+class FakeRunner:
+    def __init__(self, pid: int, output: str, lines: int, started: float) -> None:
+        self.pid, self.output, self.lines, self.started = pid, output, lines, started
+        self.done = 0.0
+        self.ended_at: float | None = None
+        self.dead = False
+
+
+class FakeHost:
+    """One node: its capacity (rows/s), its runners, its outages [(from, to)] in job seconds."""
+
+    def __init__(self, name: str, servers: int, rate: float, outages: list[tuple[float, float]], clock: VClock,
+                 store_root: str) -> None:
+        self.name, self.servers, self.rate, self.outages = name, servers, rate, outages
+        self.clock, self.store_root = clock, store_root
+        self.lock = threading.Lock()
+        self.runners: dict[int, FakeRunner] = {}
+        self.by_output: dict[str, FakeRunner] = {}
+        self.last = clock.monotonic()
+        self.next_pid = 1000
+
+    def down(self, now: float) -> bool:
+        return any(a <= now < b for a, b in self.outages)
+
+    def advance(self) -> float:
+        """Move the runners on to now: the capacity goes to the oldest started runner first."""
+        now = self.clock.monotonic()
+        with self.lock:
+            if self.down(now):
+                for r in self.runners.values():
+                    r.dead = True
+            dt, self.last = now - self.last, now
+            budget = self.rate * max(0.0, dt)
+            for r in sorted(self.runners.values(), key=lambda r: r.started):
+                if r.dead or r.ended_at is not None or now - r.started < RUNNER_START_S:
+                    continue
+                take = min(budget, r.lines - r.done)
+                r.done += take
+                budget -= take
+                if r.done >= r.lines - 1e-9:
+                    r.done, r.ended_at = float(r.lines), now
+                    self._publish(r)
+            return now
+
+    def _publish(self, r: FakeRunner) -> None:
+        from fleet.generation.data.objstore import Store
+
+        name = r.output.rstrip("/").rsplit("/", 1)[-1]
+        m = {"complete": True, "state": "done", "accounted": r.lines,
+             "this_run": {"completed": r.lines, "errors": 0}, "throughput": {"completion_tokens": r.lines * 200}}
+        Store(f"{self.store_root}/_parts/{self.name}/{name}").write_bytes("manifest.json", json.dumps(m).encode())
+
+    def progress(self, output: str, now: float) -> dict[str, Any] | None:
+        r = self.by_output.get(output)
+        if r is None or now - r.started < 0.5:
+            return None
+        state = "done" if r.ended_at is not None else "running"
+        left = r.lines - r.done
+        return {"state": state, "rows_total": r.lines, "rows_done": int(r.done), "rows_per_s": self.rate,
+                "in_flight": int(min(left, self.servers * SLOTS_PER_SERVER)) if state == "running" else 0,
+                "servers": self.servers, "servers_up": self.servers, "updated_at": round(now, 1),
+                "tok_s": self.rate * 200, "this_run": {"completed": int(r.done), "errors": 0}}
+
+
+class FakeNode:
+    """The Node seam for one connection to a FakeHost: every call counted, OSError while it is down."""
+
+    def __init__(self, host: FakeHost, counters: Counters) -> None:
+        self.host, self.counters = host, counters
+        self.host_name = host.name
+
+    def _op(self, what: str) -> float:
+        self.counters.add("ops")
+        self.counters.add(f"op:{what}")
+        now = self.host.advance()
+        if self.host.down(now):
+            raise OSError(f"{self.host.name}: no route to host")
+        return now
+
+    def run(self, argv: list[str], **kw: Any) -> Any:
+        self._op("run")
+        from fleet.node.base import RunResult
+
+        return RunResult(self.host.name, tuple(argv), 0, "", "", 0.0)
+
+    def exists(self, path: str) -> bool:
+        now = self._op("exists")
+        out = path.rsplit("/", 1)[0]
+        return self.host.progress(out, now) is not None
+
+    def read_text(self, path: str, tail_bytes: int | None = None) -> str | None:
+        now = self._op("read_text")
+        out, _, leaf = path.rpartition("/")
+        if leaf == "progress.json":
+            p = self.host.progress(out, now)
+            return json.dumps(p) if p is not None else None
+        if leaf == "manifest.json":
+            r = self.host.by_output.get(out)
+            if r is not None and r.ended_at is not None:
+                return json.dumps({"complete": True, "state": "done", "accounted": r.lines})
+        return None
+
+    def is_alive(self, pid: int) -> bool:
+        now = self._op("is_alive")
+        r = self.host.runners.get(pid)
+        # a runner exits a moment after its last rows (its final commit and publish)
+        return r is not None and not r.dead and (r.ended_at is None or now - r.ended_at < 1.0)
+
+    def stop(self, pid: int, grace_s: float = 5.0) -> None:
+        self._op("stop")
+        r = self.host.runners.get(pid)
+        if r is not None:
+            r.dead = True
+
+    def close(self) -> None:
+        pass
+
+
+def fake_start_job(hosts: dict[str, FakeHost], counters: Counters) -> Callable[..., Any]:
+    from fleet.generation.job.remote import JobHandle
+
+    def start_job(node: FakeNode, cfg: Any, node_cfg: Any, *, input_path: str, output: str, specs: Any,
+                  facts: Any = None, store: str | None = None, seed: list[str] | None = None,
+                  input_span: list[int] | None = None, **kw: Any) -> JobHandle:
+        host = hosts[node.host.name]
+        node._op("start_job")
+        counters.add("ops", START_JOB_OPS - 1)
+        counters.add("start_job")
+        with host.lock:
+            r = host.by_output.get(output)
+            if r is not None and not r.dead and r.ended_at is None:
+                return JobHandle(host.name, output, output, r.pid, True, "")
+            lines = counters_lines[output.rsplit("/", 1)[-1]]
+            host.next_pid += 1
+            r = FakeRunner(host.next_pid, output, lines, host.clock.monotonic())
+            host.runners[r.pid], host.by_output[output] = r, r
+        return JobHandle(host.name, output, output, r.pid, False, "")
+
+    return start_job
+
+
+counters_lines: dict[str, int] = {}   # chunk name -> lines (filled as chunks are cut)
+
+
+def make_hosts(n: int, clock: VClock, store_root: str, rng: random.Random, losses: float,
+               horizon_s: float) -> dict[str, FakeHost]:
+    hosts = {}
+    for i in range(n):
+        servers = rng.choice((7, 8))
+        rate = servers * rng.lognormvariate(0.0, 0.25)        # ≈ 1 row/s per server, spread ±25 %
+        outages = []
+        if rng.random() < losses:
+            at = rng.uniform(0.1, 0.7) * horizon_s
+            outages.append((at, at + rng.uniform(60, 300)))
+        name = f"n{i:04d}"
+        hosts[name] = FakeHost(name, servers, rate, outages, clock, store_root)
+    return hosts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import fleet.generation.multinode.chunks as chunks_mod
+    import fleet.generation.multinode.controller as ctl_mod
+    import fleet.generation.job.remote as remote_mod
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    rng = random.Random(args.seed)
+    clock = VClock(args.speed)
+    tag = f"bench-{os.getpid()}-{args.nodes}-{int(args.uncached)}"
+    root = f"memory://{tag}"
+    body = b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(args.rows))
+    Store(root).write_bytes("input.jsonl", body)
+    del body
+    horizon = args.rows / (7.5 * args.nodes)
+    hosts = make_hosts(args.nodes, clock, f"{root}/out", rng, args.losses, horizon)
+    counters = Counters()
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-ctlscale-"))
+    cfg = FleetConfig(name="bench-scale",
+                      nodes=[{"name": h, "workdir": str(tmp / h), "servers": hosts[h].servers} for h in sorted(hosts)],
+                      engine={"kind": "sim"}, model={"served_name": "sim-model"},
+                      generation={"node_lost_s": args.node_lost_s})
+
+    saved = (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic)
+    state = {"writes": 0, "bytes": 0, "max": 0}
+    real_write = chunks_mod.write_json_atomic
+
+    def counted_write(path: Any, obj: Any) -> None:
+        real_write(path, obj)
+        if Path(path).name == chunks_mod.STATE_FILE:
+            size = Path(path).stat().st_size
+            state["writes"] += 1
+            state["bytes"] += size
+            state["max"] = max(state["max"], size)
+
+    def connect(node_cfg: Any) -> FakeNode:
+        counters.add("connect")
+        node = FakeNode(hosts[node_cfg.name], counters)
+        node._op("connect")
+        return node
+
+    ctl_mod.time, chunks_mod.time = clock, clock   # type: ignore[assignment]
+    ctl_mod.connect = connect  # type: ignore[assignment]
+    remote_mod.start_job = fake_start_job(hosts, counters)  # type: ignore[assignment]
+    chunks_mod.write_json_atomic = counted_write  # type: ignore[assignment]
+    try:
+        return _drive(args, cfg, tmp, hosts, counters, state, clock, root, Controller, NodeWork)
+    finally:
+        Store(root).fs.rm(Store(root).path, recursive=True)
+        ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic = saved
+
+
+def _uncached(ctl: Any) -> None:
+    """The code before the fix: each node's rate and running chunks from a fresh scan of the whole
+    state at every question (per node, per decision), instead of once per change of the state."""
+    assign = ctl.assign
+    real_rates = ctl._finished_by_node
+
+    def finished_by_node() -> Any:
+        try:
+            return real_rates()
+        finally:
+            ctl._finished = (-1, {})   # never kept: the next question scans again
+
+    def running_on(node: str) -> list[int]:
+        with assign._lock:
+            return sorted(i for i, c in assign.chunks.items() if c.state == "running" and c.node == node)
+
+    ctl._finished_by_node = finished_by_node
+    assign.running_on = running_on
+
+
+def _instrument(ctl: Any, counters: Counters) -> None:
+    """next_size and claim count as decisions; their thread CPU is summed. A question for the nodes'
+    rates that finds the state changed since the last one counts as a scan of the whole state."""
+    real_rates = ctl._finished_by_node
+
+    def rates() -> Any:
+        counters.add("rate_questions")
+        with ctl.assign._lock:   # the controller's own check is under it: two threads see one change once
+            if ctl._finished[0] != ctl.assign.version:
+                counters.add("rate_scans")
+            return real_rates()
+
+    ctl._finished_by_node = rates
+    for obj, name in ((ctl, "next_size"), (ctl.assign, "claim")):
+        real = getattr(obj, name)
+
+        def timed(*a: Any, _real: Any = real, **kw: Any) -> Any:
+            t = _time.thread_time()
+            try:
+                return _real(*a, **kw)
+            finally:
+                counters.add("decisions")
+                counters.add("decision_cpu", _time.thread_time() - t)
+
+        setattr(obj, name, timed)
+
+
+def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeHost], counters: Counters,
+           state: dict[str, int], clock: VClock, root: str, Controller: Any, NodeWork: Any) -> dict[str, Any]:
+    ctl = Controller(cfg, tmp / "plan", f"{root}/out", {h: NodeWork(h, []) for h in hosts},
+                     probe_s=args.probe_s, poll_s=args.poll_s)
+    ctl._stop = VEvent(args.speed)
+    plan = ctl.prepare(f"{root}/input.jsonl")
+
+    def lines_of(name: str) -> int:
+        return next(c.lines for c in ctl.assign.plan.chunks if c.name == name)
+
+    class Lines(dict):   # chunk name -> lines, looked up in the (growing) plan when asked
+        def __missing__(self, key: str) -> int:
+            v = lines_of(key)
+            self[key] = v
+            return v
+
+    global counters_lines
+    counters_lines = Lines()
+    if args.uncached:
+        _uncached(ctl)
+    _instrument(ctl, counters)
+    rss0 = _rss_kb()
+
+    def run_chunk(name: str, index: int) -> dict[str, Any]:
+        counters.add("task_runs")
+        return ctl.run_chunk(name, index)
+
+    errors: list[str] = []
+
+    def worker(name: str) -> None:
+        try:
+            ctl.node_loop(name, run_chunk=run_chunk)
+        except Exception as exc:
+            errors.append(f"{name}: {exc}")
+            ctl.stop()
+
+    cpu0, v0, w0 = _time.process_time(), clock.monotonic(), _time.monotonic()
+    threads = [threading.Thread(target=worker, args=(h,), daemon=True) for h in sorted(hosts)]
+    for t in threads:
+        t.start()
+    progress_writes = 0
+    deadline = w0 + args.max_wall_s
+    while any(t.is_alive() for t in threads):
+        if _time.monotonic() > deadline:
+            ctl.stop()
+            errors.append(f"stopped after {args.max_wall_s} s of wall time")
+            break
+        ctl.write_progress()   # the flow's watch_progress: every 5 s, one Prefect artifact update each
+        progress_writes += 1
+        if ctl._stop.wait(5.0):
+            break
+    for t in threads:
+        t.join(timeout=30)
+    vsec = clock.monotonic() - v0
+    wall = _time.monotonic() - w0
+    cpu = _time.process_time() - cpu0
+    c = counters.c
+    rate = sum(h.rate for h in hosts.values())
+    minutes = vsec / 60
+    n = len(hosts)
+    counts = ctl.assign.counts()
+    return {
+        "nodes": n, "servers": sum(h.servers for h in hosts.values()), "rows": plan.total_lines,
+        "chunks": len(ctl.assign.plan.chunks), "chunks_done": counts.get("done", 0), "speed": args.speed,
+        "chunks_done_once": sum(1 for c in ctl.assign.chunks.values()
+                                if sum(1 for a in c.attempts if a.outcome == "done") == 1),
+        "state_writes": state["writes"], "rate_scans": int(c.get("rate_scans", 0)),
+        "rate_questions": int(c.get("rate_questions", 0)),
+        "losses": sum(1 for h in hosts.values() if h.outages), "errors": errors[:3],
+        "makespan_s": round(vsec, 1), "ideal_s": round(plan.total_lines / rate, 1),
+        "makespan_over_ideal": round(vsec / (plan.total_lines / rate), 3), "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 2), "cpu_per_job_s": round(cpu / vsec, 4), "gil_busy": round(cpu / wall, 2),
+        "decisions": int(c.get("decisions", 0)),
+        "cpu_per_decision_ms": round(1000 * c.get("decision_cpu", 0) / max(1, c.get("decisions", 0)), 3),
+        "decision_cpu_s": round(c.get("decision_cpu", 0), 2),
+        "rss_mb": round(_peak_kb() / 1024, 1), "rss_after_plan_mb": round(rss0 / 1024, 1),
+        "state_writes_per_min": round(state["writes"] / minutes, 1),
+        "state_kb_per_min": round(state["bytes"] / 1024 / minutes, 1), "state_kb_final": round(state["max"] / 1024, 1),
+        "ops_per_node_per_min": round(c.get("ops", 0) / n / minutes, 1),
+        "connects_per_node_per_min": round(c.get("connect", 0) / n / minutes, 2),
+        "start_jobs": int(c.get("start_job", 0)),
+        "task_runs": int(c.get("task_runs", 0)) + n,
+        "task_runs_per_min": round((c.get("task_runs", 0) + n) / minutes, 1),
+        "progress_writes_per_min": round(progress_writes / minutes, 1),
+    }
+
+
+def probe_decisions(nodes: int, rows: int, uncached: bool, asks: int = 50) -> dict[str, Any]:
+    """One decision's CPU (next_size, as node_loop and _prestart ask it) mid-job at `nodes` nodes,
+    without running the job: the plan cut for `nodes`, half its chunks done (one attempt each, spread
+    over the nodes), each node running one; `asks` nodes ask once each. The state is not changed
+    between questions, as between two polls of an idle node."""
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    root = f"memory://probe-{os.getpid()}-{nodes}-{int(uncached)}"
+    Store(root).write_bytes("input.jsonl", b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(rows)))
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-ctlprobe-"))
+    names = [f"n{i:04d}" for i in range(nodes)]
+    cfg = FleetConfig(name="bench-probe", nodes=[{"name": n, "workdir": str(tmp / n)} for n in names],
+                      engine={"kind": "sim"}, model={"served_name": "sim-model"})
+    ctl = Controller(cfg, tmp / "plan", f"{root}/out", {n: NodeWork(n, []) for n in names})
+    plan = ctl.prepare(f"{root}/input.jsonl")
+    assert ctl.assign is not None
+    t = 1000.0
+    for k, c in enumerate(plan.chunks):
+        name = names[k % nodes]
+        if k < len(plan.chunks) // 2:
+            ctl.assign.start(c.index, name, f"/w/{c.name}")
+            ctl.assign.finish(c.index, name, "done", fetched=True)
+            t += 1
+        elif k < len(plan.chunks) // 2 + nodes:
+            ctl.assign.start(c.index, name, f"/w/{c.name}")
+            ctl.nodes[name].chunk = c.index
+            ctl.nodes[name].progress = {"rows_total": c.lines, "rows_done": c.lines // 2, "rows_per_s": 7.0}
+    if uncached:
+        _uncached(ctl)
+    ctl.next_size(names[0])   # the first question after the last change scans (both ways)
+    t0 = _time.thread_time()
+    for name in names[:asks]:
+        ctl.next_size(name)
+    per = (_time.thread_time() - t0) / min(asks, nodes)
+    size = (tmp / "plan" / "state.json").stat().st_size
+    t1 = _time.thread_time()
+    ctl.assign._save()
+    save_s = _time.thread_time() - t1
+    Store(root).fs.rm(Store(root).path, recursive=True)
+    return {"nodes": nodes, "chunks": len(plan.chunks), "scans": "per question (before)" if uncached else
+            "per change (after)", "decision_ms": round(per * 1000, 3), "state_kb": round(size / 1024, 1),
+            "state_write_ms": round(save_s * 1000, 2)}
+
+
+def _rss_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _peak_kb() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=902_087)
+    ap.add_argument("--speed", type=float, default=20.0, help="job seconds per wall second")
+    ap.add_argument("--losses", type=float, default=0.1, help="share of the nodes lost once (for 60-300 s)")
+    ap.add_argument("--node-lost-s", type=float, default=60.0)
+    ap.add_argument("--probe-s", type=float, default=10.0)
+    ap.add_argument("--poll-s", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-wall-s", type=float, default=600.0)
+    ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
+    ap.add_argument("--probe-decisions", action="store_true",
+                    help="only time one decision mid-job at --nodes nodes, before and after the fix")
+    args = ap.parse_args()
+    import logging
+
+    if args.probe_decisions:
+        for uncached in (True, False):
+            # before the fix a decision at 1,000 nodes takes seconds: 3 of them are enough to say so
+            asks = 3 if uncached and args.nodes > 300 else 50
+            print(json.dumps(probe_decisions(args.nodes, args.rows, uncached, asks)), flush=True)
+        return
+
+    logging.basicConfig(level=logging.ERROR)
+    passes = [True, False] if args.compare else [False]
+    for uncached in passes:
+        args.uncached = uncached
+        print(json.dumps({"scans": "per question (before)" if uncached else "per change (after)", **run(args)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
