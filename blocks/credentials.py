@@ -16,6 +16,21 @@ from fleet.node.credentials import StoredNode
 STORE_SECRET_ENV = "FLEET_STORE_SECRET"   # names a Secret block: the object store's AWS_* variables, as JSON
 
 
+def secret_value(name: str, *, remedy: str) -> Any:
+    """The value of the Prefect Secret block `name` (text, or JSON as it was saved); ConfigError when
+    it cannot be loaded. The error names the exception's type, not its text: a block's value must
+    never reach a message."""
+    try:
+        from prefect.blocks.system import Secret
+
+        # _sync=True: inside an event loop (an async flow) `load` would return a coroutine.
+        block: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
+        return block.get()
+    except Exception as exc:  # Prefect raises ValueError, httpx errors, …: all mean "no block"
+        raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {type(exc).__name__}",
+                          remedy=remedy) from exc
+
+
 def load_store_credentials() -> list[str]:
     """The object store's credentials from the Prefect Secret block that FLEET_STORE_SECRET names (its
     value: an object of AWS_* variables; Secret keeps JSON as it is) into this process's environment, where s3fs reads them and
@@ -28,14 +43,7 @@ def load_store_credentials() -> list[str]:
     name = os.environ.get(STORE_SECRET_ENV)
     if not name:
         return []
-    try:
-        from prefect.blocks.system import Secret
-
-        block: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
-        values = block.get()
-    except Exception as exc:
-        raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {type(exc).__name__}",
-                          remedy="create it, and check PREFECT_API_URL") from exc
+    values = secret_value(name, remedy="create it, and check PREFECT_API_URL")
     if isinstance(values, str):
         try:
             values = json.loads(values)
@@ -69,14 +77,7 @@ class PrefectCredentials:
                           host_key=block.host_key, known_hosts_path=block.known_hosts_path, workdir=block.workdir)
 
     def secret(self, name: str) -> str:
-        try:
-            from prefect.blocks.system import Secret
-
-            secret: Any = Secret.load(name, _sync=True)  # type: ignore[call-arg]
-            value = secret.get()
-        except Exception as exc:
-            raise ConfigError(f"cannot load the Prefect Secret block {name!r}: {exc}",
-                              remedy="create it (Secret(value=KEY_TEXT).save(NAME)) and check PREFECT_API_URL") from exc
+        value = secret_value(name, remedy="create it (Secret(value=KEY_TEXT).save(NAME)) and check PREFECT_API_URL")
         if not isinstance(value, str):
             raise ConfigError(f"the Prefect Secret {name!r} does not hold text",
                               remedy="store the private key text as the secret's value")
