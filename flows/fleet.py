@@ -53,16 +53,18 @@ class ServerRow:
 
     node: str
     server: int | str
+    # state and error come first after the server: Prefect's UI shows a table's first columns
+    # without scrolling, so a failed server's cause is read at a glance (issue 21, item 5)
+    state: str | None = None
+    error: str | None = None
     gpus: list[int] | None = None
     port: int | None = None
     pid: int | None = None
-    state: str | None = None
     ready_s: float | None = None
     smoke_latency_s: float | None = None
     kv_cache_tokens: int | None = None
     max_running_requests: int | None = None
     flag: str | None = None
-    error: str | None = None
 
     @property
     def up(self) -> bool:

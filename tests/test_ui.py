@@ -147,3 +147,12 @@ def test_failed_bringup_shows_the_failed_server_its_error_and_the_remedy(server,
                       timeout=120)
     text = browser.js("document.body.innerText")
     assert re.search(r"FAILED|launch failed", text) and f"{port1}" in text
+    # At a glance: the error cell begins inside the window, not past its right edge (it was the
+    # table's last column, cut at the right edge of the screen).
+    browser.shot(tmp_path / "summary.png")
+    left = browser.js(
+        "(() => { const w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT); let n;"
+        " while ((n = w.nextNode())) { if (n.textContent.includes('Not enough memory')) {"
+        " const r = document.createRange(); r.selectNodeContents(n); const b = r.getBoundingClientRect();"
+        " return [b.left, b.right, innerWidth]; } } return null; })()")
+    assert left is not None and 0 <= left[0] < left[2] / 2, (left, browser.visible_text())
