@@ -18,6 +18,9 @@ among them), CPU seconds the shared server spent meanwhile (new path), the flow'
 "up in X s", and the load average. Prints a markdown table; `fleet down` and the local
 server's stop at the end.
 
+The idle device machine: bench/bench_localserver_device.sh (installs the carried wheels, then runs
+this with `--old-dir`, `--generate` and 6 reps; prints the tables below).
+
 `--generate` adds `fleet generate` re-attaching: a second sim fleet (one request at a time per
 server, long answers: the job outlasts the bench) gets a job started once by this tree; then each
 path runs the same `fleet generate` command, which re-attaches to that runner. Measured per
@@ -246,13 +249,15 @@ def main() -> None:
         for _, home in paths.values():
             stop(home / "fleet-server")
         shutil.rmtree(d, ignore_errors=True)
-    print(f"\nold = {rev}; {args.reps} interleaved reps per path, {args.servers} sim servers adopted each time\n")
-    print("| path | wall s (median, min–max) | command CPU s (median) | shared server CPU s (median) "
-          "| flow's own s (median) | load (1 min) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"\nold = {rev}; {args.reps} interleaved reps per path, {args.servers} sim servers adopted each time; "
+          f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}\n")
+    print("| `fleet up`, running fleet | wall s (median, min–max) | every rep, wall s | command CPU s (median) "
+          "| shared server CPU s (median) | flow's own s (median) | load (1 min) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, rs in runs.items():
         col = {k: [r[k] for r in rs] for k in rs[0]}
         print(f"| {name} | {statistics.median(col['wall_s']):.2f} ({min(col['wall_s']):.2f}–{max(col['wall_s']):.2f}) "
+              f"| {', '.join(f'{w:.2f}' for w in col['wall_s'])} "
               f"| {statistics.median(col['cpu_s']):.2f} | {statistics.median(col['server_cpu_s']):.2f} "
               f"| {statistics.median(col['flow_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
     ratio = statistics.median(r["wall_s"] for r in runs["old"]) / statistics.median(r["wall_s"] for r in runs["new"])
@@ -260,15 +265,18 @@ def main() -> None:
     print(f"\nfleet up, old/new (medians): wall {ratio:.2f}x, command CPU {cpu:.2f}x")
     if gens["new"]:
         print("\n`fleet generate` re-attaching to a live runner\n")
-        print("| path | first line s (median) | re-attached s (median, min–max) | command CPU s by then (median) "
-              "| shared server CPU s (median) | load (1 min) |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| path | first line s (median) | re-attached s (median, min–max) | every rep, s | command CPU s by "
+              "then (median) | shared server CPU s (median) | load (1 min) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, rs in gens.items():
             col = {k: [r[k] for r in rs] for k in rs[0]}
             print(f"| {name} | {statistics.median(col['first_line_s']):.2f} "
                   f"| {statistics.median(col['attached_s']):.2f} ({min(col['attached_s']):.2f}–"
-                  f"{max(col['attached_s']):.2f}) | {statistics.median(col['cpu_s']):.2f} "
+                  f"{max(col['attached_s']):.2f}) | {', '.join(f'{w:.2f}' for w in col['attached_s'])} "
+                  f"| {statistics.median(col['cpu_s']):.2f} "
                   f"| {statistics.median(col['server_cpu_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
+        g = {n: statistics.median(r["attached_s"] for r in rs) for n, rs in gens.items()}
+        print(f"\nfleet generate re-attaching, old/new (medians): wall {g['old'] / g['new']:.2f}x")
     if args.out:
         args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs, "generate": gens},
                                        indent=1))

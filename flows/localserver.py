@@ -28,6 +28,14 @@ The promises, and what keeps each:
 
 It serves the API only (Prefect's ephemeral mode: no UI, only the services an ephemeral server
 runs), on a free port on 127.0.0.1, with the database Prefect would use for this PREFECT_HOME.
+
+**No client back-off for a busy database.** Prefect's SQLite database refuses a write at once
+("database is locked", HTTP 503) when the request's transaction read first and another writer
+(the server's own event and task-run recorders, mostly) took the lock meanwhile. Prefect's client
+then sleeps 2 s (then 4, 8, …) before trying again: that was 2 s of a 3 s `fleet up` in about
+half the runs on an idle machine (the node lock's holder-record DELETE). This server runs such a
+request again itself after a few milliseconds, for up to `REPLAY_S`, and sends the 503 (the
+client's own back-off) only after that.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +64,8 @@ DEFAULT_IDLE_S = 600.0
 ATTEMPTS = 2
 WATCH_EVERY_S = 1.0
 EXIT_GRACE_S = 20.0  # after the idle SIGTERM, uvicorn's graceful exit; then os._exit
+REPLAY_S = 10.0      # how long the server runs a request refused with 503 again before sending the 503
+REPLAY_PAUSE_S = (0.005, 0.2)  # the first pause between two runs of it, and the longest (doubling)
 REMEDY = ("set PREFECT_API_URL to a running server (`prefect server start`, then "
           "PREFECT_API_URL=http://127.0.0.1:4200/api), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
 
@@ -297,13 +307,78 @@ def stop(d: Path | None = None, wait_s: float = 30.0) -> int | None:
 # ---------------------------------------------------------------------------- the server's side
 
 def create_app() -> Any:
-    """uvicorn's factory: Prefect's server app, plus the watcher that stops it when unused."""
+    """uvicorn's factory: Prefect's server app (busy-database refusals run again, `ReplayBusy`), plus the
+    watcher that stops it when unused."""
     from prefect.server.api.server import create_app as prefect_app
 
-    app = prefect_app()
+    app = ReplayBusy(prefect_app())
     d = Path(os.environ["FLEET_PREFECT_SERVER_DIR"])
     threading.Thread(target=watch, args=(d, idle_s()), name="fleet-idle-watch", daemon=True).start()
     return app
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ReplayBusy:
+    """ASGI wrapper: an HTTP request the app answers 503 is run again after a short pause (5 ms,
+    doubling up to 0.2 s) for up to `budget_s`; then the 503 goes out.
+
+    Prefect answers 503 only for errors it deems retryable, its client retries each such request
+    as it is (after 2 s and more), and the failed transaction was rolled back: running it again
+    here is what the client would do, minus the back-off. The request body is read once and given
+    to each run; nothing of a refused run's response is sent."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], budget_s: float = REPLAY_S) -> None:
+        self.app, self.budget_s = app, budget_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import asyncio
+
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = []
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away before its request was whole
+            body.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + self.budget_s, REPLAY_PAUSE_S[0]
+        while not await self._run(scope, b"".join(body), receive, send, last=loop.time() >= deadline):
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, REPLAY_PAUSE_S[1])
+
+    async def _run(self, scope: Scope, body: bytes, receive: Receive, send: Send, last: bool) -> bool:
+        """One run of the request; False if it was refused with 503 (and nothing was sent)."""
+        given, refused = False, False
+
+        async def replay() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, as the app expects
+
+        async def guard(msg: Message) -> None:
+            nonlocal refused
+            if msg["type"] == "http.response.start" and msg["status"] == 503 and not last:
+                refused = True
+            if not refused:
+                await send(msg)
+
+        try:
+            await self.app(dict(scope), replay, guard)
+        except Exception:
+            if not refused:
+                raise
+            # Starlette raises the error again after its handler sent the 503 (for the server's log)
+        return not refused
 
 
 def watch(d: Path, idle: float, every: float = WATCH_EVERY_S) -> None:

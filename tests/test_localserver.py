@@ -9,10 +9,15 @@ tests/test_interrupt.py.
 
 from __future__ import annotations
 
+import contextvars
 import json
+import logging
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +145,66 @@ def test_with_prefect_api_url_set_nothing_is_started(home: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "http://127.0.0.1:9/api"
     assert not (home / "fleet-server").exists() and not servers_of(home)
+
+
+class ClientRetries(logging.Handler):
+    """The 503s Prefect's client received (each one is a back-off of 2 s or more before it tries again)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "retryable status code 503" in record.getMessage():
+            self.seen.append(record.getMessage())
+
+
+def test_a_record_delete_refused_by_a_locked_database_is_not_backed_off(home: Path) -> None:
+    """Protects against the 2 s stall of a flow command in about half the runs on an idle machine:
+    the node lock's holder-record DELETE (tasks/locks.py) met the server's SQLite database locked by
+    another writer, the server answered 503 and Prefect's client slept 2 s before trying again.
+    Here the database is really locked (a write transaction held on its file, as the server's own
+    event recorder holds it) while the DELETE runs: the server meets the lock (its log says so),
+    and once the lock is gone the DELETE completes without Prefect's client ever receiving a 503
+    (so with no back-off), and the record is gone (a record left after its slot is freed would let
+    a waiting run reclaim the next holder's slot)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import VariableCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import tasks.locks as locks
+
+    holder = Client(env_for(home, PREFECT_SERVER_LOG_RETRYABLE_ERRORS="true"), hold=True)
+    url, _ = holder.attached()
+    log = home / "fleet-server" / "server.log"
+
+    def refusals() -> int:
+        return log.read_text(errors="replace").count("retryable exception in request")
+
+    retries = ClientRetries()
+    logging.getLogger("prefect.client").addHandler(retries)
+    level = logging.getLogger("prefect.client").level
+    logging.getLogger("prefect.client").setLevel(logging.DEBUG)
+    db = sqlite3.connect(home / "prefect.db", isolation_level=None, timeout=60)
+    try:
+        with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            var = client.create_variable(VariableCreate(name=locks.record_name("fleet-node-replay"), value={"x": 1}))
+            before = refusals()
+            db.execute("BEGIN IMMEDIATE")  # the write lock, held
+            done: list[bool] = []
+            deleting = threading.Thread(target=contextvars.copy_context().run,
+                                        args=(lambda: done.append(locks._delete_record(client, var.id)),))
+            deleting.start()
+            wait_until(lambda: refusals() > before, timeout=120, what="the server to meet the locked database")
+            db.execute("ROLLBACK")
+            unlocked = time.monotonic()
+            deleting.join(120)
+            took = time.monotonic() - unlocked
+            assert done == [True], "the DELETE did not complete"
+            assert client.read_variable_by_name(locks.record_name("fleet-node-replay")) is None
+        assert retries.seen == [], f"the client backed off ({took:.2f} s after the lock was gone): {retries.seen}"
+    finally:
+        db.close()
+        logging.getLogger("prefect.client").removeHandler(retries)
+        logging.getLogger("prefect.client").setLevel(level)
+        holder.release()
