@@ -56,7 +56,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     ctl = Controller(cfg, pdir, output, nodes, say=say)
     t0 = time.monotonic()
     with ControllerLock(pdir):
-        if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once (under
+        if is_url(input):   # JSONL, Parquet: each node reads its own ranges; gzip: cut here, once (under
             from fleet.generation.data.ranges import in_place   # the lock: two controllers, one staged copy)
             from fleet.generation.job.publish import stage_input
 

@@ -243,3 +243,101 @@ def test_store_jobs_refuse_what_they_cannot_do_safely(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="user or password") as e:
         plan_job(FleetConfig(**base), input=str(inp), output="s3://AKIA:secret@bucket/out")
     assert "secret" not in str(e.value)
+
+
+class _Fetched:
+    """Bytes fetched from the S3 server, counted where s3fs fetches them (a file's ranged GETs, cat_file)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import s3fs.core
+
+        self.bytes = 0
+        fetch, cat = s3fs.core._fetch_range, s3fs.core.S3FileSystem._cat_file
+
+        def counted_fetch(*a: object, **kw: object) -> bytes:
+            data: bytes = fetch(*a, **kw)   # type: ignore[arg-type]
+            self.bytes += len(data)
+            return data
+
+        async def counted_cat(fs: object, *a: object, **kw: object) -> bytes:
+            data: bytes = await cat(fs, *a, **kw)   # type: ignore[arg-type]
+            self.bytes += len(data)
+            return data
+
+        monkeypatch.setattr(s3fs.core, "_fetch_range", counted_fetch)
+        monkeypatch.setattr(s3fs.core.S3FileSystem, "_cat_file", counted_cat)
+
+
+def test_a_jsonl_input_on_the_store_is_read_once_to_plan(s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller streamed a JSONL input on the store twice to plan it (once to count its lines, once
+    to find each chunk's byte offset): at a hundred nodes the input is the biggest thing it reads. One
+    pass now, whatever the limit; a larger limit later reads only the lines after the plan's; and the
+    ranges hold every line once, blank lines and a last line without a newline included."""
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.data.ranges import read_span
+    from fleet.generation.multinode.chunks import split_input
+
+    lines = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "q" * (i % 50)}]}) if i % 41 else ""
+             for i in range(3000)]
+    data = "\n".join(lines).encode()
+    Store(s3).write_bytes("in/once.jsonl", data)
+    url = f"{s3}/in/once.jsonl"
+    fetched = _Fetched(monkeypatch)
+    plan = split_input(url, tmp_path / "plan", ["a", "b"], chunk_rows=200, limit=1000)
+    first = fetched.bytes
+    assert first <= len(data) + 4   # once (and 4 bytes to tell JSONL from Parquet); it was twice
+    end = plan.chunks[-1].span[1]   # type: ignore[index]
+    grown = split_input(url, tmp_path / "plan", ["a", "b"], chunk_rows=200)
+    assert fetched.bytes - first <= len(data) - end   # only the lines after the plan's
+    got = b"".join(read_span(url, c.span) for c in sorted(grown.chunks, key=lambda c: c.first_line))  # type: ignore[arg-type]
+    assert got == data + b"\n"
+    assert grown.total_lines == 3000 and grown.rows == sum(1 for ln in lines if ln)
+    assert [c.first_line for c in grown.chunks] == [1 + sum(c.lines for c in grown.chunks[:i])
+                                                     for i in range(len(grown.chunks))]
+
+
+def test_a_parquet_input_on_the_store_is_read_in_place_by_row_groups(s3: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parquet input on the store was read whole by the controller and cut into chunk objects under
+    `<output>/_inputs/` (the controller's disk and link in the data path again). Now the plan reads only
+    its footer and writes nothing but plan.json; each chunk (a row range, cut at claim time too) is read
+    by its runner as only the row groups that hold its rows; the runner's start arguments name them;
+    and the chunks' rows, concatenated, are the input's, in order."""
+    import pyarrow as pa
+
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.job.publish import stage_input
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    n = 2000
+    table = pa.table({"id": [f"r{i}" for i in range(n)],
+                      "messages": [[{"role": "user", "content": f"{i:05d}" + "x" * 2000}] for i in range(n)]})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src, row_group_size=100, compression="none")
+    Store(s3).put_file(str(src), "in/p.parquet")
+    url = f"{s3}/in/p.parquet"
+    cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(tmp_path / "w")}], engine={"kind": "sim"},
+                      generation={"chunk_rows": 250})
+    ctl = Controller(cfg, tmp_path / "plan", f"{s3}/job", {"a": NodeWork("a", [])})
+    fetched = _Fetched(monkeypatch)
+    plan = ctl.prepare(url)
+    md = pq.ParquetFile(src).metadata
+    group = max(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+    footer = 64 * 1024 + md.serialized_size + 8   # pyarrow reads the last 64 KiB, then the rest of the footer
+    assert fetched.bytes <= footer < src.stat().st_size / 10   # the footer, not the rows
+    assert plan.fmt == "parquet" and all(not c.file and c.span is None for c in plan.chunks)
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["plan.json", "store.json"]
+    assert ctl.assign is not None and ctl.assign.claim("a", rows=130) == 0   # cut inside a row group at claim time
+    chunks = sorted(plan.chunks, key=lambda c: c.first_line)
+    args = ctl.store_args("a", chunks[1].index, "/out")
+    assert args["input_rows"] == [130, 130 + chunks[1].lines] and args["input_span"] is None
+    got = []
+    for c in chunks:
+        before = fetched.bytes
+        local = stage_input(url, tmp_path / "w" / c.name, None, [c.first_line - 1, c.first_line - 1 + c.lines])
+        groups = -(-(c.first_line - 1 + c.lines) // 100) - (c.first_line - 1) // 100   # the row groups it spans
+        assert fetched.bytes - before <= groups * group + footer   # those row groups and the footer
+        got += pq.read_table(local, columns=["id"]).column(0).to_pylist()
+    assert got == [f"r{i}" for i in range(n)]
+    assert not Store(f"{s3}/job").exists("_inputs")
