@@ -37,7 +37,7 @@ __all__ = ["INDEX_ENTRIES", "LineIndex", "cut", "in_place", "is_parquet", "parqu
            "scan", "split_span", "url_id"]
 
 INDEX_ENTRIES = 1 << 20   # line starts kept at most (8 bytes each); past it, every other one is dropped
-BLOCK = 1 << 22           # bytes read per request while scanning
+BLOCK = 1 << 24           # bytes read per request while scanning (fewer, larger GETs)
 
 
 def _parent(url: str) -> tuple[Store, str]:
