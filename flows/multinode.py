@@ -106,9 +106,12 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
             from fleet.generation.multinode.cleanup import clean_nodes, job_copies
 
             # the nodes' working copies, now that every row is merged in the store (never one that is not)
-            cleaned = clean_nodes(cfg, output, job_copies(cfg, output, ctl.assign))
-            logger.info("removed %d chunk working cop(ies) from the nodes%s", len(cleaned.removed),
-                        "".join(f"; kept {k}: {v}" for k, v in sorted(cleaned.kept.items())[:10]))
+            try:
+                cleaned = clean_nodes(cfg, output, job_copies(cfg, output, ctl.assign))
+                logger.info("removed %d chunk working cop(ies) from the nodes%s", len(cleaned.removed),
+                            "".join(f"; kept {k}: {v}" for k, v in sorted(cleaned.kept.items())[:10]))
+            except Exception as exc:   # the job is done and merged: a cleanup that fails leaves copies, not a failure
+                logger.warning("could not clean the nodes' working copies: %s: %s", type(exc).__name__, exc)
     counts = manifest["counts"]
     result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],
               "rows_total": plan.total_lines, "completed": counts["completed"], "errors": counts["errors"],
