@@ -56,7 +56,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     ctl = Controller(cfg, pdir, output, nodes, say=say)
     t0 = time.monotonic()
     with ControllerLock(pdir):
-        if is_url(input):   # JSONL: each node reads its own byte ranges; gzip, Parquet: cut here, once (under
+        if is_url(input):   # JSONL, Parquet: each node reads its own ranges; gzip: cut here, once (under
             from fleet.generation.data.ranges import in_place   # the lock: two controllers, one staged copy)
             from fleet.generation.job.publish import stage_input
 
@@ -101,12 +101,23 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
         dest: Path | str = output if ctl.store is not None else pdir / "output"
         manifest = ctl.finalize(dest)
+        cleaned = None
+        if ctl.store is not None and manifest.get("complete") and ctl.assign.all_done():
+            from fleet.generation.multinode.cleanup import clean_nodes, job_copies
+
+            # the nodes' working copies, now that every row is merged in the store (never one that is not)
+            try:
+                cleaned = clean_nodes(cfg, output, job_copies(cfg, output, ctl.assign))
+                logger.info("removed %d chunk working cop(ies) from the nodes%s", len(cleaned.removed),
+                            "".join(f"; kept {k}: {v}" for k, v in sorted(cleaned.kept.items())[:10]))
+            except Exception as exc:   # the job is done and merged: a cleanup that fails leaves copies, not a failure
+                logger.warning("could not clean the nodes' working copies: %s: %s", type(exc).__name__, exc)
     counts = manifest["counts"]
     result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],
               "rows_total": plan.total_lines, "completed": counts["completed"], "errors": counts["errors"],
               "rejects": counts["rejects"], "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
               "checks": manifest.get("checks"), "nodes": manifest.get("nodes"), "shares": shares,
-              "seconds": round(time.monotonic() - t0, 1)}
+              "seconds": round(time.monotonic() - t0, 1), "node_copies": cleaned.to_dict() if cleaned else None}
     if not ctl.assign.all_done():
         left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
         return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "

@@ -93,7 +93,8 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
     other node, whose fresh runner starts from the shards the lost one had put in the store), then the
     controller SIGKILLed mid-job while the lost node comes back (its old runner goes on and publishes an
     abandoned attempt), then the same command again. Every id ends exactly once in the store's merged
-    output, the controller gathered nothing locally, and the store's credentials are in no file."""
+    output, the controller gathered nothing locally, the node that finished every attempt it ran keeps no
+    working copy of them, and the store's credentials are in no file."""
     # node_lost_s: a runner that reads its chunk from the store starts slower (s3fs's imports, the download)
     cfg = two_nodes(tmp_path, generation={"max_tokens": 16, "chunk_rows": 300, "shard_rows": 20, "node_lost_s": 20},
                     sim={"tokens_per_s": 40, "max_running_requests": 4})
@@ -128,6 +129,12 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
             return c["state"] == "running" and c["node"] == "fast"
 
         _wait(first, log1, taken_over, "the lost node's chunk to start on the other node")
+
+        def seeded_takeover() -> bool:   # its runner starts from the lost node's shards in the store
+            jobs = [json.loads(p.read_text()) for p in (tmp_path / "work-fast").glob("jobs/*/job.json")]
+            return any(j["output"].endswith(f"chunk-{idx:05d}") and j["seed"] for j in jobs)
+
+        _wait(first, log1, seeded_takeover, "the takeover's runner, seeded from the store")
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -152,9 +159,9 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
     manifest = json.loads(Store(out).read_bytes("manifest.json") or b"{}")
     assert manifest["complete"] and manifest["counts"]["completed"] == 900
     assert not (pdir / "gathered").exists() and not (pdir / "output").exists()   # nothing through the controller
-    # the takeover's runner started from the lost node's shards in the store (seeded, not generated again)
-    jobs = [json.loads(p.read_text()) for p in (tmp_path / "work-fast").glob("jobs/*/job.json")]
-    assert any(j["output"].endswith(f"chunk-{idx:05d}") and j["seed"] for j in jobs)
+    # every row merged in the store: the fast node's working copies, chunk inputs and job dirs are gone
+    fast = tmp_path / "work-fast"
+    assert not list(fast.glob("objstore/*/fast/*")) and not list(fast.glob("jobs/*/job.json"))
     # `fleet fetch` is optional: it merges from the store into a local directory; `fleet export` reads the URL
     from flows.cli import main
 
@@ -243,3 +250,205 @@ def test_store_jobs_refuse_what_they_cannot_do_safely(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="user or password") as e:
         plan_job(FleetConfig(**base), input=str(inp), output="s3://AKIA:secret@bucket/out")
     assert "secret" not in str(e.value)
+
+
+class _Fetched:
+    """Bytes fetched from the S3 server, counted where s3fs fetches them (a file's ranged GETs, cat_file)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import s3fs.core
+
+        self.bytes = 0
+        fetch, cat = s3fs.core._fetch_range, s3fs.core.S3FileSystem._cat_file
+
+        def counted_fetch(*a: object, **kw: object) -> bytes:
+            data: bytes = fetch(*a, **kw)   # type: ignore[arg-type]
+            self.bytes += len(data)
+            return data
+
+        async def counted_cat(fs: object, *a: object, **kw: object) -> bytes:
+            data: bytes = await cat(fs, *a, **kw)   # type: ignore[arg-type]
+            self.bytes += len(data)
+            return data
+
+        monkeypatch.setattr(s3fs.core, "_fetch_range", counted_fetch)
+        monkeypatch.setattr(s3fs.core.S3FileSystem, "_cat_file", counted_cat)
+
+
+def test_a_jsonl_input_on_the_store_is_read_once_to_plan(s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller streamed a JSONL input on the store twice to plan it (once to count its lines, once
+    to find each chunk's byte offset): at a hundred nodes the input is the biggest thing it reads. One
+    pass now, whatever the limit; a larger limit later reads only the lines after the plan's; and the
+    ranges hold every line once, blank lines and a last line without a newline included."""
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.data.ranges import read_span
+    from fleet.generation.multinode.chunks import split_input
+
+    lines = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "q" * (i % 50)}]}) if i % 41 else ""
+             for i in range(3000)]
+    data = "\n".join(lines).encode()
+    Store(s3).write_bytes("in/once.jsonl", data)
+    url = f"{s3}/in/once.jsonl"
+    fetched = _Fetched(monkeypatch)
+    plan = split_input(url, tmp_path / "plan", ["a", "b"], chunk_rows=200, limit=1000)
+    first = fetched.bytes
+    assert first <= len(data) + 4   # once (and 4 bytes to tell JSONL from Parquet); it was twice
+    end = plan.chunks[-1].span[1]   # type: ignore[index]
+    grown = split_input(url, tmp_path / "plan", ["a", "b"], chunk_rows=200)
+    assert fetched.bytes - first <= len(data) - end   # only the lines after the plan's
+    got = b"".join(read_span(url, c.span) for c in sorted(grown.chunks, key=lambda c: c.first_line))  # type: ignore[arg-type]
+    assert got == data + b"\n"
+    assert grown.total_lines == 3000 and grown.rows == sum(1 for ln in lines if ln)
+    assert [c.first_line for c in grown.chunks] == [1 + sum(c.lines for c in grown.chunks[:i])
+                                                     for i in range(len(grown.chunks))]
+
+
+def test_a_parquet_input_on_the_store_is_read_in_place_by_row_groups(s3: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parquet input on the store was read whole by the controller and cut into chunk objects under
+    `<output>/_inputs/` (the controller's disk and link in the data path again). Now the plan reads only
+    its footer and writes nothing but plan.json; each chunk (a row range, cut at claim time too) is read
+    by its runner as only the row groups that hold its rows; the runner's start arguments name them;
+    and the chunks' rows, concatenated, are the input's, in order."""
+    import pyarrow as pa
+
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.job.publish import stage_input
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    n = 2000
+    table = pa.table({"id": [f"r{i}" for i in range(n)],
+                      "messages": [[{"role": "user", "content": f"{i:05d}" + "x" * 2000}] for i in range(n)]})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src, row_group_size=100, compression="none")
+    Store(s3).put_file(str(src), "in/p.parquet")
+    url = f"{s3}/in/p.parquet"
+    cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(tmp_path / "w")}], engine={"kind": "sim"},
+                      generation={"chunk_rows": 250})
+    ctl = Controller(cfg, tmp_path / "plan", f"{s3}/job", {"a": NodeWork("a", [])})
+    fetched = _Fetched(monkeypatch)
+    plan = ctl.prepare(url)
+    md = pq.ParquetFile(src).metadata
+    group = max(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+    footer = 64 * 1024 + md.serialized_size + 8   # pyarrow reads the last 64 KiB, then the rest of the footer
+    assert fetched.bytes <= footer < src.stat().st_size / 10   # the footer, not the rows
+    assert plan.fmt == "parquet" and all(not c.file and c.span is None for c in plan.chunks)
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["plan.json", "store.json"]
+    assert ctl.assign is not None and ctl.assign.claim("a", rows=130) == 0   # cut inside a row group at claim time
+    chunks = sorted(plan.chunks, key=lambda c: c.first_line)
+    args = ctl.store_args("a", chunks[1].index, "/out")
+    assert args["input_rows"] == [130, 130 + chunks[1].lines] and args["input_span"] is None
+    got = []
+    for c in chunks:
+        before = fetched.bytes
+        local = stage_input(url, tmp_path / "w" / c.name, None, [c.first_line - 1, c.first_line - 1 + c.lines])
+        groups = -(-(c.first_line - 1 + c.lines) // 100) - (c.first_line - 1) // 100   # the row groups it spans
+        assert fetched.bytes - before <= groups * group + footer   # those row groups and the footer
+        got += pq.read_table(local, columns=["id"]).column(0).to_pylist()
+    assert got == [f"r{i}" for i in range(n)]
+    assert not Store(f"{s3}/job").exists("_inputs")
+
+
+def test_a_finished_store_job_leaves_no_working_copy_on_its_nodes_but_never_drops_a_row(s3: str, tmp_path: Path) -> None:
+    """Nodes kept every chunk's working copy (shards, the chunk's input, the runner's job directory) after
+    the job was merged in the store: a hundred nodes, every chunk they ran, on their disks for good. Now
+    they are removed once the merged output is complete, but a copy stays, with its reason, while its
+    runner lives, while a committed shard of it is not in the store (in its part, or seeded from one),
+    or while its errors are not (the part has no manifest yet); before the merge is complete, nothing goes."""
+    from fleet.config import FleetConfig
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.cleanup import Copy, clean_nodes, input_dir
+    from fleet.jobs import job_dir
+
+    work = tmp_path / "w"
+    cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(work)}], engine={"kind": "sim"})
+    out = f"{s3}/job"
+
+    def copy(i: int, shards: list[int], stored: list[int], *, seeded: list[int] = (), errors: bool = False,  # type: ignore[assignment]
+             manifest: bool = False, pid: int | None = None) -> Copy:
+        o = work / "objstore" / "k" / "a" / f"chunk-{i:05d}"
+        (o / "shards").mkdir(parents=True)
+        for s in shards:
+            (o / "shards" / f"part-{s:06d}.parquet").write_bytes(b"rows")
+        if seeded:
+            (o / ".seeded.json").write_text(json.dumps([f"part-{s:06d}.parquet" for s in seeded]))
+        if errors:
+            (o / "errors.jsonl").write_text('{"id": "x"}\n')
+        Path(input_dir(str(o)), "0-10-in.jsonl").parent.mkdir()
+        Path(input_dir(str(o)), "0-10-in.jsonl").write_text("{}\n")
+        jd = Path(job_dir(cfg.node("a"), cfg, str(o)))
+        jd.mkdir(parents=True)
+        (jd / "job.json").write_text("{}")
+        if pid is not None:
+            (jd / "runner.pid").write_text(f"{pid}\n")
+        part = Store(f"{out}/_parts/a/chunk-{i:05d}")
+        for s in stored:
+            part.write_bytes(f"shards/part-{s:06d}.parquet", b"rows")
+        if manifest:
+            part.write_bytes("manifest.json", b"{}")
+        return Copy("a", str(o), str(jd), part.root)
+
+    copies = [copy(0, [1, 2], [1, 2]),                                            # all in its part
+              copy(1, [1, 2], [2], seeded=[1], errors=True, manifest=True),       # one seeded, records published
+              copy(2, [1, 3], [1]),                                               # a shard only on the node
+              copy(3, [1], [1], pid=os.getpid()),                                 # its runner alive
+              copy(4, [1], [1], errors=True)]                                     # errors not published
+    Store(out).write_bytes("manifest.json", json.dumps({"complete": False}).encode())
+    early = clean_nodes(cfg, out, copies)
+    assert early.removed == [] and early.skipped and all(Path(c.output).is_dir() for c in copies)
+    Store(out).write_bytes("manifest.json", json.dumps({"complete": True}).encode())
+    done = clean_nodes(cfg, out, copies)
+    gone = {c.output for c in copies[:2]}
+    assert sorted(done.removed) == sorted(f"a:{o}" for o in gone)
+    for c in copies:
+        there = c.output not in gone
+        assert Path(c.output).exists() == Path(input_dir(c.output)).exists() == Path(c.job_dir).exists() == there
+    assert "not in the store" in done.kept[f"a:{copies[2].output}"] and "part-000003" in done.kept[f"a:{copies[2].output}"]
+    assert "running" in done.kept[f"a:{copies[3].output}"]
+    assert "errors.jsonl" in done.kept[f"a:{copies[4].output}"]
+    # the rows are all still in the store
+    assert Store(f"{out}/_parts/a/chunk-00000").names("shards") == ["part-000001.parquet", "part-000002.parquet"]
+
+
+def test_data_checks_run_for_an_output_on_object_storage(s3: str, tmp_path: Path) -> None:
+    """The merged manifest of a job whose output is on object storage said `checks: skipped` (run `fleet
+    check` on a fetched copy): the drafter-data numbers (answers cut at max_tokens, empty ones, think tags,
+    token percentiles) were missing exactly for the jobs run at scale. The merge now runs them on the
+    store's shards, reading only their check columns, and they equal the checks of the same rows on disk."""
+    from fleet.config import FleetConfig
+    from fleet.generation.data.checks import data_checks
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.data.store import ResultStore
+    from fleet.generation.multinode.chunks import Assignments, split_input
+    from fleet.generation.multinode.controller import merge_job, part_url
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "q"}) + "\n" for i in range(30)))
+    plan = split_input(inp, tmp_path / "plan", ["a"], chunk_rows=15)
+    assign = Assignments(tmp_path / "plan", plan)
+    out = f"{s3}/checked"
+    local = tmp_path / "local"
+    for c in plan.chunks:
+        d = tmp_path / c.name
+        s = ResultStore(d, shard_rows=4)
+        for i in range(c.first_line - 1, c.first_line - 1 + c.lines):
+            s.add_result({"id": f"r{i}", "completion": "" if i % 7 == 0 else f"<think>x</think> answer {i}",
+                          "finish_reason": "length" if i % 5 == 0 else "stop", "completion_tokens": i,
+                          "prompt_tokens": 1})
+        s.close()
+        part = Store(part_url(out, "a", c))
+        for p in sorted((d / "shards").glob("part-*.parquet")):
+            part.put_file(str(p), f"shards/{p.name}")
+        part.write_bytes("manifest.json", json.dumps({"complete": True, "state": "done", "accounted": c.lines}).encode())
+        assign.start(c.index, "a", str(d))
+        assign.finish(c.index, "a", "done")
+    cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(tmp_path / "w")}], engine={"kind": "sim"})
+    manifest = merge_job(cfg, tmp_path / "plan", plan, assign, out, store=out)
+    merge_job(cfg, tmp_path / "plan", plan, assign, local, store=out)   # the same merge, onto this disk
+    checks = manifest["checks"]
+    assert "skipped" not in checks and "error" not in checks
+    assert checks == data_checks(local)
+    assert checks["rows"] == 30 and checks["cut_at_max_tokens"] == 6 and checks["empty_completions"] == 5
+    assert checks["think_tags"] == 25 and checks["completion_tokens"]["max"] == 29
+    assert json.loads(Store(out).read_bytes("manifest.json") or b"{}")["checks"] == checks

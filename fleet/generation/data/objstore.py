@@ -15,6 +15,7 @@ in start_detached's 0600 env file, never in argv, job.json or artifacts.
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 from collections.abc import Callable, Iterator
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("fleet.generation.data.objstore")
 
 __all__ = ["Store", "export_via_copy", "is_url", "store_env", "STORE_ENV", "STORE_PACKAGES"]
 
@@ -119,7 +122,10 @@ class Store:
         except BaseException:
             discard = getattr(f, "discard", None)   # an unfinished upload never becomes the object
             if discard is not None:
-                discard()
+                try:
+                    discard()
+                except Exception as exc:   # never finalized, the upload is no object anyway (GCS's expires);
+                    log.warning("could not abort the upload of %s: %s", p, exc)   # the first error is the one
                 f.closed = True   # nothing left to close: its __del__ must not finish the upload
             raise
         f.close()

@@ -1,24 +1,43 @@
-"""Chunks of a JSONL input on object storage, read in place: byte ranges instead of chunk files.
+"""Chunks of an input on object storage, read in place: byte ranges of JSONL, row ranges of Parquet.
 
-An uncompressed JSONL input at a URL is never copied by the controller. It reads the input as a
-stream, twice, keeping nothing but counters: once to count its lines (the plan's sizes need the
-total), once to note the byte offset where each chunk starts. A chunk is then `span` = [start,
-end) of the input; the runner on a node reads exactly that range (`read_span`). A chunk cut at
-claim time (`split_span`) reads only its own range to find the cut.
+An uncompressed JSONL input at a URL is never copied by the controller. It streams the input once,
+keeping counters and a sparse index of line starts (`scan`): the line count and the non-blank rows
+(the plan's sizes need the total, `--limit` counts rows), and the byte offset of every `step`-th
+line. `step` is 1 (every line) up to `INDEX_ENTRIES` lines and doubles whenever the index fills, so
+memory stays bounded whatever the input's size (8 MB of offsets). The plan's chunk boundaries are
+then taken at indexed lines (`cut`): exactly the plan's sizes up to a million lines, sizes rounded
+to a multiple of `step` lines beyond (chunks are cut again by the nodes' measured rates at claim
+time anyway). A chunk is then `span` = [start, end) of the input; the runner on a node reads exactly
+that range (`read_span`). A chunk cut at claim time (`split_span`) reads only its own range to find
+the cut. (It used to stream the input twice: once to count, once to find each chunk's offset.)
 
-What needs a sequential read is not cut this way: a gzip stream cannot be entered at a byte
-offset, and a Parquet file's unit is its row groups, not the plan's row counts; those inputs are
-read once by the controller and cut into chunk objects (`fleet.generation.job.publish.stage_input`
-and the chunk files of `chunks.split_input`).
+A Parquet input at a URL is read in place too, by rows: a chunk is rows [first, first + lines) of
+the input; the plan needs only the file's footer (`parquet_rows`), and the runner reads only the row
+groups that hold its rows (`read_rows`: pyarrow over an fsspec file, the footer and those row
+groups' column chunks fetched by range). Rows cut inside a row group cost the reader the part of
+that group before them: inputs written with row groups of at most a chunk's size read least.
+
+A gzip stream cannot be entered at an offset: a gzip input is read once by the controller and cut
+into chunk objects (`fleet.generation.job.publish.stage_input` and the chunk files of
+`chunks.split_input`, put under `<output>/_inputs/`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from fleet.generation.data.objstore import Store
 
-__all__ = ["in_place", "read_span", "span_offsets", "split_span", "url_id", "count_lines"]
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["INDEX_ENTRIES", "LineIndex", "cut", "in_place", "is_parquet", "parquet_rows", "read_rows", "read_span",
+           "scan", "split_span", "url_id"]
+
+INDEX_ENTRIES = 1 << 20   # line starts kept at most (8 bytes each); past it, every other one is dropped
+BLOCK = 1 << 24           # bytes read per request while scanning (fewer, larger GETs)
 
 
 def _parent(url: str) -> tuple[Store, str]:
@@ -26,12 +45,19 @@ def _parent(url: str) -> tuple[Store, str]:
     return Store(parent), name
 
 
-def in_place(url: str) -> bool:
-    """Whether the input at `url` can be read in byte ranges: not gzip, not Parquet."""
+def _head(url: str) -> bytes:
     store, name = _parent(url)
-    with store.open_read(name) as f:
-        head = f.read(4)
-    return not (head[:2] == b"\x1f\x8b" or head == b"PAR1")
+    data: bytes = store.fs.cat_file(store._p(name), start=0, end=4)
+    return data
+
+
+def in_place(url: str) -> bool:
+    """Whether the input at `url` can be read in place (JSONL by byte ranges, Parquet by rows): not gzip."""
+    return _head(url)[:2] != b"\x1f\x8b"
+
+
+def is_parquet(url: str) -> bool:
+    return _head(url) == b"PAR1"
 
 
 def url_id(url: str) -> dict[str, object]:
@@ -43,44 +69,68 @@ def url_id(url: str) -> dict[str, object]:
     return {"path": url, "size": int(info.get("size") or 0), "mtime_ns": str(stamp)}
 
 
-def _lines(url: str) -> Iterator[tuple[int, bytes]]:
-    """(byte offset, line) of every line of the input, streamed."""
+@dataclass
+class LineIndex:
+    """What one pass over a JSONL input found (see the module docstring)."""
+
+    first_line: int            # the 1-based line the pass started at
+    start: int                 # its byte offset
+    lines: int = 0             # lines taken from `first_line` on, blank ones included
+    rows: int = 0              # non-blank rows up to the last line taken, those before `first_line` included
+    end: int = 0               # the byte offset just after the last line taken
+    step: int = 1              # `starts[k]` is the offset of line `first_line + k * step`
+    starts: array[int] = field(default_factory=lambda: array("q"))
+
+
+def scan(url: str, limit: int | None, *, first_line: int = 1, start: int = 0, rows: int = 0,
+         entries: int = INDEX_ENTRIES) -> LineIndex:
+    """One pass over the input from byte `start` (line `first_line`, `rows` non-blank rows before it):
+    the lines up to `limit` non-blank rows in all, and the index of their starts (as chunks._count
+    counts: the lines taken under a larger limit start with those taken under a smaller).
+
+    The fsspec file is read through io.BufferedReader in BLOCK-sized requests: iterating its own lines
+    goes through fsspec's `readuntil`, which reads (and copies) a whole block, 50 MB on s3fs, per line."""
+    import io
+
     store, name = _parent(url)
-    offset = 0
-    with store.open_read(name) as f:
-        for line in f:
-            yield offset, line
-            offset += len(line)
-
-
-def count_lines(url: str, limit: int | None) -> tuple[int, int]:
-    """(lines to take, non-blank rows among them), up to `limit` non-blank rows (as chunks._count)."""
-    lines = rows = 0
-    for _, line in _lines(url):
-        if limit is not None and rows >= limit:
-            break
-        lines += 1
-        if not line.isspace():
-            rows += 1
-    return lines, rows
-
-
-def span_offsets(url: str, first_line: int, sizes: list[int]) -> list[list[int]]:
-    """The [start, end) byte range of each of consecutive chunks of `sizes` lines from `first_line` on."""
-    from itertools import accumulate
-
-    want = list(accumulate(sizes, initial=first_line))   # the 1-based lines whose start offsets bound them
-    bounds: list[int] = []
-    end = 0
-    for n, (offset, line) in enumerate(_lines(url), 1):
-        if n == want[len(bounds)]:
-            bounds.append(offset)
-            if len(bounds) == len(want):
+    ix = LineIndex(first_line=first_line, start=start, rows=rows, end=start)
+    starts, step, pos = ix.starts, 1, start
+    with store.fs.open(store._p(name), "rb", cache_type="none") as raw:   # big sequential reads: no read-ahead
+        if start:
+            raw.seek(start)
+        for n, line in enumerate(io.BufferedReader(raw, BLOCK)):
+            if limit is not None and ix.rows >= limit:
                 break
-        end = offset + len(line)
-    while len(bounds) < len(want):   # the last chunk ends at the end of the input
-        bounds.append(end)
-    return [[bounds[i], bounds[i + 1]] for i in range(len(sizes))]
+            if n % step == 0:
+                starts.append(pos)
+                if len(starts) > entries:
+                    starts, step = starts[::2], step * 2
+            pos += len(line)
+            ix.lines = n + 1
+            if not line.isspace():
+                ix.rows += 1
+    ix.starts, ix.step, ix.end = starts, step, pos
+    return ix
+
+
+def cut(ix: LineIndex, sizes: list[int]) -> list[tuple[int, int, list[int]]]:
+    """(first line, lines, [start, end) bytes) of consecutive chunks of about `sizes` lines from the
+    index's first line: each boundary taken at the nearest indexed line (exact while `step` is 1)."""
+    if not sizes or ix.lines <= 0:
+        return []
+    bounds = [0]
+    at = 0
+    for size in sizes[:-1]:
+        at += size
+        k = min(round(at / ix.step), (ix.lines - 1) // ix.step)
+        if k * ix.step > bounds[-1]:
+            bounds.append(k * ix.step)
+    out = []
+    for i, b in enumerate(bounds):
+        n = (bounds[i + 1] if i + 1 < len(bounds) else ix.lines) - b
+        end = ix.starts[bounds[i + 1] // ix.step] if i + 1 < len(bounds) else ix.end
+        out.append((ix.first_line + b, n, [ix.starts[b // ix.step], end]))
+    return out
 
 
 def read_span(url: str, span: list[int]) -> bytes:
@@ -93,7 +143,55 @@ def read_span(url: str, span: list[int]) -> bytes:
 def split_span(url: str, span: list[int], rows: int) -> tuple[list[int], list[int]]:
     """A chunk's range cut after its first `rows` lines: (head, rest)."""
     data = read_span(url, span)
-    cut = 0
+    at = 0
     for _ in range(rows):
-        cut = data.index(b"\n", cut) + 1
-    return [span[0], span[0] + cut], [span[0] + cut, span[1]]
+        at = data.index(b"\n", at) + 1
+    return [span[0], span[0] + at], [span[0] + at, span[1]]
+
+
+# ---------------------------------------------------------------------------- Parquet
+
+
+def _parquet(store: Store, name: str) -> Any:
+    """The file at `name` as a pyarrow ParquetFile over fsspec, fetching only what is read: no
+    read-ahead cache (s3fs would fetch 50 MB blocks), pyarrow's own coalesced range reads."""
+    import pyarrow.parquet as pq
+
+    f = store.fs.open(store._p(name), "rb", cache_type="none")
+    return pq.ParquetFile(f, pre_buffer=True)
+
+
+def parquet_rows(url: str) -> int:
+    """The input's row count, from its footer."""
+    store, name = _parent(url)
+    pf = _parquet(store, name)
+    try:
+        return int(pf.metadata.num_rows)
+    finally:
+        pf.close()
+
+
+def read_rows(url: str, first: int, count: int) -> pa.Table:
+    """Rows [first, first + count) (0-based) of the Parquet input, reading only the row groups that hold them."""
+    import pyarrow as pa
+
+    store, name = _parent(url)
+    pf = _parquet(store, name)
+    try:
+        md = pf.metadata
+        groups: list[int] = []
+        skip = 0
+        at = 0
+        for g in range(md.num_row_groups):
+            n = md.row_group(g).num_rows
+            if at + n > first and at < first + count:
+                if not groups:
+                    skip = first - at
+                groups.append(g)
+            at += n
+        if not groups:
+            return pf.schema_arrow.empty_table()
+        table: pa.Table = pf.read_row_groups(groups)
+        return table.slice(skip, count)
+    finally:
+        pf.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,8 +59,8 @@ def shard_seq(path: Path) -> int:
     return int(m.group(1))
 
 
-def _shard_batches(path: Path, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-    pf = pq.ParquetFile(path)
+def _shard_batches(path: Path | IO[bytes], columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    pf = pq.ParquetFile(path, pre_buffer=not isinstance(path, Path))   # a remote file: coalesced range reads
     file_schema = pf.schema_arrow
     have = set(file_schema.names)
     present = [c for c in columns if c in have]
@@ -79,11 +79,20 @@ def _shard_batches(path: Path, columns: list[str], batch_rows: int) -> Iterator[
 
 def iter_results(out_dir: str | Path, columns: list[str] | None = None,
                  batch_rows: int = 8192) -> Iterator[pa.RecordBatch]:
-    """Stream committed results as record batches (one shard in memory at most per batch)."""
+    """Stream committed results as record batches (one shard in memory at most per batch). `out_dir` may
+    be an object-storage URL: its shards are read from there, only the columns asked for."""
     cols = list(columns) if columns is not None else list(RESULT_COLUMNS)
     unknown = [c for c in cols if c not in COLUMN_SET]
     if unknown:
         raise ValueError(f"unknown result column(s) {unknown}; columns: {', '.join(RESULT_COLUMNS)}")
+    from fleet.generation.data.objstore import Store, is_url
+
+    if is_url(str(out_dir)):
+        store = Store(str(out_dir))
+        for _, name in sorted((int(m.group(1)), n) for n in store.names(SHARDS_DIR) if (m := SHARD_RE.match(n))):
+            with store.fs.open(store._p(f"{SHARDS_DIR}/{name}"), "rb", cache_type="none") as f:
+                yield from _shard_batches(f, cols, batch_rows)
+        return
     for path in shard_paths(out_dir):
         yield from _shard_batches(path, cols, batch_rows)
 

@@ -57,6 +57,7 @@ class JobSpec:
     store: str | None = None     # object-storage URL the committed output is put under (fleet.generation.job.publish)
     seed: list[str] = field(default_factory=list)   # store URLs of earlier attempts whose shards a fresh run starts from
     input_span: list[int] | None = None   # [start, end) bytes of `input` (a URL) that are this job's rows
+    input_rows: list[int] | None = None   # [first, end) rows (0-based) of `input` (a Parquet URL) that are this job's
 
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:

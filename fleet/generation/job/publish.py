@@ -5,7 +5,8 @@ atomic shard rename, resume: the single-node machinery unchanged); what is new i
 the store, by the runner itself, so no controller is in the data path:
 
 - `stage_input`: the job's input URL downloaded once next to the output (a temporary name, then
-  a rename; a re-run of the same job finds it and reads it again).
+  a rename; a re-run of the same job finds it and reads it again): only its chunk's byte range of
+  a JSONL input, only its rows of a Parquet one (the row groups that hold them).
 - `seed`: a fresh attempt of a chunk first copies the shards that earlier attempts (on other
   nodes, maybe lost ones) put in the store, so its resume skips their ids. Their names are kept in
   `.seeded.json` and not published again: those rows are already in the store, under the attempt
@@ -34,19 +35,25 @@ log = logging.getLogger("fleet.generation.job.publish")
 SEEDED_FILE = ".seeded.json"
 
 
-def stage_input(url: str, out: Path, span: list[int] | None = None) -> str:
+def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None) -> str:
     """The local copy of input `url` (downloaded once, beside the output directory; `span`: only those
-    bytes of it, see ranges.py); a path is itself."""
+    bytes of it, `rows`: only those rows of a Parquet input, see ranges.py); a path is itself."""
     if not is_url(url):
         return url[len("file://"):] if url.startswith("file://") else url
     name = posixpath.basename(url.rstrip("/"))
-    local = out.parent / f".{out.name}.input" / (f"{span[0]}-{span[1]}-{name}" if span else name)
-    if span is not None and not local.exists():
-        from fleet.generation.data.ranges import read_span
+    part = span or rows
+    local = out.parent / f".{out.name}.input" / (f"{part[0]}-{part[1]}-{name}" if part else name)
+    if part is not None and not local.exists():
+        from fleet.generation.data.ranges import read_rows, read_span
 
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(local.name + ".tmp")
-        tmp.write_bytes(read_span(url, span))
+        if span is not None:
+            tmp.write_bytes(read_span(url, span))
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(read_rows(url, part[0], part[1] - part[0]), tmp)
         tmp.replace(local)
     if not local.exists():
         parent, name = url.rstrip("/").rsplit("/", 1)

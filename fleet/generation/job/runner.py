@@ -35,6 +35,7 @@ JOB.json (`JobSpec`):
       "store": "s3://bucket/job/_parts/gpu1/chunk-00003",  # optional: committed output put here too
       "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"],  # optional: shards a fresh run starts from
       "input_span": [0, 81920]          # optional: the bytes of the input URL that are this job's
+      "input_rows": [0, 5000]           # optional: the rows of the Parquet input URL that are this job's
     }
 
 The input may be an fsspec URL: it is downloaded beside the output first. With `store`, the
@@ -511,7 +512,7 @@ def _from_store(job: JobSpec, out: Path) -> None:
     shards (see fleet.generation.job.publish)."""
     from fleet.generation.job.publish import seed, stage_input
 
-    job.input = stage_input(job.input, out, job.input_span)
+    job.input = stage_input(job.input, out, job.input_span, job.input_rows)
     if job.store and job.seed:
         n = seed(out, job.seed)
         if n:

@@ -2,6 +2,7 @@
 
     chunks.py      the chunk plan, the assignment state (state.json) and the first-wins merge
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
+    cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
 
 May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
 and flows (tests/test_layers.py).

@@ -17,8 +17,9 @@ What is new lives here:
   `Assignments.claim` cuts a longer first-time chunk to that size (`split_chunk`: the rest is a
   new chunk at the end of the plan, recorded in plan.json before the files change).
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
-  with the input's schema) and the plan, atomically. A JSONL input on object storage is read in
-  place instead: its chunks are byte ranges of it (`ranges.py`), and only plan.json is written.
+  with the input's schema) and the plan, atomically. A JSONL or Parquet input on object storage is
+  read in place instead: its chunks are byte ranges (JSONL) or row ranges (Parquet) of it
+  (`ranges.py`), and only plan.json is written.
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
   asks for work when it has none (`claim`), so a faster node takes more chunks. Kept in
   `state.json` (written atomically on every change), so a killed controller loses nothing: the
@@ -145,7 +146,8 @@ class Chunk:
     first_line: int     # 1-based line (JSONL) / row (Parquet) of the input where the chunk starts
     lines: int          # input lines (or rows) in the chunk, blank lines included
     file: str           # the chunk's input file, relative to the plan directory ("" when read in place)
-    span: list[int] | None = None   # [start, end) bytes of the plan's input URL, read in place (ranges.py)
+    span: list[int] | None = None   # [start, end) bytes of the plan's JSONL input URL, read in place (ranges.py)
+    # ("" file and no span in a Parquet plan: rows first_line … of its input URL, read in place)
 
     @property
     def name(self) -> str:
@@ -266,10 +268,11 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
 
 def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int | None,
                     limit: int | None) -> Plan:
-    """`split_input` for a JSONL input on object storage: chunks are byte ranges of it (ranges.py),
-    no file is written but plan.json. The same rules: a plan is kept, grown, or refused for another input."""
+    """`split_input` for an input on object storage read in place: chunks are byte ranges of a JSONL
+    input or row ranges of a Parquet one (ranges.py); no file is written but plan.json. The same rules:
+    a plan is kept, grown, or refused for another input."""
     from fleet.errors import ConfigError
-    from fleet.generation.data.ranges import count_lines, span_offsets, url_id
+    from fleet.generation.data.ranges import is_parquet, url_id
 
     ident = url_id(url)
     old = load_plan(pdir)
@@ -280,20 +283,43 @@ def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int |
                               remedy="give another --output for another input, or run the same input again to resume")
         if old.whole_input or (limit is not None and old.limit is not None and limit <= old.limit):
             return old
-    total, rows = count_lines(url, limit)
+    fmt = old.fmt if old is not None else ("parquet" if is_parquet(url) else "jsonl")
     plan = old or Plan(input=url, input_id=ident, total_lines=0, chunk_rows=chunk_rows, nodes=list(nodes), chunks=[],
-                       fmt="jsonl", limit=limit, rows=0)
-    if total > plan.total_lines and rows > (plan.rows or 0):
-        sizes = plan_sizes(total - plan.total_lines, len(plan.nodes), plan.chunk_rows)
-        first = plan.total_lines + 1
-        for i, span in enumerate(span_offsets(url, first, sizes)):
-            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=sizes[i], file="", span=span))
-            first += sizes[i]
-        plan.total_lines = total
-    plan.limit, plan.rows = limit, rows
+                       fmt=fmt, limit=limit, rows=0)
+    (_grow_parquet_in_place if fmt == "parquet" else _grow_jsonl_in_place)(url, plan, limit)
+    plan.limit = limit
     pdir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
     return plan
+
+
+def _grow_jsonl_in_place(url: str, plan: Plan, limit: int | None) -> None:
+    """The JSONL input's lines after the plan's last chunk, up to `limit` rows in all, as new byte-range
+    chunks: one pass over those lines only (it starts where the plan's lines end)."""
+    from fleet.generation.data.ranges import cut, scan
+
+    start = max((c.span[1] for c in plan.chunks if c.span is not None), default=0)
+    ix = scan(url, limit, first_line=plan.total_lines + 1, start=start, rows=plan.rows or 0)
+    if ix.lines and ix.rows > (plan.rows or 0):   # not only blank lines after the plan's
+        for first, lines, span in cut(ix, plan_sizes(ix.lines, len(plan.nodes), plan.chunk_rows)):
+            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=lines, file="", span=span))
+        plan.total_lines += ix.lines
+    plan.rows = ix.rows
+
+
+def _grow_parquet_in_place(url: str, plan: Plan, limit: int | None) -> None:
+    """The Parquet input's rows after the plan's last chunk, up to `limit`, as new row-range chunks
+    (`file` "" and no `span`: rows first_line … of the input, read by the runner with ranges.read_rows)."""
+    from fleet.generation.data.ranges import parquet_rows
+
+    total = parquet_rows(url)
+    total = total if limit is None else min(total, limit)
+    first = plan.total_lines + 1
+    for n in plan_sizes(total - plan.total_lines, len(plan.nodes), plan.chunk_rows):
+        plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=n, file=""))
+        first += n
+    plan.total_lines = max(plan.total_lines, total)
+    plan.rows = plan.total_lines
 
 
 def grow_plan(plan: Plan, src: Path, pdir: Path, limit: int | None) -> Plan:
@@ -343,10 +369,10 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chun
     c = plan.chunks[index]
     if not 0 < rows < c.lines:
         raise ValueError(f"cannot cut chunk {index} of {c.lines} lines after {rows}")
-    if c.span is not None:   # read in place: the cut is two byte ranges, plan.json the only write
+    if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, plan.json the only write
         from fleet.generation.data.ranges import split_span
 
-        head_span, rest_span = split_span(plan.input, c.span, rows)
+        head_span, rest_span = split_span(plan.input, c.span, rows) if c.span is not None else (None, None)
         new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
                     span=rest_span)
         plan.chunks[index] = Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span)

@@ -21,8 +21,8 @@ node committed survives the node. A chunk ends:
   every `probe_s`; when it answers again it rejoins and claims chunks like the others.
 
 With an --output on object storage (`self.store`) nothing of the data passes through here: each
-runner reads its chunk from the store (a byte range of a JSONL input, else a chunk object under
-`<output>/_inputs/`), works in a copy under its node's workdir, and puts its commits under
+runner reads its chunk from the store (a byte range of a JSONL input, the rows of a Parquet one,
+a chunk object under `<output>/_inputs/` for a gzip one), works in a copy under its node's workdir, and puts its commits under
 `<output>/_parts/<node>/<chunk>/` itself (fleet.generation.job.publish); a chunk is done when its
 manifest is there; a next attempt is seeded by its runner from the earlier attempts' parts; the
 merge reads the parts and writes the job's output at `<output>` (`merge_job(store=…)`).
@@ -158,7 +158,10 @@ class Controller:
         chunk = self.chunk(index)
         mine = self.part_url(node, chunk)
         earlier = [self.part_url(a.node, chunk) for a in self.assign.chunks[index].attempts if a.output != out]
-        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span}
+        assert self.plan is not None
+        rows = [chunk.first_line - 1, chunk.first_line - 1 + chunk.lines] \
+            if not chunk.file and self.plan.fmt == "parquet" else None   # rows of a Parquet input, read in place
+        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span, "input_rows": rows}
 
     def gathered(self, node: str, chunk: Chunk) -> Path:
         return self.plan_dir / "gathered" / node / chunk.name
@@ -312,7 +315,7 @@ class Controller:
             node.write_text(path, json.dumps({"fleet": self.cfg.name, "plan_dir": str(self.plan_dir)}))
 
     def _put_input(self, node: Node, node_cfg: NodeConfig, chunk: Chunk) -> str:
-        if chunk.span is not None:   # a byte range of the input, read in place (store_args names it)
+        if not chunk.file:   # a byte (JSONL) or row (Parquet) range of the input, read in place (store_args names it)
             assert self.plan is not None
             return self.plan.input
         local = self.plan_dir / chunk.file
@@ -657,15 +660,12 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         manifest.update(state="incomplete", complete=False, missing_chunks=missing)
         write_manifest_to(out, manifest)
     manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
-    if not out.local:
-        manifest["checks"] = {"skipped": "the output is on object storage: run `fleet check` on a fetched copy"}
-    else:
-        try:
-            from fleet.generation.data.checks import data_checks
+    try:   # on object storage too: the merged shards' check columns streamed from the store
+        from fleet.generation.data.checks import data_checks
 
-            manifest["checks"] = data_checks(dest)
-        except Exception as exc:
-            manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+        manifest["checks"] = data_checks(dest)
+    except Exception as exc:
+        manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
     write_manifest_to(out, manifest)
     return manifest
 
