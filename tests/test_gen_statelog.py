@@ -198,3 +198,39 @@ def test_a_job_with_no_copy_in_the_store_is_not_pulled(tmp_path: Path) -> None:
     _plan(pdir, 5)
     assert not journal.pull(mirror, pdir)
     assert (pdir / PLAN_FILE).exists()
+
+
+def test_a_cut_whose_put_failed_keeps_the_plan_made_here(tmp_path: Path) -> None:
+    """A cut rewrites the chunk files here, then puts plan.json in the store; if that PUT fails, the
+    store's plan is older than the files. The next controller on this machine must keep the plan made
+    here (the store's would send the head's file as the whole chunk: the rest's rows lost); the cut's
+    new chunk, never acknowledged, is simply pending."""
+    from fleet.generation.multinode.chunks import load_plan, split_input
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": "q"}) + "\n" for i in range(400)))
+    mirror = Store(f"memory://statelog-{uuid.uuid4().hex}/out/_control")
+    pdir = tmp_path / "p"
+    plan = split_input(inp, pdir, ["a", "b"], chunk_rows=100)
+    n = len(plan.chunks)
+    st = Assignments(pdir, plan, mirror)
+    st.start(0, "a", "/w/a/chunk-00000")
+
+    def no_store(*a: Any, **kw: Any) -> None:
+        raise OSError("the store is unreachable")
+
+    st.log.mirror = Store(mirror.root)
+    st.log.mirror.write_bytes = no_store   # type: ignore[method-assign]
+    journal.PUT_TRIES, tries = 1, journal.PUT_TRIES
+    try:
+        with pytest.raises(OSError):
+            st.claim("b", rows=30)
+    finally:
+        journal.PUT_TRIES = tries
+    assert journal.pull(mirror, pdir)
+    again = load_plan(pdir)
+    assert again is not None and len(again.chunks) == n + 1
+    lines = sum(len((pdir / c.file).read_text().splitlines()) for c in again.chunks)
+    assert lines == sum(c.lines for c in again.chunks) == 400
+    st2 = Assignments(pdir, again)
+    assert st2.chunks[n].state == "pending" and st2.chunks[0].state == "running"

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -243,3 +244,59 @@ def test_store_jobs_refuse_what_they_cannot_do_safely(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="user or password") as e:
         plan_job(FleetConfig(**base), input=str(inp), output="s3://AKIA:secret@bucket/out")
     assert "secret" not in str(e.value)
+
+
+@pytest.mark.timeout(900)   # two bring-ups and a 600-row job, on a shared 2-core machine
+def test_controller_lost_with_its_machine_resumes_from_the_store(tmp_path: Path, state_home: Path, s3: str,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 stop_everything) -> None:
+    """A controller whose machine is lost mid-job (SIGKILLed, its job directory deleted: plan, state,
+    everything) must not lose the job: the plan and every acknowledged change are under the output's
+    `_control/` in the store, and the same command on another machine (another state directory) reads
+    them back, re-attaches to the running chunks, keeps the finished ones (not run again) and ends with
+    every id exactly once in the store."""
+    import shutil
+
+    from fleet.generation.data.objstore import Store
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 16, "chunk_rows": 150, "shard_rows": 20, "node_lost_s": 30},
+                    sim={"tokens_per_s": 40, "max_running_requests": 4})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 600)
+    Store(s3).put_file(str(inp), "in/prompts.jsonl")
+    out = f"{s3}/job"
+    log1 = tmp_path / "first.log"
+    first = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log1)   # type: ignore[arg-type]
+    try:
+        def one_done_one_running() -> dict[str, Any] | None:
+            got = plan_state(state_home)
+            if not got:
+                return None
+            states = [c["state"] for c in got[1]["chunks"].values()]
+            return got[1] if "done" in states and "running" in states else None
+
+        before = _wait(first, log1, one_done_one_running, "a chunk done and one running", timeout=400)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert Store(f"{out}/_control").exists("plan.json")
+    shutil.rmtree(state_home)                                  # the first machine is gone
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "elsewhere"))
+    log2 = tmp_path / "second.log"
+    second = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2)   # type: ignore[arg-type]
+    try:
+        rc = second.wait(timeout=500)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    assert rc == 0, log2.read_text(errors="replace")[-5000:]
+    assert "plan and state read from" in log2.read_text(errors="replace")
+    _, st = plan_state(tmp_path / "elsewhere")  # type: ignore[misc]
+    assert all(c["state"] == "done" for c in st["chunks"].values())
+    for idx, c in before["chunks"].items():
+        if c["state"] == "done":   # a chunk finished before the loss is not run again
+            assert st["chunks"][idx]["attempts"] == c["attempts"]
+    ids = store_ids(out)
+    assert len(ids) == len(set(ids)) == 600
+    manifest = json.loads(Store(out).read_bytes("manifest.json") or b"{}")
+    assert manifest["complete"] and manifest["counts"]["completed"] == 600

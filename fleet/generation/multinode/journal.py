@@ -43,7 +43,7 @@ SNAPSHOT_FILE = "state.json"
 LOG_FILE = "state.jsonl"
 PLAN_FILE = "plan.json"
 CONTROL_DIR = "_control"      # under a job's --output on object storage
-SEGMENT_BYTES = 32 << 10      # a log segment in the store is put whole per change: this bounds a PUT
+SEGMENT_BYTES = 16 << 10      # a log segment in the store is put whole per change: this bounds a PUT
 MIN_COMPACT_BYTES = 64 << 10  # a tiny snapshot is not rewritten every few changes
 PUT_TRIES = 3
 
@@ -224,9 +224,21 @@ def apply(state: dict[str, Any], rec: dict[str, Any]) -> None:
         state["events"].append(rec["event"])
 
 
+def _local_plan_ahead(local: Path, stored: bytes) -> bool:
+    """The plan here has chunks the store's lacks: a cut made here whose PUT failed (plan.json was put
+    before its line). A plan only grows (a cut shortens a chunk and adds its rest), and a cut of chunk
+    files rewrote them here: the store's older plan would send the head's file as the whole chunk.
+    The store's state never names the newer chunks, so they are pending: keep this plan."""
+    try:
+        here = json.loads(local.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return False
+    return len(here.get("chunks") or []) > len(json.loads(stored).get("chunks") or [])
+
+
 def pull(mirror: Store, directory: str | Path) -> bool:
     """Copy the job's state from the store into `directory` (plan.json, the snapshot, the log lines after
-    it), replacing what is there; False when the store holds no plan (a new job, or one begun before
+    it), replacing what is there but a plan that is ahead of the store's (`_local_plan_ahead`); False when the store holds no plan (a new job, or one begun before
     the mirror). The store's copy is the truth for a job on object storage: what a controller appended
     only locally was never acknowledged."""
     plan = mirror.read_bytes(PLAN_FILE)
@@ -242,7 +254,8 @@ def pull(mirror: Store, directory: str | Path) -> bool:
             if raw.endswith(b"\n") and json.loads(raw)["seq"] > base:
                 lines.append(raw)
     lines.sort(key=lambda raw: json.loads(raw)["seq"])
-    atomic_write(d / PLAN_FILE, plan)
+    if not _local_plan_ahead(d / PLAN_FILE, plan):
+        atomic_write(d / PLAN_FILE, plan)
     if snap is not None:
         atomic_write(d / SNAPSHOT_FILE, snap)
     else:
