@@ -269,11 +269,16 @@ def test_controller_lost_with_its_machine_resumes_from_the_store(tmp_path: Path,
     first = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log1)   # type: ignore[arg-type]
     try:
         def one_done_one_running() -> dict[str, Any] | None:
-            got = plan_state(state_home)
-            if not got:
+            """The state as the store has it (acknowledged: a line appended here is not, until its PUT)."""
+            from fleet.generation.multinode.chunks import read_state
+            from fleet.generation.multinode.journal import pull
+
+            peek = tmp_path / "peek"
+            if not pull(Store(f"{out}/_control"), peek):
                 return None
-            states = [c["state"] for c in got[1]["chunks"].values()]
-            return got[1] if "done" in states and "running" in states else None
+            got = read_state(peek)
+            states = [c["state"] for c in (got or {}).get("chunks", {}).values()]
+            return got if "done" in states and "running" in states else None
 
         before = _wait(first, log1, one_done_one_running, "a chunk done and one running", timeout=400)
     finally:

@@ -224,6 +224,19 @@ def apply(state: dict[str, Any], rec: dict[str, Any]) -> None:
         state["events"].append(rec["event"])
 
 
+def _read_mirror(mirror: Store) -> tuple[bytes | None, list[bytes]]:
+    """(the snapshot, the log lines after it in order). The segments are read first, the snapshot
+    last, as a local reader does: a compaction between them puts the snapshot before it deletes."""
+    lines: dict[int, bytes] = {}
+    for name in mirror.names("log"):
+        for raw in (mirror.read_bytes(f"log/{name}") or b"").splitlines(keepends=True):
+            if raw.endswith(b"\n"):
+                lines[json.loads(raw)["seq"]] = raw
+    snap = mirror.read_bytes("state.json")
+    base = int(json.loads(snap).get("seq") or 0) if snap else 0
+    return snap, [lines[k] for k in sorted(lines) if k > base]
+
+
 def _local_plan_ahead(local: Path, stored: bytes) -> bool:
     """The plan here has chunks the store's lacks: a cut made here whose PUT failed (plan.json was put
     before its line). A plan only grows (a cut shortens a chunk and adds its rest), and a cut of chunk
@@ -238,22 +251,22 @@ def _local_plan_ahead(local: Path, stored: bytes) -> bool:
 
 def pull(mirror: Store, directory: str | Path) -> bool:
     """Copy the job's state from the store into `directory` (plan.json, the snapshot, the log lines after
-    it), replacing what is there but a plan that is ahead of the store's (`_local_plan_ahead`); False when the store holds no plan (a new job, or one begun before
-    the mirror). The store's copy is the truth for a job on object storage: what a controller appended
-    only locally was never acknowledged."""
-    plan = mirror.read_bytes(PLAN_FILE)
-    if plan is None:
+    it), replacing what is there but a plan ahead of the store's (`_local_plan_ahead`); False when the
+    store holds no plan (a new job, or one begun before the copy existed). The store's copy is the truth
+    for a job on object storage: what a controller appended only locally was never acknowledged.
+    The plan is read last: it is put before any line that needs it."""
+    if not mirror.exists(PLAN_FILE):
         return False
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    snap = mirror.read_bytes("state.json")
-    base = int(json.loads(snap).get("seq") or 0) if snap else 0
-    lines: list[bytes] = []
-    for name in mirror.names("log"):
-        for raw in (mirror.read_bytes(f"log/{name}") or b"").splitlines(keepends=True):
-            if raw.endswith(b"\n") and json.loads(raw)["seq"] > base:
-                lines.append(raw)
-    lines.sort(key=lambda raw: json.loads(raw)["seq"])
+    for _ in range(5):   # a compaction between the reads (a controller running: an observer's pull)
+        snap, lines = _read_mirror(mirror)
+        base = int(json.loads(snap).get("seq") or 0) if snap else 0
+        seqs = [json.loads(raw)["seq"] for raw in lines]
+        if seqs == list(range(base + 1, base + 1 + len(seqs))):
+            break
+    plan = mirror.read_bytes(PLAN_FILE)
+    assert plan is not None   # never deleted once put
     if not _local_plan_ahead(d / PLAN_FILE, plan):
         atomic_write(d / PLAN_FILE, plan)
     if snap is not None:
