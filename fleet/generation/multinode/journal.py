@@ -229,7 +229,11 @@ def _read_mirror(mirror: Store) -> tuple[bytes | None, list[bytes]]:
     last, as a local reader does: a compaction between them puts the snapshot before it deletes."""
     lines: dict[int, bytes] = {}
     for name in mirror.names("log"):
-        for raw in (mirror.read_bytes(f"log/{name}") or b"").splitlines(keepends=True):
+        try:   # one GET: the current segment is replaced while a controller runs (a ranged read fails then)
+            data: bytes = mirror.fs.cat_file(mirror._p(f"log/{name}"))
+        except FileNotFoundError:   # deleted by a compaction since the listing: the snapshot holds it
+            continue
+        for raw in data.splitlines(keepends=True):
             if raw.endswith(b"\n"):
                 lines[json.loads(raw)["seq"]] = raw
     snap = mirror.read_bytes("state.json")
