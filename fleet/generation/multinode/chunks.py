@@ -492,6 +492,7 @@ class Assignments:
         # decision: 2.4 ms at 20 nodes, seconds at 1,000 (bench/bench_controller_scale.py).
         self.version = 0
         self._running: tuple[int, dict[str, list[int]]] = (-1, {})
+        self._pending: tuple[int, list[int], int] = (-1, [], 0)
         # state.json (a snapshot) + state.jsonl (a line per change since): journal.py. `mirror`: the
         # job's `_control/` on object storage, where every change is put too.
         self.log = StateLog(plan_dir, mirror)
@@ -552,13 +553,21 @@ class Assignments:
 
     def pending(self) -> list[int]:
         """Pending chunks in input order (a chunk cut in two has its rest at the end of the list)."""
-        with self._lock:
-            return sorted((i for i, c in self.chunks.items() if c.state == "pending"),
-                          key=lambda i: self.plan.chunks[i].first_line)
+        return list(self._pending_now()[0])
 
     def rows_pending(self) -> int:
+        return self._pending_now()[1]
+
+    def _pending_now(self) -> tuple[list[int], int]:
+        """(pending chunks in input order, their lines), computed once per change of the state (`version`):
+        sorted afresh per question, each decision cost O(chunks) — 16 ms at 1,000 nodes (10,000 chunks),
+        the bench's third limit."""
         with self._lock:
-            return sum(self.plan.chunks[i].lines for i in self.pending())
+            if self._pending[0] != self.version:
+                idx = sorted((i for i, c in self.chunks.items() if c.state == "pending"),
+                             key=lambda i: self.plan.chunks[i].first_line)
+                self._pending = (self.version, idx, sum(self.plan.chunks[i].lines for i in idx))
+            return self._pending[1], self._pending[2]
 
     def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False,
               rows: int | None = None, min_rest: int = 0) -> int | None:
