@@ -234,3 +234,32 @@ def test_a_cut_whose_put_failed_keeps_the_plan_made_here(tmp_path: Path) -> None
     assert lines == sum(c.lines for c in again.chunks) == 400
     st2 = Assignments(pdir, again)
     assert st2.chunks[n].state == "pending" and st2.chunks[0].state == "running"
+
+
+def test_a_job_begun_before_the_store_copy_puts_its_whole_state_there_first(tmp_path: Path) -> None:
+    """A job on object storage begun before the store kept a copy of its state (or a new one): the
+    controller puts the plan and the whole state in the store before any line; its log lines alone
+    would leave a controller elsewhere without what this machine's state held (a finished chunk run
+    again, or worse, a running one started twice)."""
+    from fleet.config import FleetConfig
+    from fleet.generation.multinode.chunks import split_input
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    Store(root).write_bytes("in.jsonl", b"".join(b'{"id": %d, "prompt": "q"}\n' % i for i in range(2_000)))
+    pdir = tmp_path / "plan"
+    old = Assignments(pdir, split_input(f"{root}/in.jsonl", pdir, ["a", "b"], chunk_rows=100))
+    old.start(0, "a", "/w/a/chunk-00000")
+    old.finish(0, "a", "done")
+    old.close()
+    cfg = FleetConfig(name="t", nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")],
+                      engine={"kind": "sim"}, model={"served_name": "m"})
+    ctl = Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")})
+    ctl.prepare(f"{root}/in.jsonl")
+    assert ctl.assign is not None
+    ctl.assign.start(1, "b", "/w/b/chunk-00001")
+    elsewhere = tmp_path / "elsewhere"
+    assert journal.pull(Store(f"{root}/out/_control"), elsewhere)
+    st = read_state(elsewhere)
+    assert st is not None
+    assert st["chunks"]["0"]["state"] == "done" and st["chunks"]["1"]["state"] == "running"

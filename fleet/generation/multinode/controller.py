@@ -128,11 +128,18 @@ class Controller:
         controller on any machine reads), else cut now."""
         self.plan_dir.mkdir(parents=True, exist_ok=True)
         mirror = self.store.child(CONTROL_DIR) if self.store is not None else None
-        if mirror is not None and pull(mirror, self.plan_dir):
-            self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
+        pulled = False
+        if mirror is not None:
+            pulled = pull(mirror, self.plan_dir)
+            if pulled:
+                self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
         self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
                                 limit=self.cfg.generation.limit)
         self.assign = Assignments(self.plan_dir, self.plan, mirror)
+        if mirror is not None and not pulled:
+            # a new job, or one begun before the store's copy: the plan and the whole state go there
+            # first (its log lines alone would lack what this machine's state held before them)
+            self.assign.compact()
         if self.store is not None:   # `fleet fetch` merges from the store: it needs the URL
             write_json_atomic(self.plan_dir / STORE_FILE, {"output": self.output})
         return self.plan
