@@ -71,6 +71,16 @@ def store_ids(url: str) -> list[str]:
     return ids
 
 
+def acknowledged_state(out: str, peek: Path) -> dict[str, Any] | None:
+    """A job's state as its copy under `<out>/_control/` has it: what the next controller reads, on any
+    machine (a line the controller appended locally is not acknowledged, nor acted on, until its PUT)."""
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.chunks import read_state
+    from fleet.generation.multinode.journal import pull
+
+    return read_state(peek) if pull(Store(f"{out}/_control"), peek) else None
+
+
 def test_an_unfinished_upload_never_becomes_an_object(s3: str, tmp_path: Path) -> None:
     """A shard is visible in the store only when complete: a write cut short by an error leaves no object
     (on S3 and in a local directory alike), so a reader never takes half a shard for a commit."""
@@ -124,9 +134,9 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
             os.kill(pid, signal.SIGSTOP)
 
         def taken_over() -> bool:
-            st = plan_state(state_home)[1]   # type: ignore[index]
-            c = st["chunks"][str(idx)]
-            return c["state"] == "running" and c["node"] == "fast"
+            st = acknowledged_state(out, tmp_path / "peek")   # the store's copy: what a next controller reads
+            c = (st or {}).get("chunks", {}).get(str(idx), {})
+            return c.get("state") == "running" and c.get("node") == "fast"
 
         _wait(first, log1, taken_over, "the lost node's chunk to start on the other node")
     finally:
@@ -269,14 +279,7 @@ def test_controller_lost_with_its_machine_resumes_from_the_store(tmp_path: Path,
     first = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log1)   # type: ignore[arg-type]
     try:
         def one_done_one_running() -> dict[str, Any] | None:
-            """The state as the store has it (acknowledged: a line appended here is not, until its PUT)."""
-            from fleet.generation.multinode.chunks import read_state
-            from fleet.generation.multinode.journal import pull
-
-            peek = tmp_path / "peek"
-            if not pull(Store(f"{out}/_control"), peek):
-                return None
-            got = read_state(peek)
+            got = acknowledged_state(out, tmp_path / "peek")
             states = [c["state"] for c in (got or {}).get("chunks", {}).values()]
             return got if "done" in states and "running" in states else None
 
