@@ -1,9 +1,15 @@
 """The multi-node controller's own cost at 20, 100, 1,000 nodes: its real code, fake nodes.
 
     .venv/bin/python bench/bench_controller_scale.py --nodes 100 [--rows 902087 --speed 20 --losses 0.1]
+    .venv/bin/python bench/bench_controller_scale.py --nodes 1000 --rows 9000000 --speed 4 --max-wall-s 420
+
+Prints one JSON line per pass, then a Markdown table (one column per pass); `--compare-state` adds
+a pass with the whole state written on every change (as before the log), `--compare` one with
+the scans before the per-change cache; `--probe-decisions` only times one decision mid-job.
 
 What runs for real: `Controller` (node_loop per node in a thread, as the flow's one task per node;
-run_chunk per chunk attempt; next_size/claim/cuts/prestart; `Assignments` writing state.json) and
+run_chunk per chunk attempt; next_size/claim/cuts/prestart; `Assignments` appending each change to
+state.jsonl, compacting into state.json, and putting both in the store's `_control/`) and
 the flow's progress writer (`write_progress` every 5 s). What is fake: the node transport at the
 seam — `connect` hands out a FakeNode, and `start_job` starts a FakeRunner on it instead of the
 detached runner. A runner reports progress.json at its node's drawn rate (7–8 servers per node,
@@ -19,9 +25,10 @@ and chunks.py, the controller's stop event) run --speed times faster than the wa
 CPU over the job's (virtual) seconds is what it would use of one core on a real job; when that
 comes near 1 / --speed of the wall the compressed run itself is CPU-bound (reported: `gil_busy`).
 
-Reported (per run, one JSON line, `--json`): makespan ÷ ideal (ideal: rows over the nodes'
+Reported (one JSON line per pass, then the table): makespan ÷ ideal (ideal: rows over the nodes'
 summed rates, no runner start), controller CPU total and per decision (next_size + claim, thread
-CPU), peak RSS, state.json writes/bytes per job minute and its final size, node operations and SSH
+CPU), peak RSS, the state's changes and bytes written per job minute (log lines and snapshots) and
+per change, the store PUTs and bytes of its copy, plan.json's rewrites (a cut), node operations and SSH
 connections per node per job minute, Prefect task runs per job minute (one per node + one per chunk
 attempt) and the progress writes (each one Prefect artifact update).
 """
@@ -256,13 +263,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import fleet.generation.multinode.chunks as chunks_mod
     import fleet.generation.multinode.controller as ctl_mod
     import fleet.generation.job.remote as remote_mod
+    import fleet.generation.multinode.journal as journal_mod
     from fleet.config import FleetConfig
     from fleet.generation.data.objstore import Store
     from fleet.generation.multinode.controller import Controller, NodeWork
 
     rng = random.Random(args.seed)
     clock = VClock(args.speed)
-    tag = f"bench-{os.getpid()}-{args.nodes}-{int(args.uncached)}"
+    tag = f"bench-{os.getpid()}-{args.nodes}-{int(args.uncached)}-{int(args.whole_state)}"
     root = f"memory://{tag}"
     body = b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(args.rows))
     Store(root).write_bytes("input.jsonl", body)
@@ -276,13 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       engine={"kind": "sim"}, model={"served_name": "sim-model"},
                       generation={"node_lost_s": args.node_lost_s})
 
-    saved = (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic)
-    state = {"writes": 0, "bytes": 0, "max": 0}
+    saved = (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic,
+             journal_mod.StateLog.due)
+    state = {"writes": 0, "bytes": 0, "max": 0}   # plan.json's (a cut rewrites it whole)
     real_write = chunks_mod.write_json_atomic
 
     def counted_write(path: Any, obj: Any) -> None:
         real_write(path, obj)
-        if Path(path).name == chunks_mod.STATE_FILE:
+        if Path(path).name == chunks_mod.PLAN_FILE:
             size = Path(path).stat().st_size
             state["writes"] += 1
             state["bytes"] += size
@@ -298,11 +307,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctl_mod.connect = connect  # type: ignore[assignment]
     remote_mod.start_job = fake_start_job(hosts, counters)  # type: ignore[assignment]
     chunks_mod.write_json_atomic = counted_write  # type: ignore[assignment]
+    if args.whole_state:   # the state before the log: the whole of it written on every change
+        journal_mod.StateLog.due = lambda self: True  # type: ignore[method-assign]
     try:
         return _drive(args, cfg, tmp, hosts, counters, state, clock, root, Controller, NodeWork)
     finally:
         Store(root).fs.rm(Store(root).path, recursive=True)
-        ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic = saved
+        (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic,
+         journal_mod.StateLog.due) = saved
 
 
 def _uncached(ctl: Any) -> None:
@@ -413,12 +425,13 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     minutes = vsec / 60
     n = len(hosts)
     counts = ctl.assign.counts()
+    log = ctl.assign.log.counters
     return {
         "nodes": n, "servers": sum(h.servers for h in hosts.values()), "rows": plan.total_lines,
         "chunks": len(ctl.assign.plan.chunks), "chunks_done": counts.get("done", 0), "speed": args.speed,
         "chunks_done_once": sum(1 for c in ctl.assign.chunks.values()
                                 if sum(1 for a in c.attempts if a.outcome == "done") == 1),
-        "state_writes": state["writes"], "rate_scans": int(c.get("rate_scans", 0)),
+        "state_writes": log["appends"], "rate_scans": int(c.get("rate_scans", 0)),
         "rate_questions": int(c.get("rate_questions", 0)),
         "losses": sum(1 for h in hosts.values() if h.outages), "errors": errors[:3],
         "makespan_s": round(vsec, 1), "ideal_s": round(plan.total_lines / rate, 1),
@@ -428,8 +441,14 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
         "cpu_per_decision_ms": round(1000 * c.get("decision_cpu", 0) / max(1, c.get("decisions", 0)), 3),
         "decision_cpu_s": round(c.get("decision_cpu", 0), 2),
         "rss_mb": round(_peak_kb() / 1024, 1), "rss_after_plan_mb": round(rss0 / 1024, 1),
-        "state_writes_per_min": round(state["writes"] / minutes, 1),
-        "state_kb_per_min": round(state["bytes"] / 1024 / minutes, 1), "state_kb_final": round(state["max"] / 1024, 1),
+        "state_changes_per_min": round(log["appends"] / minutes, 1),
+        "state_kb_per_min": round((log["log_bytes"] + log["snapshot_bytes"]) / 1024 / minutes, 1),
+        "state_bytes_per_change": round((log["log_bytes"] + log["snapshot_bytes"]) / max(1, log["appends"])),
+        "snapshots": log["snapshots"], "state_kb_final": round(ctl.assign.log.snapshot_bytes / 1024, 1),
+        "store_puts_per_min": round(log["puts"] / minutes, 1),
+        "store_kb_per_min": round(log["put_bytes"] / 1024 / minutes, 1),
+        "plan_writes": state["writes"], "plan_kb_per_min": round(state["bytes"] / 1024 / minutes, 1),
+        "plan_kb_final": round(state["max"] / 1024, 1),
         "ops_per_node_per_min": round(c.get("ops", 0) / n / minutes, 1),
         "connects_per_node_per_min": round(c.get("connect", 0) / n / minutes, 2),
         "start_jobs": int(c.get("start_job", 0)),
@@ -455,6 +474,7 @@ def probe_decisions(nodes: int, rows: int, uncached: bool, asks: int = 50) -> di
     cfg = FleetConfig(name="bench-probe", nodes=[{"name": n, "workdir": str(tmp / n)} for n in names],
                       engine={"kind": "sim"}, model={"served_name": "sim-model"})
     ctl = Controller(cfg, tmp / "plan", f"{root}/out", {n: NodeWork(n, []) for n in names})
+    setup0 = _time.monotonic()
     plan = ctl.prepare(f"{root}/input.jsonl")
     assert ctl.assign is not None
     t = 1000.0
@@ -468,6 +488,7 @@ def probe_decisions(nodes: int, rows: int, uncached: bool, asks: int = 50) -> di
             ctl.assign.start(c.index, name, f"/w/{c.name}")
             ctl.nodes[name].chunk = c.index
             ctl.nodes[name].progress = {"rows_total": c.lines, "rows_done": c.lines // 2, "rows_per_s": 7.0}
+    setup_s = _time.monotonic() - setup0   # was O(chunks²) with state.json rewritten per change: > 500 s at 1,000
     if uncached:
         _uncached(ctl)
     ctl.next_size(names[0])   # the first question after the last change scans (both ways)
@@ -475,14 +496,18 @@ def probe_decisions(nodes: int, rows: int, uncached: bool, asks: int = 50) -> di
     for name in names[:asks]:
         ctl.next_size(name)
     per = (_time.thread_time() - t0) / min(asks, nodes)
-    size = (tmp / "plan" / "state.json").stat().st_size
+    size = len(json.dumps(ctl.assign.snapshot()))
     t1 = _time.thread_time()
-    ctl.assign._save()
+    ctl.assign._save((plan.chunks[0].index,))    # one change: a line of the log
     save_s = _time.thread_time() - t1
+    t2 = _time.thread_time()
+    ctl.assign.compact()                          # the whole state: what every change cost before the log
+    compact_s = _time.thread_time() - t2
     Store(root).fs.rm(Store(root).path, recursive=True)
     return {"nodes": nodes, "chunks": len(plan.chunks), "scans": "per question (before)" if uncached else
             "per change (after)", "decision_ms": round(per * 1000, 3), "state_kb": round(size / 1024, 1),
-            "state_write_ms": round(save_s * 1000, 2)}
+            "setup_s": round(setup_s, 1), "change_write_ms": round(save_s * 1000, 2),
+            "whole_state_write_ms": round(compact_s * 1000, 2)}
 
 
 def _rss_kb() -> int:
@@ -508,6 +533,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-wall-s", type=float, default=600.0)
     ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
+    ap.add_argument("--compare-state", action="store_true",
+                    help="also run the same job with the whole state written on every change (before the log)")
     ap.add_argument("--probe-decisions", action="store_true",
                     help="only time one decision mid-job at --nodes nodes, before and after the fix")
     args = ap.parse_args()
@@ -521,11 +548,49 @@ def main() -> None:
         return
 
     logging.basicConfig(level=logging.ERROR)
-    passes = [True, False] if args.compare else [False]
-    for uncached in passes:
-        args.uncached = uncached
-        print(json.dumps({"scans": "per question (before)" if uncached else "per change (after)", **run(args)}),
-              flush=True)
+    passes = [(False, False)]
+    if args.compare:
+        passes.insert(0, (True, False))
+    if args.compare_state:
+        passes.insert(0, (False, True))
+    rows = []
+    for uncached, whole in passes:
+        args.uncached, args.whole_state = uncached, whole
+        label = "scans per question (before)" if uncached else \
+            "state rewritten whole per change (before)" if whole else "now"
+        load = os.getloadavg()[0]
+        r = {"pass": label, **run(args), "load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1)}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    print_table(rows)
+
+
+TABLE = [   # (column, key or function of the result)
+    ("pass", "pass"), ("nodes", "nodes"), ("rows", "rows"),
+    ("chunks done / once / total", lambda r: f"{r['chunks_done']} / {r['chunks_done_once']} / {r['chunks']}"),
+    ("job s ÷ ideal", lambda r: f"{r['makespan_s']:,.0f} ÷ {r['ideal_s']:,.0f} = {r['makespan_over_ideal']}"),
+    ("CPU / decision ms", "cpu_per_decision_ms"), ("decisions", "decisions"),
+    ("controller CPU s (per job s)", lambda r: f"{r['cpu_s']} ({r['cpu_per_job_s']})"),
+    ("peak RSS MB", "rss_mb"),
+    ("state KB / min (B / change)", lambda r: f"{r['state_kb_per_min']:,} ({r['state_bytes_per_change']:,})"),
+    ("changes / min", "state_changes_per_min"),
+    ("store PUTs / min, KB / min", lambda r: f"{r['store_puts_per_min']}, {r['store_kb_per_min']:,}"),
+    ("plan.json KB / min (final KB)", lambda r: f"{r['plan_kb_per_min']:,} ({r['plan_kb_final']:,})"),
+    ("task runs / min", "task_runs_per_min"),
+    ("node ops / node / min", "ops_per_node_per_min"), ("SSH connects / node / min", "connects_per_node_per_min"),
+    ("wall s", "wall_s"), ("gil_busy", "gil_busy"), ("load", lambda r: f"{r['load_before']}–{r['load_after']}"),
+    ("errors", lambda r: "; ".join(r["errors"]) or "none"),
+]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The results as a Markdown table, one column per pass (what bench/RESULTS.md quotes)."""
+    print()
+    print("| | " + " | ".join(str(r["pass"]) for r in rows) + " |")
+    print("| --- |" + " --- |" * len(rows))
+    for name, key in TABLE[1:]:
+        cells = [key(r) if callable(key) else r.get(key) for r in rows]
+        print(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
 
 
 if __name__ == "__main__":

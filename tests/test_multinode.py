@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fleet.config import FleetConfig
+from fleet.generation.multinode.chunks import read_state
 from test_bringup import port_block, sim_config
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
 
@@ -55,13 +56,15 @@ def ids_of(out: Path) -> list[str]:
 
 
 def plan_state(state_home: Path) -> tuple[Path, dict[str, Any]] | None:
-    found = list((state_home / "fleet" / "jobs").glob("*/state.json"))
+    """The job's plan directory and its state (snapshot + log, read as the controller reads them)."""
+    found = list((state_home / "fleet" / "jobs").glob("*/plan.json"))
     if not found:
         return None
     try:
-        return found[0].parent, json.loads(found[0].read_text())
-    except ValueError:
+        st = read_state(found[0].parent)
+    except (ValueError, FileNotFoundError):   # a plan.json being replaced at this moment
         return None
+    return (found[0].parent, st) if st is not None else None
 
 
 def test_two_nodes_one_job_split_merge_fetch_export(tmp_path: Path, state_home: Path, stop_everything) -> None:
@@ -218,7 +221,8 @@ def test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows
             os.killpg(proc.pid, signal.SIGKILL)
     output = log.read_text(errors="replace")
     assert rc == 0, output[-5000:]
-    st = json.loads((pdir / "state.json").read_text())
+    st = read_state(pdir)
+    assert st is not None
     lost = [e for e in st["events"] if e["event"] == "node-lost" and e["node"] == "slow"]
     assert lost and idx in lost[0]["released"]
     chunk = st["chunks"][str(idx)]
@@ -290,7 +294,8 @@ def test_controller_killed_runners_go_on_then_rerun_reattaches(tmp_path: Path, s
     # each node's runner from before the kill was re-attached to (the others, and the runners the new
     # controller started itself, may have ended or been re-attached too)
     assert all(reattached & set(pids) for pids in by_node), (reattached, by_node)
-    st = json.loads((pdir / "state.json").read_text())
+    st = read_state(pdir)
+    assert st is not None
     for c in st["chunks"].values():
         assert c["state"] == "done"
         per_node = [a["node"] for a in c["attempts"]]

@@ -21,7 +21,7 @@ from bench_controller_scale import run  # noqa: E402
 
 def _args(**kw: object) -> argparse.Namespace:
     base = dict(nodes=20, rows=20_000, speed=25.0, losses=0.2, node_lost_s=60.0, probe_s=10.0, poll_s=1.0,
-                seed=5, max_wall_s=240.0, uncached=False)
+                seed=5, max_wall_s=240.0, uncached=False, whole_state=False)
     base.update(kw)
     return argparse.Namespace(**base)
 

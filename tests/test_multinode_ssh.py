@@ -21,6 +21,7 @@ import pytest
 
 from conftest import wait_until
 from fleet.config import FleetConfig
+from fleet.generation.multinode.chunks import read_state
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.ssh
@@ -105,7 +106,8 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
             th.join(timeout=60)
         assert not errors, errors
         manifest = ctl.finalize(tmp_path / "merged")
-    st = json.loads((pdir / "state.json").read_text())
+    st = read_state(pdir)
+    assert st is not None
     events = [e["event"] for e in st["events"] if e.get("node") == "remote"]
     assert "node-lost" in events and "node-rejoined" in events
     assert events.index("node-rejoined") > events.index("node-lost")

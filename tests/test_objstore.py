@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -70,6 +71,16 @@ def store_ids(url: str) -> list[str]:
     return ids
 
 
+def acknowledged_state(out: str, peek: Path) -> dict[str, Any] | None:
+    """A job's state as its copy under `<out>/_control/` has it: what the next controller reads, on any
+    machine (a line the controller appended locally is not acknowledged, nor acted on, until its PUT)."""
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.chunks import read_state
+    from fleet.generation.multinode.journal import pull
+
+    return read_state(peek) if pull(Store(f"{out}/_control"), peek) else None
+
+
 def test_an_unfinished_upload_never_becomes_an_object(s3: str, tmp_path: Path) -> None:
     """A shard is visible in the store only when complete: a write cut short by an error leaves no object
     (on S3 and in a local directory alike), so a reader never takes half a shard for a commit."""
@@ -124,9 +135,9 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
             os.kill(pid, signal.SIGSTOP)
 
         def taken_over() -> bool:
-            st = plan_state(state_home)[1]   # type: ignore[index]
-            c = st["chunks"][str(idx)]
-            return c["state"] == "running" and c["node"] == "fast"
+            st = acknowledged_state(out, tmp_path / "peek")   # the store's copy: what a next controller reads
+            c = (st or {}).get("chunks", {}).get(str(idx), {})
+            return c.get("state") == "running" and c.get("node") == "fast"
 
         _wait(first, log1, taken_over, "the lost node's chunk to start on the other node")
 
@@ -452,3 +463,56 @@ def test_data_checks_run_for_an_output_on_object_storage(s3: str, tmp_path: Path
     assert checks["rows"] == 30 and checks["cut_at_max_tokens"] == 6 and checks["empty_completions"] == 5
     assert checks["think_tags"] == 25 and checks["completion_tokens"]["max"] == 29
     assert json.loads(Store(out).read_bytes("manifest.json") or b"{}")["checks"] == checks
+
+@pytest.mark.timeout(900)   # two bring-ups and a 600-row job, on a shared 2-core machine
+def test_controller_lost_with_its_machine_resumes_from_the_store(tmp_path: Path, state_home: Path, s3: str,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 stop_everything) -> None:
+    """A controller whose machine is lost mid-job (SIGKILLed, its job directory deleted: plan, state,
+    everything) must not lose the job: the plan and every acknowledged change are under the output's
+    `_control/` in the store, and the same command on another machine (another state directory) reads
+    them back, re-attaches to the running chunks, keeps the finished ones (not run again) and ends with
+    every id exactly once in the store."""
+    import shutil
+
+    from fleet.generation.data.objstore import Store
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 16, "chunk_rows": 150, "shard_rows": 20, "node_lost_s": 30},
+                    sim={"tokens_per_s": 40, "max_running_requests": 4})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 600)
+    Store(s3).put_file(str(inp), "in/prompts.jsonl")
+    out = f"{s3}/job"
+    log1 = tmp_path / "first.log"
+    first = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log1)   # type: ignore[arg-type]
+    try:
+        def one_done_one_running() -> dict[str, Any] | None:
+            got = acknowledged_state(out, tmp_path / "peek")
+            states = [c["state"] for c in (got or {}).get("chunks", {}).values()]
+            return got if "done" in states and "running" in states else None
+
+        before = _wait(first, log1, one_done_one_running, "a chunk done and one running", timeout=400)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert Store(f"{out}/_control").exists("plan.json")
+    shutil.rmtree(state_home)                                  # the first machine is gone
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "elsewhere"))
+    log2 = tmp_path / "second.log"
+    second = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2)   # type: ignore[arg-type]
+    try:
+        rc = second.wait(timeout=500)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    assert rc == 0, log2.read_text(errors="replace")[-5000:]
+    assert "plan and state read from" in log2.read_text(errors="replace")
+    _, st = plan_state(tmp_path / "elsewhere")  # type: ignore[misc]
+    assert all(c["state"] == "done" for c in st["chunks"].values())
+    for idx, c in before["chunks"].items():
+        if c["state"] == "done":   # a chunk finished before the loss is not run again
+            assert st["chunks"][idx]["attempts"] == c["attempts"]
+    ids = store_ids(out)
+    assert len(ids) == len(set(ids)) == 600
+    manifest = json.loads(Store(out).read_bytes("manifest.json") or b"{}")
+    assert manifest["complete"] and manifest["counts"]["completed"] == 600

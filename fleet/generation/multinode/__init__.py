@@ -1,6 +1,7 @@
 """One job over several nodes: many single-node jobs (generation.job), one per chunk of the input.
 
-    chunks.py      the chunk plan, the assignment state (state.json) and the first-wins merge
+    chunks.py      the chunk plan, the assignment state and the first-wins merge
+    journal.py     the state on disk: a line per change (state.jsonl), a snapshot (state.json), a copy in the store
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
     cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
 

@@ -51,6 +51,7 @@ from fleet.generation.multinode.chunks import (
     split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
+from fleet.generation.multinode.journal import CONTROL_DIR, pull
 from fleet.generation.data.objstore import Store, is_url
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.job.progress import PROGRESS_FILE
@@ -123,10 +124,22 @@ class Controller:
     # -- setup
 
     def prepare(self, input_path: str) -> Plan:
+        """The plan and the state: read back (from the store's `_control/` for a job there: the copy a
+        controller on any machine reads), else cut now."""
         self.plan_dir.mkdir(parents=True, exist_ok=True)
+        mirror = self.store.child(CONTROL_DIR) if self.store is not None else None
+        pulled = False
+        if mirror is not None:
+            pulled = pull(mirror, self.plan_dir)
+            if pulled:
+                self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
         self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
                                 limit=self.cfg.generation.limit)
-        self.assign = Assignments(self.plan_dir, self.plan)
+        self.assign = Assignments(self.plan_dir, self.plan, mirror)
+        if mirror is not None and not pulled:
+            # a new job, or one begun before the store's copy: the plan and the whole state go there
+            # first (its log lines alone would lack what this machine's state held before them)
+            self.assign.compact()
         if self.store is not None:   # `fleet fetch` merges from the store: it needs the URL
             write_json_atomic(self.plan_dir / STORE_FILE, {"output": self.output})
         return self.plan
@@ -616,6 +629,7 @@ class Controller:
     def finalize(self, dest: str | Path) -> dict[str, Any]:
         """Merge every chunk's gathered output into `dest` and write the job's manifest there."""
         assert self.plan is not None and self.assign is not None
+        self.assign.compact()   # the whole state in state.json (and the store's copy) at the job's end
         return merge_job(self.cfg, self.plan_dir, self.plan, self.assign, dest,
                          store=self.output if self.store is not None else None)
 
