@@ -33,6 +33,7 @@ from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
+from flows.cancel import end_cancelled
 from flows.outcome import quiet_expected_failures
 from flows.params import for_deployment, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
@@ -341,6 +342,11 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
             # joins the task threads before it can set the run Cancelled. Tell their waits to
             # give up now, not at their timeouts (fleet/interrupt.py).
             request_stop()
+            if not interrupted():
+                # Under a worker (a command's Ctrl-C/SIGTERM ends in fleet/interrupt.py): the node
+                # lock is back (hold_nodes unwound); a Cancel ends Cancelled now, not after
+                # Prefect's runner loads the flow again in a new process (flows/cancel.py).
+                end_cancelled()
         raise
 
 
