@@ -32,7 +32,8 @@ joins the task threads before the run can be set Cancelled, and those threads si
 readiness wait or a smoke (up to servers.ready_timeout_s): Prefect's runner then waited out its
 30 s kill grace (57 s from Cancel to Cancelled, measured). So the flow calls `request_stop()` as
 a cancel unwinds it, and every long wait in the core checks `check_stop()` on each turn and gives
-up with `Stopped` — the threads end within a poll, and with them the run.
+up with `Stopped` — the threads end within a poll, and with them the run (which then sets itself
+Cancelled, not waiting for Prefect's runner: flows/cancel.py).
 """
 
 from __future__ import annotations

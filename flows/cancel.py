@@ -31,8 +31,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-CANCELLED_MESSAGE = ("Flow run was cancelled: fleet stopped its waits and gave the node lock back in the run's own "
-                     "process; what it launched keeps running (the teardown deployment or `fleet down` stops it)")
+CANCELLED_MESSAGE = ("Flow run was cancelled: its own process stopped its waits and gave back any node lock it held; "
+                     "servers and a generation runner it started keep running (README: Ctrl-C and SIGTERM)")
 JOIN_S = 20.0  # the task threads' end, bounded well inside Prefect's 30 s kill grace
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -574,3 +574,23 @@ def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_by_its_own_pr
     finally:
         rc, fr = run_deployment(s, "fleet/teardown", f"config={cfg_path}")
     assert rc == 0 and "reclaimed" not in json.dumps(run_logs(s, fr["id"])), fr["state"]
+
+
+def test_prefect_cancel_of_a_scheduled_bringup_ends_cancelled_at_once_without_a_process(
+        deployed: PrefectServer, tmp_path: Path) -> None:
+    """README (Ctrl-C and SIGTERM): a Cancel of a run still Scheduled ends it Cancelled at once —
+    no process starts for it, so nothing of fleet's (flows/cancel.py) is needed. Protects that
+    claim: a run left Cancelling with no process to finish it would be Cancelling for ever."""
+    s = deployed
+    cfg_path, _ = sim_toml(tmp_path, n=1)
+    dep = s.get("/deployments/name/fleet/bringup")
+    later = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+    fr = s.post(f"/deployments/{dep['id']}/create_flow_run",
+                {"parameters": {"config": str(cfg_path)},
+                 "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": later}}})
+    s.cli("flow-run", "cancel", fr["id"])
+    fr = s.get(f"/flow_runs/{fr['id']}")
+    assert fr["state"]["type"] == "CANCELLED", fr["state"]
+    history = sorted(s.get(f"/flow_run_states/?flow_run_id={fr['id']}"), key=lambda st: st["timestamp"])
+    assert [st["type"] for st in history] == ["SCHEDULED", "CANCELLED"], history   # never Pending nor Running
+    assert fr["infrastructure_pid"] is None, fr
