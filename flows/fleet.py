@@ -27,7 +27,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError, JobConflict
 from fleet.generation.data.objstore import is_url
-from fleet.interrupt import clear_stop, interrupted, park, request_stop
+from fleet.interrupt import clear_stop, installed, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
@@ -342,7 +342,7 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
             # joins the task threads before it can set the run Cancelled. Tell their waits to
             # give up now, not at their timeouts (fleet/interrupt.py).
             request_stop()
-            if not interrupted():
+            if not installed():
                 # Under a worker (a command's Ctrl-C/SIGTERM ends in fleet/interrupt.py): the node
                 # lock is back (hold_nodes unwound); a Cancel ends Cancelled now, not after
                 # Prefect's runner loads the flow again in a new process (flows/cancel.py).
