@@ -32,7 +32,8 @@ joins the task threads before the run can be set Cancelled, and those threads si
 readiness wait or a smoke (up to servers.ready_timeout_s): Prefect's runner then waited out its
 30 s kill grace (57 s from Cancel to Cancelled, measured). So the flow calls `request_stop()` as
 a cancel unwinds it, and every long wait in the core checks `check_stop()` on each turn and gives
-up with `Stopped` — the threads end within a poll, and with them the run.
+up with `Stopped` — the threads end within a poll, and with them the run (which then sets itself
+Cancelled, not waiting for Prefect's runner: flows/cancel.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ _begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given bac
 _exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
 _err_fd = 2  # where our own words go: the original stderr, kept when the shutdown silences fd 2
 _stop = threading.Event()  # set by request_stop() or the first Ctrl-C/SIGTERM: waits give up
+_installed = threading.Event()  # install() ran: this process is a command, not a run under a worker
 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
@@ -75,6 +77,12 @@ def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callab
                 _cleanups.remove(entry)
 
     return unregister
+
+
+def installed() -> bool:
+    """True once a command took over SIGINT/SIGTERM (`install`): its shutdown owns how the run ends.
+    False in a flow run's process under a worker, where Prefect's Cancel arrives as SIGTERM."""
+    return _installed.is_set()
 
 
 def interrupted() -> bool:
@@ -117,6 +125,7 @@ def install(paragraph: Callable[[], str]) -> None:
     so a main thread about to end the process cannot outrun a watcher not yet scheduled."""
     global _paragraph
     _paragraph = paragraph
+    _installed.set()
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.signal(signal.SIGINT, lambda signum, frame: _begin(signum))

@@ -27,12 +27,13 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FleetError, JobConflict
 from fleet.generation.data.objstore import is_url
-from fleet.interrupt import clear_stop, interrupted, park, request_stop
+from fleet.interrupt import clear_stop, installed, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
+from flows.cancel import end_cancelled
 from flows.outcome import quiet_expected_failures
 from flows.params import for_deployment, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
@@ -343,6 +344,11 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
             # joins the task threads before it can set the run Cancelled. Tell their waits to
             # give up now, not at their timeouts (fleet/interrupt.py).
             request_stop()
+            if not installed():
+                # Under a worker (a command's Ctrl-C/SIGTERM ends in fleet/interrupt.py): the node
+                # lock is back (hold_nodes unwound); a Cancel ends Cancelled now, not after
+                # Prefect's runner loads the flow again in a new process (flows/cancel.py).
+                end_cancelled()
         raise
 
 

@@ -427,7 +427,7 @@ SLOW_S: dict[str, float] = {
     "test_multinode_ssh.py::test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes": 248,
     "test_generate_flow.py::test_flow_killed_runner_goes_on_then_reattached": 232,
     "test_multinode.py::test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows": 221,
-    "test_deployments.py::test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_and_gives_the_lock_back": 194,
+    "test_deployments.py::test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_by_its_own_process_with_the_lock_back": 194,
     "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[2-holding]": 192,
     "test_deployments.py::test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback": 172,
     "test_interrupt.py::test_interrupted_up_then_up_again_completes_without_waiting[9-holding]": 166,
