@@ -491,3 +491,47 @@ def test_rows_with_large_answers_are_committed_without_waiting_for_the_timed_flu
         s.add_result({"id": "c", "completion": "small"})
         assert len(shard_paths(out)) == 1 and s.counts()["buffered"] == 1
     assert sorted(read_results(out, ["id"]).column(0).to_pylist()) == ["a", "b", "c"]
+
+
+def test_a_runaway_answer_is_committed_at_once_never_beside_others(tmp_path: Path, monkeypatch) -> None:
+    """Fault (issue 23, memory): rows of 30 MB waited in the buffer until 64 Mi chars of them had come,
+    and all of them were held twice at their commit (strings and Arrow). A row whose answer alone passes
+    LARGE_ROW_CHARS is committed at once, with what waited before it; ordinary rows still wait."""
+    from fleet.generation.data import store
+
+    monkeypatch.setattr(store, "LARGE_ROW_CHARS", 500)
+    out = tmp_path / "out"
+    with ResultStore(out, shard_rows=10_000) as s:
+        s.add_result({"id": "a", "completion": "x" * 100})
+        assert shard_paths(out) == []
+        s.add_result({"id": "b", "completion": "y" * 200, "reasoning_content": "z" * 300})
+        assert len(shard_paths(out)) == 1 and s.counts()["buffered"] == 0 and s.counts()["committed"] == 2
+        s.add_result({"id": "c", "completion": "small"})
+        assert len(shard_paths(out)) == 1 and s.counts()["buffered"] == 1
+    assert sorted(read_results(out, ["id"]).column(0).to_pylist()) == ["a", "b", "c"]
+
+
+def test_big_texts_are_stored_exactly_as_chunks_of_their_own(tmp_path: Path, monkeypatch) -> None:
+    """Protects the text columns of a shard with BIG_TEXT values (issue 23, memory): each such value is put
+    into Arrow as a chunk of its own (its UTF-8 bytes wrapped) between runs of the ordinary values. Every
+    value reads back exactly, in row order: multi-byte text, empty strings, nulls, big and small mixed in
+    one column, in every text column."""
+    from fleet.generation.data import store
+
+    monkeypatch.setattr(store, "BIG_TEXT", 8)
+    rows = [
+        {"id": "r0", "completion": "short", "reasoning_content": None, "extra": '{"k": 1}'},
+        {"id": "r1-is-a-long-id", "completion": "é漢字🙂 and then some more", "reasoning_content": "think " * 50},
+        {"id": "r2", "completion": "", "reasoning_content": "", "finish_reason": "stop"},
+        {"id": "r3", "completion": "x" * 8, "reasoning_content": "y" * 7, "extra": '{"long": "' + "v" * 40 + '"}'},
+        {"id": "r4", "completion": "🙂" * 3, "reasoning_content": None, "finish_reason": "length-cut-long"},
+        {"id": "r5", "completion": "z" * 1000, "reasoning_content": "漢" * 9},
+    ]
+    out = tmp_path / "out"
+    with ResultStore(out, shard_rows=len(rows)) as s:
+        for r in rows:
+            s.add_result(r)
+        assert s.counts()["committed"] == len(rows) and len(shard_paths(out)) == 1
+    cols = ["id", "completion", "reasoning_content", "finish_reason", "extra"]
+    got = read_results(out, cols).to_pylist()
+    assert got == [{c: r.get(c) for c in cols} for r in rows]

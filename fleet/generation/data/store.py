@@ -75,6 +75,35 @@ log = logging.getLogger("fleet.generation.data.store")
 # each (long reasoning) otherwise sat in the buffer until the timed flush, every one of them held
 # twice at the commit (the Python strings and their Arrow copy). Rows of a few KB never reach it.
 BUFFER_CHARS = 64 << 20
+# A row whose answer alone holds this much text (about a million tokens: no real answer, a runaway
+# or hostile server) is committed at once, with what waits: its text is in memory twice (its strings
+# and their Arrow bytes) for that one commit, never beside other such rows waiting in the buffer.
+LARGE_ROW_CHARS = 4 << 20
+# A text value this long goes into Arrow on its own: its UTF-8 bytes wrapped as they are (a column
+# built from many values grows its buffer by doubling and copying: 1.5x the text, kept while the
+# shard is written), and its own Parquet page (a page of several such values is encoded whole).
+BIG_TEXT = 1 << 20
+
+
+def _column(values: tuple[Any, ...], typ: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """One column of a shard; a text column with BIG_TEXT values holds each of them as a chunk of its own."""
+    if typ != pa.string() or not any(isinstance(v, str) and len(v) >= BIG_TEXT for v in values):
+        return pa.array(values, type=typ)
+    chunks: list[pa.Array] = []
+    run: list[Any] = []
+    for v in values:
+        if isinstance(v, str) and len(v) >= BIG_TEXT:
+            if run:
+                chunks.append(pa.array(run, type=typ))
+                run = []
+            data = v.encode()   # one copy, the exact size; the parser never yields a lone surrogate
+            offsets = pa.array([0, len(data)], type=pa.int32()).buffers()[1]
+            chunks.append(pa.StringArray.from_buffers(1, offsets, pa.py_buffer(data)))
+        else:
+            run.append(v)
+    if run:
+        chunks.append(pa.array(run, type=typ))
+    return pa.chunked_array(chunks, type=typ)
 
 
 class ResultStore:
@@ -225,9 +254,10 @@ class ResultStore:
                 log.warning("result for %r dropped: the id is already done", rid)
                 return False
             self._buffer.append(values)
-            self._buffer_chars += sum(len(v) for k in ("completion", "reasoning_content")
-                                      if isinstance(v := row.get(k), str))
-            if len(self._buffer) < self.shard_rows and self._buffer_chars < BUFFER_CHARS:
+            chars = sum(len(v) for k in ("completion", "reasoning_content") if isinstance(v := row.get(k), str))
+            self._buffer_chars += chars
+            if (len(self._buffer) < self.shard_rows and self._buffer_chars < BUFFER_CHARS
+                    and chars < LARGE_ROW_CHARS):
                 return True
             rows, self._buffer, self._buffer_chars = self._buffer, [], 0
         self._commit(rows)
@@ -325,9 +355,8 @@ class ResultStore:
             tmp = final.with_name(final.name + ".tmp")
             renamed = False
             try:
-                cols = list(zip(*rows))
                 table = pa.Table.from_arrays(
-                    [pa.array(col, type=f.type) for col, f in zip(cols, RESULT_SCHEMA)], schema=RESULT_SCHEMA)
+                    [_column(col, f.type) for col, f in zip(zip(*rows), RESULT_SCHEMA)], schema=RESULT_SCHEMA)
                 pq.write_table(table, tmp, compression="zstd", use_dictionary=DICT_COLUMNS,
                                write_statistics=STATS_COLUMNS)
                 fsync(tmp)

@@ -202,14 +202,42 @@ async def _read_into(resp: aiohttp.ClientResponse, size: int) -> bytearray:
     return buf   # a bytearray: the parser takes it as it is (no copy into bytes)
 
 
+class _Text:
+    """A text that arrives in many small pieces (a streamed answer's deltas, a token or a few each),
+    joined in blocks as it grows: a list of every piece costs a string object (~50 bytes) per piece,
+    several times the text itself, and joining it all at the end holds both at once."""
+
+    __slots__ = ("blocks", "pieces")
+
+    BLOCK = 1024   # pieces per block
+
+    def __init__(self) -> None:
+        self.blocks: list[str] = []
+        self.pieces: list[str] = []
+
+    def add(self, piece: str) -> None:
+        self.pieces.append(piece)
+        if len(self.pieces) >= self.BLOCK:
+            self.blocks.append("".join(self.pieces))   # TypeError for a piece that is no string
+            self.pieces.clear()
+
+    def text(self) -> str:
+        """The whole text; the blocks are let go (the text is the one copy left)."""
+        self.blocks.append("".join(self.pieces))
+        self.pieces.clear()
+        whole = self.blocks[0] if len(self.blocks) == 1 else "".join(self.blocks)
+        self.blocks.clear()
+        return whole
+
+
 class _Stream:
     """A streamed chat completion put back together, chunk by chunk (`chat(..., on_chunk=…)`)."""
 
     __slots__ = ("content", "reasoning", "calls", "finish", "usage")
 
     def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
+        self.content = _Text()
+        self.reasoning = _Text()
         self.calls: dict[int, dict[str, Any]] = {}
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
@@ -222,10 +250,10 @@ class _Stream:
         for choice in doc.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                self.content.append(delta["content"])
+                self.content.add(delta["content"])
             r = delta.get("reasoning_content") or delta.get("reasoning")
             if r:
-                self.reasoning.append(r)
+                self.reasoning.add(r)
             for tc in delta.get("tool_calls") or ():
                 blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
                 call = self.calls.setdefault(int(tc.get("index", len(self.calls))), blank)
@@ -236,20 +264,22 @@ class _Stream:
                 call["function"]["arguments"] += fn.get("arguments") or ""
             self.finish = choice.get("finish_reason") or self.finish
 
-    def completion(self) -> bytes:
-        """The whole chat.completion these chunks make, as a body for the strict parser."""
-        message = {"role": "assistant", "content": "".join(self.content),
-                   "reasoning_content": "".join(self.reasoning) or None,
+    def completion(self) -> dict[str, Any]:
+        """The whole chat.completion these chunks make, as a document for the strict parser (judged
+        as it is: its texts are not encoded into a body and decoded again, two more copies of them)."""
+        message = {"role": "assistant", "content": self.content.text(),
+                   "reasoning_content": self.reasoning.text() or None,
                    "tool_calls": [self.calls[i] for i in sorted(self.calls)] or None}
-        return dumps({"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None})
+        return {"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None}
 
 
 class BadStream(ValueError):
     """A streamed answer whose chunks do not make a chat completion."""
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None], max_bytes: int) -> bytes:
-    """Server-sent events of a streamed chat completion, put back together as one completion body
+async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None],
+                       max_bytes: int) -> dict[str, Any]:
+    """Server-sent events of a streamed chat completion, put back together as one completion document
     (judged by `_judge` like an unstreamed one; a chunk that cannot be read makes it invalid);
     `on_chunk()` at each event; TooLarge past `max_bytes` of stream."""
     acc = _Stream()
@@ -297,7 +327,7 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     started = time.time()
     t0 = time.perf_counter()
     out = Outcome("ok", started_at=started)
-    raw: bytes | bytearray | None = None
+    raw: bytes | bytearray | dict[str, Any] | None = None
     try:
         # no redirects: a chat endpoint that sends us elsewhere is not answering (and could send
         # the prompt and the key to another host)
@@ -324,10 +354,10 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
     return out
 
 
-def _judge(raw: bytes | bytearray, out: Outcome) -> None:
+def _judge(raw: bytes | bytearray | dict[str, Any], out: Outcome) -> None:
     """The Outcome of a full answer: a completion, an invalid body, an abort or an HTTP error."""
     if out.status != 200:
-        assert out.status is not None
+        assert out.status is not None and not isinstance(raw, dict)   # only a 200 is streamed
         out.kind, out.error = classify_status(out.status), _error_message(raw[:65536], out.status)
         return
     try:

@@ -309,7 +309,11 @@ class Dispatcher:
                     flight = self.hedge.start(srv, job)
                 out = await self._send(srv, flight, timeout)
                 job = None
-                if not self._landed(srv, epoch, flight, out):
+                landed = self._landed(srv, epoch, flight, out)
+                # stored or buffered now: its texts (tens of MB for a runaway answer) are not held
+                # while this worker waits for its next row and that row's answer
+                out = None
+                if not landed:
                     return
         except asyncio.CancelledError:
             # back to the queue unless another send of the row still carries it, or won it
