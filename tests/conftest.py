@@ -42,6 +42,9 @@ from fleet.node import LocalNode, Node  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
 
+# `--cpu-report PATH`: each test's CPU, its servers and subprocesses included (tests/cpu_report.py)
+pytest_plugins = ["cpu_report"]
+
 
 @pytest.fixture(autouse=True)
 def _log_handlers_outlive_the_test() -> Iterator[None]:
