@@ -42,6 +42,9 @@ from fleet.node import LocalNode, Node  # noqa: E402
 
 SSHD = "/usr/sbin/sshd"
 
+# `--cpu-report PATH`: each test's CPU, its servers and subprocesses included (tests/cpu_report.py)
+pytest_plugins = ["cpu_report"]
+
 
 @pytest.fixture(autouse=True)
 def _log_handlers_outlive_the_test() -> Iterator[None]:
@@ -357,7 +360,77 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
+# Every Prefect server the suite starts (the session's test server, the local server of `fleet`
+# commands, `prefect server start` of the deployment, UI and fresh-clone tests) began on an empty
+# SQLite database and ran all of Prefect's migrations on it first: ≈ 7 s of CPU per server, half
+# of a start, some 30 times a run on a CPU-bound 2-core machine. So the migrations run once per
+# Prefect version on the machine (`prefect server database upgrade`, under an flock, shared by
+# the workers and later runs), and each server starts on a copy of that database: the same
+# schema the server would make itself (it still checks it at start), nothing else in it.
+_PREFECT_DB_TEMPLATES = Path(tempfile.gettempdir()) / f"fleet-test-prefect-db-{os.getuid()}"
+
+
+def prefect_db_template() -> Path:
+    """A migrated, empty Prefect SQLite database for this Prefect version (made on first use)."""
+    import fcntl
+    import hashlib
+    from importlib.metadata import version
+
+    import prefect.server.database as db_pkg
+
+    migrations = sorted(p.name for p in (Path(db_pkg.__file__).parent / "_migrations").rglob("*.py"))
+    key = hashlib.sha256("\n".join([version("prefect"), *migrations]).encode()).hexdigest()[:16]
+    _PREFECT_DB_TEMPLATES.mkdir(mode=0o700, exist_ok=True)
+    path = _PREFECT_DB_TEMPLATES / f"prefect-{key}.db"
+    with open(_PREFECT_DB_TEMPLATES / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = Path(tempfile.mkdtemp(dir=_PREFECT_DB_TEMPLATES))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            env.update(PREFECT_HOME=str(tmp), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                       PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp / 'prefect.db'}")
+            subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env,
+                           check=True, capture_output=True, timeout=600)
+            os.replace(tmp / "prefect.db", path)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def seed_prefect_db(db: Path) -> Path:
+    """Put a migrated empty Prefect database at `db` (a server's database file), unless one is there."""
+    if not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(prefect_db_template(), db)
+    return db
+
+
+def seed_prefect_home(home: Path) -> Path:
+    """`home` as a PREFECT_HOME whose server (default database `<home>/prefect.db`) skips the migrations."""
+    seed_prefect_db(home / "prefect.db")
+    return home
+
+
+def _seeded_mkdtemp() -> str:
+    """prefect_test_harness's temp dir, its database (`prefect-test.db`) already migrated."""
+    d = tempfile.mkdtemp()
+    seed_prefect_db(Path(d) / "prefect-test.db")
+    return d
+
+
+def compile_sources(root: Path) -> None:
+    """Write the bytecode of fleet's packages under `root`. The suite starts hundreds of Python processes
+    on them (`fleet` commands, flow runs, workers, runners), and with PYTHONDONTWRITEBYTECODE set (as on
+    this machine and its CI) none writes what it compiled: each compiled every module it imported again."""
+    import compileall
+
+    for pkg in ("fleet", "flows", "tasks", "blocks"):
+        if (root / pkg).is_dir():
+            compileall.compile_dir(root / pkg, quiet=2)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):   # once a run: the xdist controller, or the one process
+        compile_sources(Path(__file__).resolve().parents[1])
     # Prefect's temporary servers take a port from bind(0) (prefect_test_harness) or a random one in
     # 8000-8999 after a bind check (a flow called with no API, and the retry after a failed bind):
     # if another process takes it first, the server's health check can be answered by that
@@ -369,6 +442,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     prefect.testing.utilities._find_available_port = free_port
     SubprocessASGIServer.find_available_port = lambda self: free_port()  # type: ignore[method-assign]
+    # and every server on this process's PREFECT_HOME (the test harness's, `fleet` commands' local one)
+    # starts on a migrated database
+    prefect.testing.utilities.mkdtemp = _seeded_mkdtemp  # type: ignore[attr-defined]
+    seed_prefect_home(Path(os.environ["PREFECT_HOME"]))
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
-from conftest import free_port, processes
+from conftest import free_port, processes, seed_prefect_home
 from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
@@ -86,7 +86,7 @@ def stop_group(proc: subprocess.Popen, *, sigints: int = 1, wait_s: float = 20) 
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    home = tmp_path_factory.mktemp("prefect-server")
+    home = seed_prefect_home(tmp_path_factory.mktemp("prefect-server"))
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import free_port, port_block
+from conftest import free_port, port_block, seed_prefect_home
 from conftest import wait_until as poll
 from test_deployments import stop_group
 from test_generate_flow import prompts, shard_ids
@@ -189,7 +189,7 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
     subprocess.run(["git", "-C", str(root), "checkout", "--quiet", "--detach", head], check=True, timeout=60)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(VENV_BIN.parent),
-               PYTHONPATH=str(root), PREFECT_HOME=str(tmp / "prefect-home"),
+               PYTHONPATH=str(root), PREFECT_HOME=str(seed_prefect_home(tmp / "prefect-home")),
                # test pace only: the worker and `serve` look for new runs every second, not every 10 s
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_POLL_FREQUENCY="1")
     c = Clone(root, tmp, env)

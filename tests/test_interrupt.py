@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import port_block, processes, wait_until
+from conftest import port_block, processes, seed_prefect_home, wait_until
 from fleet.demo import to_toml
 
 pytestmark = pytest.mark.prefect
@@ -29,7 +29,7 @@ EXIT_BOUND_S = 30.0  # loose: the measured time is printed; idle machine ≈ 0.1
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("prefect-home")
     e = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    e.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    e.update(PREFECT_HOME=str(seed_prefect_home(home)), PREFECT_SERVER_ANALYTICS_ENABLED="false",
              PREFECT_RESULTS_LOCAL_STORAGE_PATH=str(home / "results"),
              PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     return e

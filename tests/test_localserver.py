@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _environ, local_prefect_servers, wait_until
+from conftest import _environ, local_prefect_servers, seed_prefect_home, wait_until
 from flows.localserver import Record, is_live, proc_start, read_record, stop
 
 pytestmark = pytest.mark.prefect
@@ -42,7 +42,7 @@ if len(sys.argv) > 1:
 
 def env_for(home: Path, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FLEET_PREFECT_"))}
-    e.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    e.update(PREFECT_HOME=str(seed_prefect_home(home)), PREFECT_SERVER_ANALYTICS_ENABLED="false",
              PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="240", **extra)
     return e
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from conftest import seed_prefect_home
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,7 +45,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    home = tmp_path_factory.mktemp("prefect-ui")
+    home = seed_prefect_home(tmp_path_factory.mktemp("prefect-ui"))
     saved = dict(os.environ)
     # start_server points the UI at its own port (PREFECT_UI_API_URL), as an operator must off 4200.
     for k in [k for k in os.environ if k.startswith("PREFECT_")]:
