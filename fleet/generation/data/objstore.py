@@ -36,6 +36,10 @@ STORE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", 
 STORE_PACKAGES = ["fsspec>=2024.2", "s3fs>=2024.2"]
 
 
+# The extra (pyproject.toml) that brings each protocol's fsspec package.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "hf": "hf"}
+
+
 def is_url(path: str) -> bool:
     """A location on object storage (or any fsspec filesystem but the local one)."""
     return "://" in path and not path.startswith("file://")
@@ -65,7 +69,14 @@ class Store:
 
         self.root = root.rstrip("/")
         protocol = root.split("://", 1)[0] if "://" in root else "file"
-        self.fs, self.path = fsspec.core.url_to_fs(self.root, **_options(protocol))
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.root, **_options(protocol))
+        except ImportError as exc:   # fsspec knows the protocol but its package is not installed here
+            from fleet.errors import InputError
+
+            extra = _EXTRAS.get(protocol)
+            raise InputError(f"{root}: {exc}", remedy=f"pip install 'fleet[{extra}]'" if extra else
+                             "install the fsspec package for this protocol") from exc
         self.local = protocol == "file"
 
     def url(self, *parts: str) -> str:

@@ -65,7 +65,8 @@ def url_id(url: str) -> dict[str, object]:
     store, name = _parent(url)
     store.fs.invalidate_cache(store._p(name))
     info = store.fs.info(store._p(name))
-    stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime")
+    # hf:// has neither: its listing's blob id (the git object id) changes with the content
+    stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("blob_id")
     return {"path": url, "size": int(info.get("size") or 0), "mtime_ns": str(stamp)}
 
 

@@ -453,6 +453,9 @@ def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
             raise InputError("an object-storage URL with a user or password in it would be written to job.json, the "
                              "manifest and the flow run's parameters",
                              remedy="give the URL without credentials; put them in AWS_* variables or FLEET_STORE_SECRET")
+    if output.startswith("hf://"):
+        raise InputError(f"--output {output}: hf:// is read-only for fleet (an input, not a job's output)",
+                         remedy="give --output an s3:// or gs:// URL; upload the exported result to the Hub after")
     if not is_url(output):
         raise InputError(f"--input {input} is on object storage but --output {output} is a local path",
                          remedy="give --output an object-storage URL too (s3://bucket/prefix): every node writes there")
