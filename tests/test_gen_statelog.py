@@ -352,3 +352,71 @@ def test_a_gap_in_the_stored_log_is_refused_not_resumed_from(tmp_path: Path,
     (pdir / journal.LOG_FILE).write_bytes(local[0] + b"".join(local[2:]))
     with pytest.raises(FatalError, match="missing"):
         Assignments(pdir, plan)
+
+
+def test_a_parquet_job_on_the_store_resumes_in_another_plan_dir(tmp_path: Path) -> None:
+    """A Parquet input on the store is read in place (row ranges), like a JSONL one: a controller on
+    another machine (another plan directory, nothing of the first's disk) pulls the job and resumes it
+    with the same chunks and state (the README once said such a job refused to move)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fleet.generation.multinode.chunks import load_plan, split_input
+
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": list(range(1_000)), "prompt": ["q"] * 1_000}), buf, row_group_size=100)
+    Store(root).write_bytes("in.parquet", buf.getvalue())
+    mirror = Store(f"{root}/out/_control")
+    first = tmp_path / "plan1"
+    plan = split_input(f"{root}/in.parquet", first, ["a", "b"], chunk_rows=100)
+    assert plan.fmt == "parquet" and all(not c.file for c in plan.chunks)
+    st = Assignments(first, plan, mirror)
+    st.compact()
+    st.start(0, "a", "/w/a/chunk-00000")
+    st.finish(0, "a", "done")
+    st.start(1, "b", "/w/b/chunk-00001")
+    st.close()
+    second = tmp_path / "plan2"
+    assert journal.pull(mirror, second)
+    again = split_input(f"{root}/in.parquet", second, ["a", "b"], chunk_rows=100)   # kept, not refused
+    assert again.chunks == plan.chunks and load_plan(second) == again
+    st2 = Assignments(second, again, mirror)
+    assert st2.chunks[0].state == "done" and st2.chunks[1].state == "running" and st2.chunks[2].state == "pending"
+
+
+def test_a_gzip_job_staged_on_another_machine_is_refused_before_downloading(tmp_path: Path) -> None:
+    """A gzip input on the store is staged and cut on the controller's machine: a controller elsewhere
+    cannot resume it. It used to download the whole gzip first, then refuse with a remedy that did not
+    apply ("run the same input again"); it must refuse before any download, saying where it can resume
+    (the machine that began it) or how to run it anywhere (JSONL or Parquet, read in place)."""
+    import gzip
+
+    from fleet.config import FleetConfig
+    from fleet.errors import ConfigError
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    Store(root).write_bytes("p.jsonl.gz", gzip.compress(b"".join(b'{"id": %d, "prompt": "q"}\n' % i
+                                                                  for i in range(500))))
+    cfg = FleetConfig(name="t", nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")],
+                      engine={"kind": "sim"}, model={"served_name": "m"})
+
+    def controller(pdir: Path) -> Controller:
+        return Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")})
+
+    first = controller(tmp_path / "plan1")
+    plan = first.prepare(f"{root}/p.jsonl.gz")
+    assert first.assign is not None and Path(plan.input).is_file()
+    first.assign.close()
+    again = controller(tmp_path / "plan1")   # the same machine resumes it
+    assert again.prepare(f"{root}/p.jsonl.gz").chunks == plan.chunks
+    assert again.assign is not None
+    again.assign.close()
+    other = controller(tmp_path / "plan2")
+    with pytest.raises(ConfigError, match="not on this machine") as exc:
+        other.prepare(f"{root}/p.jsonl.gz")
+    assert "machine that began it" in (exc.value.remedy or "") and "Parquet" in (exc.value.remedy or "")
+    assert not list((tmp_path / "plan2").glob(".source.input/*"))   # nothing downloaded
