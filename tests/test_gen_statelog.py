@@ -277,8 +277,9 @@ def _old_job(tmp_path: Path, root: str) -> tuple[Any, Path]:
     old.start(0, "a", "/w/a/chunk-00000")
     old.finish(0, "a", "done")
     old.close()
-    cfg = FleetConfig(name="t", nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")],
-                      engine={"kind": "sim"}, model={"served_name": "m"})
+    nodes = [{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")]
+    cfg = FleetConfig.model_validate({"name": "t", "nodes": nodes, "engine": {"kind": "sim"},
+                                      "model": {"served_name": "m"}})
     return Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")}), pdir
 
 
@@ -401,8 +402,9 @@ def test_a_gzip_job_staged_on_another_machine_is_refused_before_downloading(tmp_
     root = f"memory://statelog-{uuid.uuid4().hex}"
     Store(root).write_bytes("p.jsonl.gz", gzip.compress(b"".join(b'{"id": %d, "prompt": "q"}\n' % i
                                                                   for i in range(500))))
-    cfg = FleetConfig(name="t", nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")],
-                      engine={"kind": "sim"}, model={"served_name": "m"})
+    nodes = [{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")]
+    cfg = FleetConfig.model_validate({"name": "t", "nodes": nodes, "engine": {"kind": "sim"},
+                                      "model": {"served_name": "m"}})
 
     def controller(pdir: Path) -> Controller:
         return Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")})
