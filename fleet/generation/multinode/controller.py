@@ -125,7 +125,7 @@ class Controller:
 
     def prepare(self, input_path: str) -> Plan:
         """The plan and the state: read back (from the store's `_control/` for a job there: the copy a
-        controller on any machine reads), else cut now."""
+        controller on any machine reads), else cut now (a gzip input on the store staged here first: `_staged`)."""
         self.plan_dir.mkdir(parents=True, exist_ok=True)
         mirror = self.store.child(CONTROL_DIR) if self.store is not None else None
         pulled = False
