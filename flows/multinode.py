@@ -19,6 +19,7 @@ from prefect import get_run_logger
 from prefect.states import Completed
 
 from fleet.config import FleetConfig
+from fleet.errors import ConfigError
 from fleet.engines import ServerSpec
 from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
@@ -55,14 +56,11 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     pdir = plan_dir_for(plan_root(), cfg.name, output)
     ctl = Controller(cfg, pdir, output, nodes, say=say)
     t0 = time.monotonic()
-    with ControllerLock(pdir):
-        if is_url(input):   # JSONL, Parquet: each node reads its own ranges; gzip: cut here, once (under
-            from fleet.generation.data.ranges import in_place   # the lock: two controllers, one staged copy)
-            from fleet.generation.job.publish import stage_input
-
-            if not in_place(input):
-                input = stage_input(input, pdir / "source")
-        plan = ctl.prepare(input)
+    with ControllerLock(pdir):   # a gzip input on the store is staged in prepare: under the lock, one copy
+        try:
+            plan = ctl.prepare(input)
+        except ConfigError as exc:   # the job is another input's, or staged elsewhere: said once, with its remedy
+            return failed(f"generation: {exc.one_line()}")
         assert ctl.assign is not None
         logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),
                     ", ".join(sorted(nodes)), plan.total_lines, len(plan.chunks),

@@ -263,3 +263,162 @@ def test_a_job_begun_before_the_store_copy_puts_its_whole_state_there_first(tmp_
     st = read_state(elsewhere)
     assert st is not None
     assert st["chunks"]["0"]["state"] == "done" and st["chunks"]["1"]["state"] == "running"
+
+
+def _old_job(tmp_path: Path, root: str) -> tuple[Any, Path]:
+    """A job on the store begun before the store kept its state (chunk 0 done), and its controller."""
+    from fleet.config import FleetConfig
+    from fleet.generation.multinode.chunks import split_input
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    Store(root).write_bytes("in.jsonl", b"".join(b'{"id": %d, "prompt": "q"}\n' % i for i in range(1_000)))
+    pdir = tmp_path / "plan"
+    old = Assignments(pdir, split_input(f"{root}/in.jsonl", pdir, ["a", "b"], chunk_rows=100))
+    old.start(0, "a", "/w/a/chunk-00000")
+    old.finish(0, "a", "done")
+    old.close()
+    nodes = [{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")]
+    cfg = FleetConfig.model_validate({"name": "t", "nodes": nodes, "engine": {"kind": "sim"},
+                                      "model": {"served_name": "m"}})
+    return Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")}), pdir
+
+
+def test_a_failed_first_snapshot_put_does_not_forget_the_done_chunks(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first upgraded run of a job begun before the store copy puts its whole state there; if the
+    state.json PUT fails (a store hiccup, a kill between two PUTs), the store must not be left holding
+    the plan alone: the next run took "plan there" for "state there", replaced the state here with none,
+    and every finished chunk ran again (its parts orphaned)."""
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    ctl, pdir = _old_job(tmp_path, root)
+    real = Store.write_bytes
+
+    def no_snapshot(self: Store, name: str, data: bytes) -> None:
+        if name == journal.SNAPSHOT_FILE:
+            raise OSError("the store hiccuped")
+        real(self, name, data)
+
+    monkeypatch.setattr(journal, "PUT_TRIES", 1)
+    monkeypatch.setattr(Store, "write_bytes", no_snapshot)
+    with pytest.raises(OSError):
+        ctl.prepare(f"{root}/in.jsonl")
+    assert ctl.assign is not None
+    ctl.assign.close()
+    monkeypatch.setattr(Store, "write_bytes", real)
+    ctl.prepare(f"{root}/in.jsonl")
+    assert ctl.assign is not None and ctl.assign.chunks[0].state == "done"
+    elsewhere = tmp_path / "elsewhere"
+    assert journal.pull(Store(f"{root}/out/_control"), elsewhere)
+    assert read_state(elsewhere)["chunks"]["0"]["state"] == "done"   # type: ignore[index]
+
+
+def test_a_store_holding_only_the_plan_leaves_the_state_here(tmp_path: Path) -> None:
+    """A store with plan.json but no snapshot and no log (left so by an older controller that put the
+    plan first, then failed the snapshot's PUT) holds no state: pull must not delete the state here
+    (the only record of the finished chunks) nor write an empty log over it."""
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    _, pdir = _old_job(tmp_path, root)
+    mirror = Store(f"{root}/out/_control")
+    mirror.write_bytes(PLAN_FILE, (pdir / PLAN_FILE).read_bytes())
+    files = (journal.SNAPSHOT_FILE, journal.LOG_FILE)
+    before = {f: (pdir / f).read_bytes() if (pdir / f).exists() else None for f in files}
+    assert not journal.pull(mirror, pdir)
+    assert {f: (pdir / f).read_bytes() if (pdir / f).exists() else None for f in files} == before
+    assert read_state(pdir)["chunks"]["0"]["state"] == "done"   # type: ignore[index]
+
+
+def test_a_gap_in_the_stored_log_is_refused_not_resumed_from(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store copy whose log skips changes (a segment lost) must not be resumed from as if whole: the
+    changes in the gap (a chunk started, finished) would be forgotten. pull reads again, then raises a
+    FatalError with a remedy; a local log with a gap refuses to load too."""
+    from fleet.errors import FatalError
+
+    monkeypatch.setattr(journal, "PULL_PAUSE_S", 0.0)
+    mirror = Store(f"memory://statelog-{uuid.uuid4().hex}/out/_control")
+    pdir = tmp_path / "p"
+    plan = _plan(pdir, 5)
+    st = Assignments(pdir, plan, mirror)
+    for i in range(3):
+        st.start(i, "n0", f"/w/n0/chunk-{i:05d}")
+    st.close()
+    segs = mirror.names("log")
+    assert len(segs) == 1
+    lines = mirror.read_bytes(f"log/{segs[0]}").splitlines(keepends=True)   # type: ignore[union-attr]
+    mirror.write_bytes(f"log/{segs[0]}", lines[0] + b"".join(lines[2:]))
+    with pytest.raises(FatalError, match="gap") as exc:
+        journal.pull(mirror, tmp_path / "other")
+    assert exc.value.remedy
+    local = (pdir / journal.LOG_FILE).read_bytes().splitlines(keepends=True)
+    (pdir / journal.LOG_FILE).write_bytes(local[0] + b"".join(local[2:]))
+    with pytest.raises(FatalError, match="missing"):
+        Assignments(pdir, plan)
+
+
+def test_a_parquet_job_on_the_store_resumes_in_another_plan_dir(tmp_path: Path) -> None:
+    """A Parquet input on the store is read in place (row ranges), like a JSONL one: a controller on
+    another machine (another plan directory, nothing of the first's disk) pulls the job and resumes it
+    with the same chunks and state (the README once said such a job refused to move)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fleet.generation.multinode.chunks import load_plan, split_input
+
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": list(range(1_000)), "prompt": ["q"] * 1_000}), buf, row_group_size=100)
+    Store(root).write_bytes("in.parquet", buf.getvalue())
+    mirror = Store(f"{root}/out/_control")
+    first = tmp_path / "plan1"
+    plan = split_input(f"{root}/in.parquet", first, ["a", "b"], chunk_rows=100)
+    assert plan.fmt == "parquet" and all(not c.file for c in plan.chunks)
+    st = Assignments(first, plan, mirror)
+    st.compact()
+    st.start(0, "a", "/w/a/chunk-00000")
+    st.finish(0, "a", "done")
+    st.start(1, "b", "/w/b/chunk-00001")
+    st.close()
+    second = tmp_path / "plan2"
+    assert journal.pull(mirror, second)
+    again = split_input(f"{root}/in.parquet", second, ["a", "b"], chunk_rows=100)   # kept, not refused
+    assert again.chunks == plan.chunks and load_plan(second) == again
+    st2 = Assignments(second, again, mirror)
+    assert st2.chunks[0].state == "done" and st2.chunks[1].state == "running" and st2.chunks[2].state == "pending"
+
+
+def test_a_gzip_job_staged_on_another_machine_is_refused_before_downloading(tmp_path: Path) -> None:
+    """A gzip input on the store is staged and cut on the controller's machine: a controller elsewhere
+    cannot resume it. It used to download the whole gzip first, then refuse with a remedy that did not
+    apply ("run the same input again"); it must refuse before any download, saying where it can resume
+    (the machine that began it) or how to run it anywhere (JSONL or Parquet, read in place)."""
+    import gzip
+
+    from fleet.config import FleetConfig
+    from fleet.errors import ConfigError
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    root = f"memory://statelog-{uuid.uuid4().hex}"
+    Store(root).write_bytes("p.jsonl.gz", gzip.compress(b"".join(b'{"id": %d, "prompt": "q"}\n' % i
+                                                                  for i in range(500))))
+    nodes = [{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")]
+    cfg = FleetConfig.model_validate({"name": "t", "nodes": nodes, "engine": {"kind": "sim"},
+                                      "model": {"served_name": "m"}})
+
+    def controller(pdir: Path) -> Controller:
+        return Controller(cfg, pdir, f"{root}/out", {n: NodeWork(n, []) for n in ("a", "b")})
+
+    first = controller(tmp_path / "plan1")
+    plan = first.prepare(f"{root}/p.jsonl.gz")
+    assert first.assign is not None and Path(plan.input).is_file()
+    first.assign.close()
+    again = controller(tmp_path / "plan1")   # the same machine resumes it
+    assert again.prepare(f"{root}/p.jsonl.gz").chunks == plan.chunks
+    assert again.assign is not None
+    again.assign.close()
+    other = controller(tmp_path / "plan2")
+    with pytest.raises(ConfigError, match="not on this machine") as exc:
+        other.prepare(f"{root}/p.jsonl.gz")
+    assert "machine that began it" in (exc.value.remedy or "") and "Parquet" in (exc.value.remedy or "")
+    assert not list((tmp_path / "plan2").glob(".source.input/*"))   # nothing downloaded

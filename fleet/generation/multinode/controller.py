@@ -48,7 +48,7 @@ from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.multinode.chunks import (
     MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, finishes_first, merge,
-    split_input,
+    load_plan, split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
@@ -125,7 +125,7 @@ class Controller:
 
     def prepare(self, input_path: str) -> Plan:
         """The plan and the state: read back (from the store's `_control/` for a job there: the copy a
-        controller on any machine reads), else cut now."""
+        controller on any machine reads), else cut now (a gzip input on the store staged here first: `_staged`)."""
         self.plan_dir.mkdir(parents=True, exist_ok=True)
         mirror = self.store.child(CONTROL_DIR) if self.store is not None else None
         pulled = False
@@ -133,6 +133,7 @@ class Controller:
             pulled = pull(mirror, self.plan_dir)
             if pulled:
                 self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
+        input_path = self._staged(input_path)
         self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
                                 limit=self.cfg.generation.limit)
         self.assign = Assignments(self.plan_dir, self.plan, mirror)
@@ -143,6 +144,26 @@ class Controller:
         if self.store is not None:   # `fleet fetch` merges from the store: it needs the URL
             write_json_atomic(self.plan_dir / STORE_FILE, {"output": self.output})
         return self.plan
+
+    def _staged(self, url: str) -> str:
+        """The input to cut: itself, or for a gzip on the store (not read in place) a copy downloaded once
+        into the plan directory and cut there. A job already cut from such a copy resumes only where the
+        copy is: refused here, before the download, when it is not on this machine."""
+        from fleet.errors import ConfigError
+        from fleet.generation.data.ranges import in_place
+        from fleet.generation.job.publish import stage_input
+
+        if not is_url(url) or in_place(url):
+            return url
+        old = load_plan(self.plan_dir)
+        if old is not None and not (Path(old.input).is_relative_to(self.plan_dir) and Path(old.input).is_file()):
+            raise ConfigError(f"this output belongs to a multi-node job cut from {old.input}, which is not on "
+                              f"this machine in {self.plan_dir} (a gzip input on the store is staged and cut on "
+                              f"the controller's machine); the input now is {url}",
+                              remedy="resume the job on the machine that began it (the same command there), or "
+                                     "run the input as JSONL or Parquet (read in place: resumable from any "
+                                     "machine) under another --output")
+        return stage_input(url, self.plan_dir / "source")
 
     def node_cfg(self, name: str) -> NodeConfig:
         return self.cfg.node(name)

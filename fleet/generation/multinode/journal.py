@@ -20,6 +20,7 @@ The state used to be one `state.json` rewritten whole on every change: O(chunks)
   append: the current segment is put whole on every change (one PUT, at most SEGMENT_BYTES) until
   it holds SEGMENT_BYTES, then the next one starts; a compaction puts the snapshot and deletes the
   segments it holds. The plan is put before any segment whose lines need it (a cut's new chunk).
+  The first upload puts the snapshot before the plan: a plan in the store says the state is there.
   With a mirror a change is acknowledged once its segment is in the store; a line appended here
   whose PUT failed was never acted on, and is put again with the next one.
 """
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleet.errors import FatalError
 from fleet.generation.data.durable import atomic_write, fsync
 
 if TYPE_CHECKING:
@@ -46,6 +48,10 @@ CONTROL_DIR = "_control"      # under a job's --output on object storage
 SEGMENT_BYTES = 16 << 10      # a log segment in the store is put whole per change: this bounds a PUT
 MIN_COMPACT_BYTES = 64 << 10  # a tiny snapshot is not rewritten every few changes
 PUT_TRIES = 3
+PULL_TRIES = 8                # reads of the store's log until it has no gap (see _read_whole)
+PULL_PAUSE_S = 0.5
+_AFRESH = ("restore the job directory from a backup, or move it aside to start the job's state afresh "
+           "(finished chunks then run again)")
 
 
 class StateLog:
@@ -69,7 +75,8 @@ class StateLog:
     # -- reading
 
     def load(self) -> dict[str, Any]:
-        """The state: the snapshot with every later log line applied (log read first, see above)."""
+        """The state: the snapshot with every later log line applied (log read first, see above); a gap in
+        their seqs raises FatalError (changes lost: never resumed from silently)."""
         lines = self._read_log()
         try:
             raw = (self.dir / SNAPSHOT_FILE).read_bytes()
@@ -84,14 +91,15 @@ class StateLog:
         for rec in lines:
             if rec["seq"] <= base:
                 continue
+            if rec["seq"] != self.seq + 1:
+                raise FatalError(f"{self.dir / LOG_FILE}: change {rec['seq']} follows change {self.seq}: the "
+                                 f"changes between are missing", remedy=_AFRESH)
             apply(state, rec)
             self.seq = rec["seq"]
         return state
 
     def _read_log(self) -> list[dict[str, Any]]:
         """The whole lines of the log; the byte length they span is `log_bytes` (a torn tail is after it)."""
-        from fleet.errors import FatalError
-
         try:
             data = (self.dir / LOG_FILE).read_bytes()
         except FileNotFoundError:
@@ -106,8 +114,7 @@ class StateLog:
             if not isinstance(rec, dict) or not isinstance(rec.get("seq"), int):
                 if end + len(raw) < len(data):   # only the last line can be torn by a kill
                     raise FatalError(f"{self.dir / LOG_FILE}: line {len(out) + 1} is damaged, not the last one",
-                                     remedy="restore the job directory from a backup, or move it aside to start "
-                                            "the job's state afresh (finished chunks then run again)")
+                                     remedy=_AFRESH)
                 break
             out.append(rec)
             end += len(raw)
@@ -163,8 +170,14 @@ class StateLog:
         self.counters["snapshots"] += 1
         self.counters["snapshot_bytes"] += len(data)
         if self.mirror is not None:
-            self._put_plan()
-            self._put("state.json", data)
+            if self._plan_stamp is None and not self.mirror.exists(PLAN_FILE):
+                # the first upload: plan.json is what says "the store holds the state" (`pull`), so it
+                # goes last; killed or failed between the two PUTs, the next run keeps its state here
+                self._put("state.json", data)
+                self._put_plan()
+            else:   # the plan first: the snapshot may name a cut's new chunk
+                self._put_plan()
+                self._put("state.json", data)
             for name in self.mirror.names("log"):
                 self.mirror.fs.rm(self.mirror._p(f"log/{name}"))
             self._segment = None
@@ -255,20 +268,19 @@ def _local_plan_ahead(local: Path, stored: bytes) -> bool:
 
 def pull(mirror: Store, directory: str | Path) -> bool:
     """Copy the job's state from the store into `directory` (plan.json, the snapshot, the log lines after
-    it), replacing what is there but a plan ahead of the store's (`_local_plan_ahead`); False when the
-    store holds no plan (a new job, or one begun before the copy existed). The store's copy is the truth
-    for a job on object storage: what a controller appended only locally was never acknowledged.
-    The plan is read last: it is put before any line that needs it."""
+    it), replacing what is there but a plan ahead of the store's (`_local_plan_ahead`); False, and nothing
+    here touched, when the store holds no plan (a new job, or one begun before the copy existed) or a plan
+    without any state (an older controller put the plan first and failed before the snapshot: the state
+    here is the only one, and is put there again). The store's copy is the truth for a job on object
+    storage: what a controller appended only locally was never acknowledged. The plan is read last: it is
+    put before any line that needs it. A log with a gap after PULL_TRIES reads raises FatalError."""
     if not mirror.exists(PLAN_FILE):
+        return False
+    snap, lines = _read_whole(mirror)
+    if snap is None and not lines:
         return False
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    for _ in range(5):   # a compaction between the reads (a controller running: an observer's pull)
-        snap, lines = _read_mirror(mirror)
-        base = int(json.loads(snap).get("seq") or 0) if snap else 0
-        seqs = [json.loads(raw)["seq"] for raw in lines]
-        if seqs == list(range(base + 1, base + 1 + len(seqs))):
-            break
     plan = mirror.read_bytes(PLAN_FILE)
     assert plan is not None   # never deleted once put
     if not _local_plan_ahead(d / PLAN_FILE, plan):
@@ -279,3 +291,22 @@ def pull(mirror: Store, directory: str | Path) -> bool:
         (d / SNAPSHOT_FILE).unlink(missing_ok=True)
     atomic_write(d / LOG_FILE, b"".join(lines))
     return True
+
+
+def _read_whole(mirror: Store) -> tuple[bytes | None, list[bytes]]:
+    """`_read_mirror` until the lines follow the snapshot without a gap: a compaction between the reads
+    (an observer's pull while a controller runs) is read again at once, then after a pause; a gap that
+    stays is a damaged copy, never resumed from (the changes in it would be lost)."""
+    for attempt in range(PULL_TRIES):
+        snap, lines = _read_mirror(mirror)
+        base = int(json.loads(snap).get("seq") or 0) if snap else 0
+        seqs = [json.loads(raw)["seq"] for raw in lines]
+        if seqs == list(range(base + 1, base + 1 + len(seqs))):
+            return snap, lines
+        if attempt >= PULL_TRIES // 2:
+            time.sleep(PULL_PAUSE_S)
+    raise FatalError(f"{mirror.root}: the job's state log has a gap (snapshot at change {base}, log lines "
+                     f"{seqs[:3]}{' …' if len(seqs) > 3 else ''}): changes are missing",
+                     remedy="make sure no other controller runs this job and run it again; if the gap stays, "
+                            f"move {mirror.root} aside to start the job's state afresh (finished chunks then run "
+                            "again)")
