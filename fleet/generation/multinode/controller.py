@@ -360,26 +360,31 @@ class Controller:
         """The shortest rest a cut may leave: MIN_CHUNK_S of work at the slowest measured rate. A shorter
         rest is a chunk that is mostly its runner's start (the bench's 102-row rests); at the fastest
         rate the bar also refused useful cuts (a 234-row rest), and the slow node then ran 1,000 rows."""
-        slowest = self._rates_now().slowest()
+        assert self.assign is not None
+        with self.assign._lock:   # the view's heap is popped here: one thread at a time
+            slowest = self._rates_now().slowest()
         return math.ceil(MIN_CHUNK_S * slowest) if slowest else 0
 
     def next_size(self, name: str) -> tuple[int | None, bool]:
         """(rows of node `name`'s next chunk, whether it should take one now): `chunk_rows_for` from the
         measured rates, `finishes_first` against the faster nodes (see chunks.py). The rates, rows left
-        and their sum come from `RateView`: no node is evaluated that did not change since."""
+        and their sum come from `RateView`: no node is evaluated that did not change since. Under the
+        state's lock: another node's thread updates the view (and `Assignments.nodes`) meanwhile, and a
+        dict iterated while it changes raises (the 1,000-node bench's "dictionary changed size")."""
         assert self.assign is not None
-        v = self._rates_now()
-        rate = v.rate.get(name) if name not in v.lost else None
-        pending = self.assign.pending()
-        if not pending:
-            return None, True
-        rows = chunk_rows_for(rate, {}, self.assign.rows_pending(), total=float(v.total))
-        nxt = self.chunk(pending[0]).lines
-        take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
-        if not rate:
-            return rows, True
-        others = [(v.left[n] / r, r) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost]
-        return rows, finishes_first(take, rate, others, v.left[name] / rate)
+        with self.assign._lock:
+            v = self._rates_now()
+            rate = v.rate.get(name) if name not in v.lost else None
+            pending = self.assign.pending()
+            if not pending:
+                return None, True
+            rows = chunk_rows_for(rate, {}, self.assign.rows_pending(), total=float(v.total))
+            nxt = self.chunk(pending[0]).lines
+            take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
+            if not rate:
+                return rows, True
+            others = [(v.left[n] / r, r) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost]
+            return rows, finishes_first(take, rate, others, v.left[name] / rate)
 
     def _probe(self, name: str) -> bool:
         try:
