@@ -375,11 +375,11 @@ class Controller:
         with self.assign._lock:
             v = self._rates_now()
             rate = v.rate.get(name) if name not in v.lost else None
-            pending = self.assign.pending()
-            if not pending:
+            first = self.assign.first_pending()
+            if first is None:
                 return None, True
             rows = chunk_rows_for(rate, {}, self.assign.rows_pending(), total=float(v.total))
-            nxt = self.chunk(pending[0]).lines
+            nxt = self.chunk(first).lines
             take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
             if not rate:
                 return rows, True
