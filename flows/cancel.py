@@ -15,7 +15,8 @@ Step 3 is most of the wait: ≈ 10 s at load 10 even for a flow that imports not
 runs it for every cancel. So the run's own process, once it has stopped cleanly — every wait of the
 run gave up (fleet/interrupt.py), the task threads are joined (their task runs ended, "asked to
 stop"), the node lock is given back (tasks/locks.py: `hold_nodes` unwound) — sets the run Cancelled
-itself, as the flow function unwinds. The runner's steps 3–4 still happen (nothing in the flow can
+itself, as the flow function unwinds. A task thread still running after JOIN_S (a node command that
+does not look at the stop flag) leaves the run to Prefect's path: Cancelled once the process is gone. The runner's steps 3–4 still happen (nothing in the flow can
 skip them); its own Cancelled lands on a Cancelled run and changes only the message.
 
 Cancelling → Cancelled is the one transition Prefect's orchestration allows out of Cancelling
@@ -52,7 +53,11 @@ def end_cancelled() -> bool:
             state = client.read_flow_run(ctx.flow_run.id).state
             if state is None or not state.is_cancelling():
                 return False
-            _join_tasks(ctx.task_runner, JOIN_S)
+            if not _join_tasks(ctx.task_runner, JOIN_S):
+                # a task still runs (a node command that does not look at the stop flag): "stopped"
+                # now would be false, and a re-run could write beside it; Prefect's runner sets
+                # Cancelled once this process is gone (step 4)
+                return False
             result: Any = client.set_flow_run_state(ctx.flow_run.id, Cancelled(message=CANCELLED_MESSAGE))
     except Exception:  # the API is away: Prefect's runner still sets Cancelled after it (step 4)
         return False
@@ -64,11 +69,13 @@ def end_cancelled() -> bool:
     return True
 
 
-def _join_tasks(task_runner: Any, timeout: float) -> None:
-    """Wait up to `timeout` for the flow's task threads to end (what the engine does next, unbounded)."""
+def _join_tasks(task_runner: Any, timeout: float) -> bool:
+    """Wait up to `timeout` for the flow's task threads to end (what the engine does next, unbounded);
+    True when they all ended (`cancel_all` shuts the runner's pool down and waits for its threads)."""
     cancel_all = getattr(task_runner, "cancel_all", None)
     if cancel_all is None:
-        return
+        return True
     t = threading.Thread(target=cancel_all, name="fleet-join-tasks", daemon=True)
     t.start()
     t.join(timeout)
+    return not t.is_alive()

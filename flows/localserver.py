@@ -35,7 +35,8 @@ runs), on a free port on 127.0.0.1, with the database Prefect would use for this
 then sleeps 2 s (then 4, 8, …) before trying again: that was 2 s of a 3 s `fleet up` in about
 half the runs on an idle machine (the node lock's holder-record DELETE). This server runs such a
 request again itself after a few milliseconds, for up to `REPLAY_S`, and sends the 503 (the
-client's own back-off) only after that.
+client's own back-off) only after that, or stops when the client is gone. Only that refusal: any
+other 503 (another database error, /api/ready's) goes out at once.
 """
 
 from __future__ import annotations
@@ -324,13 +325,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class ReplayBusy:
-    """ASGI wrapper: an HTTP request the app answers 503 is run again after a short pause (5 ms,
-    doubling up to 0.2 s) for up to `budget_s`; then the 503 goes out.
+    """ASGI wrapper: an HTTP request the app refused with 503 because SQLite was busy ("database is
+    locked") is run again after a short pause (5 ms, doubling up to 0.2 s) for up to `budget_s`;
+    then the 503 goes out. Any other 503 (Prefect's for any DBAPIError, InvalidRequestError,
+    DetachedInstanceError; /api/ready's) goes out at once, and replays stop when the client is gone.
 
-    Prefect answers 503 only for errors it deems retryable, its client retries each such request
-    as it is (after 2 s and more), and the failed transaction was rolled back: running it again
-    here is what the client would do, minus the back-off. The request body is read once and given
-    to each run; nothing of a refused run's response is sent."""
+    A busy refusal's transaction was rolled back, and Prefect's client retries such a request as it
+    is (after 2 s and more): running it again here is what the client would do, minus the back-off.
+    The request body is read once and given to each run; a 503 is held until the run ends (Starlette
+    raises its error again after its handler sent it: that error says whether it was SQLite busy);
+    nothing of a replayed run's response is sent."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], budget_s: float = REPLAY_S) -> None:
         self.app, self.budget_s = app, budget_s
@@ -348,37 +352,70 @@ class ReplayBusy:
             body.append(msg.get("body", b""))
             if not msg.get("more_body"):
                 break
-        loop = asyncio.get_running_loop()
-        deadline, pause = loop.time() + self.budget_s, REPLAY_PAUSE_S[0]
-        while not await self._run(scope, b"".join(body), receive, send, last=loop.time() >= deadline):
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, REPLAY_PAUSE_S[1])
+        gone = asyncio.ensure_future(receive())  # the next message after the body: the client's disconnect
+        try:
+            loop = asyncio.get_running_loop()
+            deadline, pause = loop.time() + self.budget_s, REPLAY_PAUSE_S[0]
+            while not await self._run(scope, b"".join(body), gone, send, last=loop.time() >= deadline):
+                done, _ = await asyncio.wait({gone}, timeout=pause)
+                if done:
+                    return  # the client disconnected: nobody to answer, nothing to run again for
+                pause = min(2 * pause, REPLAY_PAUSE_S[1])
+        finally:
+            gone.cancel()
 
-    async def _run(self, scope: Scope, body: bytes, receive: Receive, send: Send, last: bool) -> bool:
-        """One run of the request; False if it was refused with 503 (and nothing was sent)."""
-        given, refused = False, False
+    async def _run(self, scope: Scope, body: bytes, gone: Awaitable[Message], send: Send, last: bool) -> bool:
+        """One run of the request; False if SQLite was busy and it is to run again (nothing was sent)."""
+        import asyncio
+
+        given = False
+        held: list[Message] = []
 
         async def replay() -> Message:
             nonlocal given
             if not given:
                 given = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the client's disconnect, as the app expects
+            return await asyncio.shield(gone)  # after the body: the client's disconnect, as the app expects
 
         async def guard(msg: Message) -> None:
-            nonlocal refused
-            if msg["type"] == "http.response.start" and msg["status"] == 503 and not last:
-                refused = True
-            if not refused:
+            if held or (msg["type"] == "http.response.start" and msg["status"] == 503 and not last):
+                held.append(msg)
+            else:
                 await send(msg)
 
         try:
             await self.app(dict(scope), replay, guard)
-        except Exception:
-            if not refused:
-                raise
-            # Starlette raises the error again after its handler sent the 503 (for the server's log)
-        return not refused
+        except Exception as exc:
+            if held and _sqlite_busy(exc):
+                return False
+            for msg in held:  # a 503 for anything else goes out as it is, at once
+                await send(msg)
+            raise
+        for msg in held:  # a 503 without an error (/api/ready's): not a busy database
+            await send(msg)
+        return True
+
+
+def _sqlite_busy(exc: BaseException) -> bool:
+    """Whether `exc` (SQLAlchemy's OperationalError, or what it wraps) is SQLite's busy/locked refusal:
+    what Prefect's `is_client_retryable_exception` answers 503 for on SQLite."""
+    import sqlite3
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, sqlite3.OperationalError):
+            name = str(getattr(e, "sqlite_errorname", ""))
+            if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in str(e):
+                return True
+        orig = getattr(e, "orig", None)
+        todo += [orig if isinstance(orig, BaseException) else None, e.__cause__, e.__context__]
+    return False
 
 
 def watch(d: Path, idle: float, every: float = WATCH_EVERY_S) -> None:

@@ -499,6 +499,52 @@ def slots(s: PrefectServer, limit: str) -> int:
     return int(r.json()["active_slots"])
 
 
+def test_a_cancel_whose_task_thread_still_runs_is_not_set_cancelled_by_the_run(monkeypatch) -> None:
+    """Fault: `end_cancelled` joined the task threads for up to JOIN_S, then set the run Cancelled
+    whether they had ended or not: a task stuck in a node command that does not look at the stop flag
+    still ran while the run showed Cancelled ("stopped"), and for a multi-node job the node lock was
+    already back, so a re-run at once wrote beside it. Now a thread still alive after the join leaves
+    the run to Prefect's path (Cancelled once the process is gone): nothing is proposed. A task runner
+    whose `cancel_all` waits on a task that never ends (until the test lets it go); the Prefect client
+    and run context are stand-ins (this is the decision only; the real Cancel is the test below)."""
+    import prefect.client.orchestration as orchestration
+    import prefect.context
+
+    import flows.cancel as cancel
+
+    stuck, proposed = threading.Event(), []
+
+    class Runner:
+        def cancel_all(self) -> None:
+            stuck.wait(600)
+
+    class Client:
+        def __enter__(self) -> Client:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def read_flow_run(self, run_id: str) -> Any:
+            from prefect.states import Cancelling
+            return type("Run", (), {"state": Cancelling()})()
+
+        def set_flow_run_state(self, run_id: str, state: Any) -> Any:
+            proposed.append(state)
+            return type("Result", (), {"state": state})()
+
+    ctx = type("Ctx", (), {"flow_run": type("Run", (), {"id": "r", "state": None})(), "task_runner": Runner()})()
+    monkeypatch.setattr(prefect.context.FlowRunContext, "get", classmethod(lambda cls: ctx))
+    monkeypatch.setattr(orchestration, "get_client", lambda sync_client=False: Client())
+    monkeypatch.setattr(cancel, "JOIN_S", 0.2)
+    try:
+        assert cancel.end_cancelled() is False and proposed == []
+    finally:
+        stuck.set()
+    ctx.task_runner = type("Done", (), {"cancel_all": lambda self: None})()   # every task ended: set
+    assert cancel.end_cancelled() is True and [s.type.value for s in proposed] == ["CANCELLED"]
+
+
 @pytest.mark.timeout(900)
 def test_prefect_cancel_of_a_bringup_under_a_worker_ends_cancelled_by_its_own_process_with_the_lock_back(
         deployed: PrefectServer, tmp_path: Path) -> None:

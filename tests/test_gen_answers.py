@@ -433,3 +433,45 @@ def test_a_worker_lets_go_of_its_last_answer_while_it_waits_for_the_next() -> No
     finally:
         server.close()
     assert ids == ["r0"] and alive == 0, (ids, alive)
+
+
+# ----------------------------------------------------------------------------- a lone surrogate, as on a node
+
+LONE = "\\ud83d"   # the JSON escape of half a surrogate pair: no character, and no UTF-8 for it
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_an_answer_with_a_lone_surrogate_is_invalid_not_a_commit_that_fails(monkeypatch, streamed: bool) -> None:
+    """Fault: a node's runner venv has no orjson, so the client decodes with json.loads, which turns the
+    escape "\\ud83d" into a lone surrogate; pydantic keeps it, the row was buffered, and the store's
+    commit raised UnicodeEncodeError (every commit of that job, again after every resume). Now such an
+    answer is invalid — streamed (its texts are checked as they are joined) or whole (the strict parser
+    refuses the escape) — and never reaches the store. json.loads is the codec here, as on a node."""
+    import fleet.generation.hotpath.client as client
+
+    monkeypatch.setattr(client, "loads", json.loads)
+    if streamed:
+        from bench_answer_memory import sse
+        body = sse(10, 10, 4).replace(b'"content": "cccc"', f'"content": "c{LONE}c"'.encode(), 1)
+        assert LONE.encode() in body
+        reply = Reply("lone surrogate", body=body, length=-1)
+    else:
+        doc = json.dumps(body_with(("choices", 0, "message", "content"), "@")).replace("@", LONE)
+        reply = Reply("lone surrogate", body=doc.encode())
+
+    async def go() -> Any:
+        session = new_session(1)
+        try:
+            req = Request(id="a", line=1, messages=[{"role": "user", "content": "hi"}], params={})
+            return await chat(session, server.url, "m", req, timeout=60.0,
+                              on_chunk=(lambda: None) if streamed else None)
+        finally:
+            await session.close()
+
+    server = GarbageServer([reply])
+    try:
+        out = asyncio.run(go())
+    finally:
+        server.close()
+    assert out.kind == "invalid", (out.kind, out.error, out.completion)
+    assert out.completion == ""

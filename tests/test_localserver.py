@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,6 +158,106 @@ class ClientRetries(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "retryable status code 503" in record.getMessage():
             self.seen.append(record.getMessage())
+
+
+def replay_once(app: Any, client_gone: bool = False) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """One POST through `ReplayBusy(app)` as uvicorn hands it over: the body, then (only when the
+    client is gone) its disconnect; what was sent to the client, and what the wrapper raised."""
+    import asyncio
+
+    from flows.localserver import ReplayBusy
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> BaseException | None:
+        gone = asyncio.Event()
+        if client_gone:
+            gone.set()
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: Any) -> None:
+            sent.append(dict(msg))
+
+        scope = {"type": "http", "method": "POST", "path": "/api/x", "headers": []}
+        try:
+            await ReplayBusy(app, budget_s=2)(scope, receive, send)  # old code: 2 s of replays
+        except Exception as exc:
+            return exc
+        return None
+
+    return sent, asyncio.run(go())
+
+
+def refusing_app(error: Exception | None) -> tuple[Any, list[int]]:
+    """An ASGI app that answers every request 503 and, as Starlette does after its handler, raises `error`."""
+    runs: list[int] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+        await receive()
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"exception_message":"Service Unavailable"}'})
+        if error is not None:
+            raise error
+
+    return app, runs
+
+
+@pytest.mark.parametrize("case", ["ready", "dbapi error", "detached instance"])
+def test_a_503_that_is_not_a_locked_database_is_answered_at_once_not_replayed(case: str) -> None:
+    """Fault: `ReplayBusy` ran again every request answered 503 for up to 10 s (~55 runs) before the
+    client's own retries — but Prefect answers 503 also for any DBAPIError, InvalidRequestError and
+    DetachedInstanceError, and /api/ready for a server not ready: none of them a busy database. Now
+    only SQLite's busy/locked refusal is run again; any other 503 goes out after one run, with its error."""
+    import sqlalchemy.exc
+    import sqlalchemy.orm.exc
+
+    error = {"ready": None,
+             "dbapi error": sqlalchemy.exc.DBAPIError("SELECT 1", {}, sqlite3.DatabaseError("disk I/O error")),
+             "detached instance": sqlalchemy.orm.exc.DetachedInstanceError("gone")}[case]
+    app, runs = refusing_app(error)
+    sent, raised = replay_once(app)
+    assert len(runs) == 1, f"a 503 that is not a locked database was run {len(runs)} times"
+    assert sent[0]["status"] == 503 and len(sent) == 2
+    assert raised is error
+
+
+def test_a_locked_database_is_not_replayed_for_a_client_that_is_gone() -> None:
+    """Fault: a request refused by a locked database was run again for up to 10 s even after its client
+    had disconnected. The app here meets SQLite's "database is locked" on every run (Prefect's wrapped
+    error, raised after its 503); the client is gone: the wrapper stops after the first run and sends
+    nothing. With the client there, the same refusal is run again until it is answered (and on a real
+    server: the test below)."""
+    locked = sqlite3.OperationalError("database is locked")
+    error = sqlalchemy_operational(locked)
+    app, runs = refusing_app(error)
+    sent, raised = replay_once(app, client_gone=True)
+    assert (len(runs), sent, raised) == (1, [], None)
+
+    runs.clear()
+
+    async def locked_twice(scope: Any, receive: Any, send: Any) -> None:   # the client there: run again
+        if len(runs) < 2:
+            return await app(scope, receive, send)
+        runs.append(1)
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sent, raised = replay_once(locked_twice)
+    assert (len(runs), [m.get("status") for m in sent], raised) == (3, [200, None], None)
+
+
+def sqlalchemy_operational(orig: Exception) -> Exception:
+    import sqlalchemy.exc
+
+    return sqlalchemy.exc.OperationalError("DELETE FROM variable", {}, orig)
 
 
 def test_a_record_delete_refused_by_a_locked_database_is_not_backed_off(home: Path) -> None:

@@ -96,7 +96,7 @@ def _column(values: tuple[Any, ...], typ: pa.DataType) -> pa.Array | pa.ChunkedA
             if run:
                 chunks.append(pa.array(run, type=typ))
                 run = []
-            data = v.encode()   # one copy, the exact size; the parser never yields a lone surrogate
+            data = v.encode()   # one copy, the exact size; an answer with a lone surrogate was judged invalid (client._utf8)
             offsets = pa.array([0, len(data)], type=pa.int32()).buffers()[1]
             chunks.append(pa.StringArray.from_buffers(1, offsets, pa.py_buffer(data)))
         else:

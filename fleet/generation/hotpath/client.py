@@ -202,6 +202,16 @@ async def _read_into(resp: aiohttp.ClientResponse, size: int) -> bytearray:
     return buf   # a bytearray: the parser takes it as it is (no copy into bytes)
 
 
+def _utf8(text: str) -> str:
+    """`text`, when it is valid UTF-8 text; UnicodeEncodeError (a ValueError) for one with a lone
+    surrogate. json.loads (the codec where orjson is missing: a node's runner venv) decodes the escape
+    "\\ud83d" into one, pydantic keeps it, and the store cannot write it: its commit fails, again after
+    every resume. Checked a block at a time (a copy of one block, never of the whole text)."""
+    if not text.isascii():
+        text.encode()
+    return text
+
+
 class _Text:
     """A text that arrives in many small pieces (a streamed answer's deltas, a token or a few each),
     joined in blocks as it grows: a list of every piece costs a string object (~50 bytes) per piece,
@@ -218,12 +228,12 @@ class _Text:
     def add(self, piece: str) -> None:
         self.pieces.append(piece)
         if len(self.pieces) >= self.BLOCK:
-            self.blocks.append("".join(self.pieces))   # TypeError for a piece that is no string
+            self.blocks.append(_utf8("".join(self.pieces)))   # TypeError for a piece that is no string
             self.pieces.clear()
 
     def text(self) -> str:
         """The whole text; the blocks are let go (the text is the one copy left)."""
-        self.blocks.append("".join(self.pieces))
+        self.blocks.append(_utf8("".join(self.pieces)))
         self.pieces.clear()
         whole = self.blocks[0] if len(self.blocks) == 1 else "".join(self.blocks)
         self.blocks.clear()
@@ -267,6 +277,12 @@ class _Stream:
     def completion(self) -> dict[str, Any]:
         """The whole chat.completion these chunks make, as a document for the strict parser (judged
         as it is: its texts are not encoded into a body and decoded again, two more copies of them)."""
+        for call in self.calls.values():
+            for text in (call["id"], call["type"], call["function"]["name"], call["function"]["arguments"]):
+                if isinstance(text, str):
+                    _utf8(text)
+        if isinstance(self.finish, str):
+            _utf8(self.finish)
         message = {"role": "assistant", "content": self.content.text(),
                    "reasoning_content": self.reasoning.text() or None,
                    "tool_calls": [self.calls[i] for i in sorted(self.calls)] or None}
