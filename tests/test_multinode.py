@@ -223,10 +223,13 @@ def test_node_lost_mid_job_its_chunk_goes_elsewhere_without_redoing_fetched_rows
     assert rc == 0, output[-5000:]
     st = read_state(pdir)
     assert st is not None
+    # the loss that released the frozen chunk (on a busy machine the slow node may also have been
+    # lost and rejoined earlier, with node_lost_s = 4 s: that earlier loss released another chunk)
     lost = [e for e in st["events"] if e["event"] == "node-lost" and e["node"] == "slow"]
-    assert lost and idx in lost[0]["released"]
+    assert any(idx in e["released"] for e in lost), lost
     chunk = st["chunks"][str(idx)]
-    assert chunk["state"] == "done" and chunk["attempts"][0]["outcome"] == "lost"
+    on_slow = [a for a in chunk["attempts"] if a["node"] == "slow"]
+    assert chunk["state"] == "done" and on_slow and on_slow[-1]["outcome"] == "lost", chunk
     done_by = chunk["node"]
     fetched_before = sum(pq.ParquetFile(p).metadata.num_rows for p in gathered.glob("part-*.parquet"))
     final = json.loads((pdir / "gathered" / done_by / f"chunk-{idx:05d}" / "manifest.json").read_text())
