@@ -439,3 +439,23 @@ def test_plan_resume_counts_without_validating_done_rows(tmp_path):
     plan = plan_resume(p, CFG, done)
     assert (plan.rows, plan.skipped, plan.duplicates, plan.remaining) == (4, 1, 1, 3)
     assert plan.visit.tolist() == [2, 3, 4] and plan.first_at == {3: 1} and list(plan.rejects) == [4]
+
+
+@pytest.mark.parametrize("codec", ["orjson", "stdlib"])
+def test_a_prompt_with_a_lone_surrogate_is_a_bad_line_with_either_codec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       codec: str) -> None:
+    """Fault: a node's runner venv has no orjson, and json.loads takes a `\\ud83d` escape left
+    unpaired: the row's prompt then holds a lone surrogate that UTF-8 cannot encode, so sending it
+    (dumps(body).encode()) or storing it raised outside every handler. Such a line is a bad line at
+    input (orjson refuses it too); a paired escape (an emoji) is a good row."""
+    from fleet.generation.data import jsonl, sources
+
+    if codec == "stdlib":
+        monkeypatch.setattr(sources, "loads_utf8", jsonl.stdlib_loads_utf8)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": "good", "messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}\n'
+                     b'{"id": "lone", "messages": [{"role": "user", "content": "hi \\ud83d there"}]}\n'
+                     b'{"id": "LONE", "messages": [{"role": "user", "content": "hi \\uDC00"}]}\n')
+    got = list(sources.jsonl_rows(path, InputStats()))
+    assert got[0][1]["messages"][0]["content"] == "hi \U0001f600"
+    assert [type(obj).__name__ for _, obj, _ in got[1:]] == ["Bad", "Bad"], got

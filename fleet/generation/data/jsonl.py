@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["dumps", "loads", "read_jsonl", "repair_jsonl"]
+__all__ = ["dumps", "loads", "loads_utf8", "read_jsonl", "repair_jsonl"]
 
 log = logging.getLogger("fleet.generation.data.store")
 
@@ -32,6 +32,21 @@ except ImportError:  # pragma: no cover - depends on the environment
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
     loads = json.loads
+
+
+def stdlib_loads_utf8(data: bytes | str) -> Any:
+    """json.loads, refusing what orjson refuses too: a `\\uD800`–`\\uDFFF` escape left unpaired (a
+    lone surrogate). json.loads takes it, and the row then cannot be sent (UTF-8 cannot encode it) nor
+    stored; only such an escape can make one, so only a line holding `\\ud` is checked (raises
+    UnicodeEncodeError, a ValueError that names UTF-8)."""
+    obj = json.loads(data)
+    if (b"\\ud" in data.lower()) if isinstance(data, bytes) else ("\\ud" in data.lower()):
+        json.dumps(obj, ensure_ascii=False).encode()
+    return obj
+
+
+# The input reader's codec: a line with a lone surrogate is a bad line (not UTF-8) with either codec.
+loads_utf8: Callable[[bytes | str], Any] = loads if loads is not json.loads else stdlib_loads_utf8
 
 
 def repair_jsonl(path: Path) -> int:

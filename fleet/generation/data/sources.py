@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fleet.errors import InputError
-from fleet.generation.data.jsonl import loads
+from fleet.generation.data.jsonl import loads_utf8
 from fleet.generation.data.rows import Bad, InputStats, strip_none
 
 __all__ = ["bad_json_reason", "count_rows", "input_fingerprint", "input_lines", "is_parquet", "jsonl_rows",
@@ -99,7 +99,7 @@ def jsonl_rows(path: Path, stats: InputStats) -> Iterator[tuple[int, Any, bytes 
         if n == 1 and line.startswith(b"\xef\xbb\xbf"):
             line = line[3:]
         try:
-            obj = loads(line)
+            obj = loads_utf8(line)
         except ValueError as exc:
             if not line.strip():
                 stats.blank += 1
