@@ -378,16 +378,18 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
                         continue
                     holders.append(f"{name} is taken by a run that left no holder record (reclaimed if still so "
                                    f"after {ORPHAN_GRACE_S:.0f} s)")
+            # Said before the give-up check: a run whose first look already took longer than wait_s
+            # (a busy machine, a short node_wait_s) still names the holder in its log once.
+            text = "; ".join(holders)
+            if holders and (text.split(" for ")[0] != said.split(" for ")[0] or time.monotonic() - said_at > 60):
+                logger.warning("%s: %s; waiting (up to %.0f s)", purpose, text, wait_s)
+                said, said_at = text, time.monotonic()
             waited = time.monotonic() - t0
             if waited > wait_s:
                 raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: "
                                + ("; ".join(holders) or f"{', '.join(names)} refused a slot"),
                                remedy="wait for that run to end (`fleet status`, the Prefect UI), or raise the "
                                       "flow parameter node_wait_s")
-            text = "; ".join(holders)
-            if holders and (text.split(" for ")[0] != said.split(" for ")[0] or time.monotonic() - said_at > 60):
-                logger.warning("%s: %s; waiting (up to %.0f s)", purpose, text, wait_s)
-                said, said_at = text, time.monotonic()
             time.sleep(POLL_S if holders else 0.05)
         holder = Holder(run_id=run_id, run_name=run_name, purpose=purpose, host=socket.gethostname(),
                         machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),

@@ -17,8 +17,10 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
+from typing import Any
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -134,6 +136,8 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
                     return self._missing("EntryNotFound") if got is None else self._json(got)
                 if path.startswith(f"/datasets/{REPO}/resolve/{rev}/"):
                     return self._file(path[len(f"/datasets/{REPO}/resolve/{rev}/"):], head)
+            if path == "/api/agent-harnesses":   # huggingface_hub asks it for its user agent, whatever the read
+                return self._json({"standardEnvVars": [], "harnesses": {}})
             if path.startswith(f"{api}") or path.startswith(f"/datasets/{REPO}"):
                 hub.unknown.append(f"{self.command} {self.path}")
                 return self._missing("EntryNotFound")
@@ -176,7 +180,19 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Hub]:
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)   # read at import: this process may have imported it
+    # the file URL's template is built from the endpoint at import too (a worker that imported
+    # huggingface_hub earlier, through transformers or datasets, asked the real Hub for the file)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # Loopback only: a name other than the stand-in's is refused here, before any packet leaves.
+    real_getaddrinfo = socket.getaddrinfo
+
+    def loopback_only(host: Any, *args: Any, **kw: Any) -> Any:
+        if host not in ("127.0.0.1", "localhost", "::1", None) and not str(host).startswith("127."):
+            raise OSError(f"test_objstore_hf: no traffic off loopback (asked for {host!r})")
+        return real_getaddrinfo(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", loopback_only)
     hffs = fsspec.get_filesystem_class("hf")   # kept: a test may hide huggingface_hub until teardown
     hffs.clear_instance_cache()
     try:
