@@ -326,6 +326,7 @@ class SmokeConfig(_Section):
     backoff_max_s: float = Field(60.0, ge=0, description="Cap on one retry delay.")
     jitter: float = Field(0.25, ge=0, le=1, description="Random share added to each delay (0.25 = up to +25%).")
     kv_cache_min_ratio: float = Field(0.8, gt=0, le=1, description="Flag a server whose KV cache is below this share of its peers' median.")
+    job_proof_s: float = Field(15.0, ge=0, le=3600, description="An adopted server that a live generation job of this fleet saw generate (a token counted, an answer) within this many seconds gets no smoke request: the job's progress is the proof, and a smoke would wait for a slot behind the job's rows. Older or no progress: smoked as usual (0: always smoke).")
 
 
 GateAction = Literal["keep", "flag", "reject", "retry"]

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from fleet.config import NodeConfig
+from fleet.jobs import JobProof
 from fleet.preflight import NodeReport
 from fleet.servers import LaunchResult, ReadyResult
 from fleet.smoke import SmokeResult
@@ -106,11 +107,15 @@ class Launched:
 
 @dataclass(frozen=True)
 class Smoked:
-    """A server that answered its smoke request, and what it says of itself."""
+    """A server proven to serve, and what it says of itself: it answered its smoke request
+    (`smoke`), or a live generation job saw it generate moments ago (`job` proven, no request
+    sent: the smoke would wait for a slot behind the job's rows). `job` is also kept when the
+    job's progress was no proof (why not, then) and the server was smoked."""
 
-    smoke: SmokeResult
+    smoke: SmokeResult | None
     max_running_requests: int | None = None  # from /server_info, else from its log
     server_info: dict[str, Any] = field(default_factory=dict)
+    job: JobProof | None = None
 
     @property
     def adopted(self) -> bool:
@@ -118,11 +123,19 @@ class Smoked:
 
     @property
     def latency_s(self) -> float | None:
-        return self.smoke.latency_s
+        return self.smoke.latency_s if self.smoke else None
+
+    @property
+    def proof(self) -> str:
+        """The summary table's word for it: "smoke", or how long ago the live job saw it generate."""
+        if self.smoke is None and self.job is not None:
+            return f"live job: generated {self.job.seen_s:.1f} s ago"
+        return "smoke"
 
     def as_dict(self) -> dict[str, Any]:
-        return self.smoke.as_dict() | {"max_running_requests": self.max_running_requests,
-                                       "server_info": self.server_info}
+        d = self.smoke.as_dict() if self.smoke else {"ok": True, "request_sent": False}
+        return d | {"proof": self.proof, "max_running_requests": self.max_running_requests,
+                    "server_info": self.server_info} | ({"job": self.job.as_dict()} if self.job else {})
 
 
 @dataclass(frozen=True)

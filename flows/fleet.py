@@ -63,6 +63,7 @@ class ServerRow:
     pid: int | None = None
     ready_s: float | None = None
     smoke_latency_s: float | None = None
+    proof: str | None = None   # "smoke", or the live job's progress through it (no smoke request sent)
     kv_cache_tokens: int | None = None
     max_running_requests: int | None = None
     flag: str | None = None
@@ -180,6 +181,7 @@ def _launch_and_smoke(cfg: FleetConfig, specs: list[ServerSpec], summary: _Summa
             continue
         row.state = "adopted" if lr.adopted else "up"
         row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
+        row.proof = smoked.proof
         row.max_running_requests = smoked.max_running_requests or row.max_running_requests
         summary.rows.append(row)
 

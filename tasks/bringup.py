@@ -20,6 +20,7 @@ from fleet.preflight import gather
 from fleet.servers import excerpt, launch, read_record, record_smoke, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet import torndown
+from fleet.jobs import JobProof, job_proof
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, StageOutcome
 from fleet.staging import stage_model
 from fleet.venv import VenvResult, ensure_venv
@@ -111,9 +112,13 @@ def launch_server(cfg: FleetConfig, spec: ServerSpec) -> Launched:
 
 @task(name="smoke", task_run_name="smoke-{spec.node}-{spec.index}", **TASK_OPTS)
 def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: Launched) -> Smoked:
-    """One chat completion (first-request timeout, backoff with jitter), then the server's own info."""
+    """One chat completion (first-request timeout, backoff with jitter), then the server's own info —
+    unless a live job's progress proves the adopted server serves (`_job_proof`)."""
     def body() -> tuple[Smoked, str | None]:
         node = node_for(cfg, spec.node)
+        proof = _job_proof(cfg, node, spec, launched)
+        if proof is not None and proof.proven:
+            return Smoked(None, launched.fact_int("max_running_requests"), job=proof), None
         url = launched.url
         model = get_profile(cfg.engine.kind).request_model(spec)
         # Watch the process and its log as readiness did: a server dying on its first request
@@ -125,8 +130,30 @@ def smoke_server(cfg: FleetConfig, spec: ServerSpec, launched: Launched) -> Smok
                     api_key=spec.api_key, temperature=cfg.generation.temperature, watch=watch)
         info = fetch_server_info(url, spec.api_key)
         record_smoke(node, cfg, spec, {"ok": True, "at": time.time(), "latency_s": res.latency_s})
-        return Smoked(res, max_running_requests(info, launched.facts), info), log_excerpt_of(cfg, spec)
+        return Smoked(res, max_running_requests(info, launched.facts), info, job=proof), log_excerpt_of(cfg, spec)
     return _audited(cfg, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}", body)
+
+
+def _job_proof(cfg: FleetConfig, node: Node, spec: ServerSpec, launched: Launched) -> JobProof | None:
+    """An adopted server a live job of this fleet uses: does the job's progress prove it serves?
+
+    A re-attaching `fleet generate` brings the fleet up first, and its servers are busy with the
+    very job it re-attaches to: a smoke request waited for a free slot behind the job's rows
+    (1-2.5 s of a 3 s command on an idle machine). A server the job saw generate within
+    `smoke.job_proof_s` is proven by that; one it did not (down, suspected, quiet, an older
+    runner that does not say) is smoked as any other, and the log says why."""
+    if not launched.adopted or cfg.smoke.job_proof_s <= 0:
+        return None
+    try:
+        proof = job_proof(node, spec.workdir, cfg.name, spec.node, spec.index, spec.port, cfg.smoke.job_proof_s)
+    except FleetError as exc:   # no proof read: the smoke decides, as it would without a job
+        get_run_logger().warning("smoke %s server %s: the live jobs could not be read (%s): smoke request sent",
+                                 spec.node, spec.index, exc.one_line())
+        return None
+    if proof is not None:
+        get_run_logger().info("smoke %s server %s: %s: %s", spec.node, spec.index, proof.describe(),
+                              "no smoke request sent" if proof.proven else "smoke request sent")
+    return proof
 
 
 def _smoke_settings(cfg: FleetConfig, node: Node, spec: ServerSpec, launched: Launched) -> SmokeConfig:

@@ -49,6 +49,7 @@ class App:
             "/generate": ("POST", gen.generate),
             "/sim/lockstep": ("GET", self.lockstep),
             "/sim/streams": ("GET", self.streams),
+            "/sim/requests": ("GET", self.requests),
         }
         if getattr(args, "openai_only", False):   # a plain OpenAI-compatible server: none of SGLang's own paths
             self.routes = {k: v for k, v in self.routes.items() if k.startswith("/v1/")}
@@ -94,6 +95,10 @@ class App:
         """Streamed answers so far, open now, and the most open at once (tests/test_gen_refill.py)."""
         e = self.engine
         return json_resp(200, {"streamed": e.streams_total, "now": e.streams_now, "max_at_once": e.streams_max})
+
+    def requests(self, req: Request, conn: HttpConnection) -> Resp:
+        """Generation requests received, by the max_tokens each asked for (tests/test_reattach.py)."""
+        return json_resp(200, {"by_max_tokens": {str(k): v for k, v in sorted(self.engine.by_max_tokens.items())}})
 
     def health(self, req: Request, conn: HttpConnection) -> Resp:
         return Resp(200 if self.engine.ready else 503, b"", TEXT)

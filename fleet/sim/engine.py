@@ -74,6 +74,9 @@ class Engine:
         self.streams_total = 0
         self.streams_now = 0
         self.streams_max = 0
+        # generation requests received, by the max_tokens they asked for (GET /sim/requests): tells
+        # one kind of request from another, e.g. a bring-up's smoke from a job's rows
+        self.by_max_tokens: dict[int, int] = {}
         self.latency_buckets = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
         self.latency_counts = [0] * (len(self.latency_buckets) + 1)
         self.latency_sum = 0.0

@@ -151,6 +151,7 @@ class Generation:
 
     def _plan(self, key: int, prompt_tokens: int, max_tokens: int, body_seed: Any, ignore_eos: bool) -> Plan:
         seed = self.args.seed
+        self.engine.by_max_tokens[max_tokens] = self.engine.by_max_tokens.get(max_tokens, 0) + 1
         if isinstance(body_seed, int) and not isinstance(body_seed, bool):
             key = hash_ints(key, body_seed)
         if ignore_eos or max_tokens == 0:

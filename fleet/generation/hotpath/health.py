@@ -423,7 +423,7 @@ class ServerHealth:
     def note_done(self, srv: ServerState, latency_s: float) -> None:
         """A request finished on `srv`: the watchdog's clock and the row-time estimate."""
         now = time.monotonic()
-        srv.last_done = now
+        srv.last_done = srv.answered_at = now
         srv.lats.append(latency_s)
         self.lats.append(latency_s)
         if srv.lat is None or len(srv.lats) <= 8 or now - srv.lat_at >= 0.5:

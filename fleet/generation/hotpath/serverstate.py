@@ -134,6 +134,7 @@ class ServerState:
         # the watchdog: a server with rows in flight and no progress for stall_s is probed
         self.epoch = 0                   # bumped at every admission: a worker of an older epoch stops
         self.last_done = 0.0             # monotonic: last row completed (or the moment it became busy)
+        self.answered_at = 0.0           # monotonic: last answer it gave (a row's turn done): it generates
         self.probing = False             # a stall probe is running
         self.stalls = 0                  # stall probes sent
         # token progress (health.ServerHealth.read_progress): where it comes from, "metrics"
@@ -187,5 +188,9 @@ class ServerState:
             "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
             "progress": self.progress, "quiet_s": round(self.quiet_s(now), 1) if self.in_flight else None,
             "suspect": self.under_suspicion,
+            # seconds since it last generated: a token counted or an answer given (not the moment it
+            # became busy, which `quiet_s` counts too): a bring-up's proof that it serves (fleet.jobs)
+            "served_s": round(now - max(self.tokens_at, self.answered_at), 1)
+            if max(self.tokens_at, self.answered_at) > 0 else None,
             "timeline": self.timeline.rows(),
         }

@@ -1,0 +1,202 @@
+"""A bring-up while a generation job runs — above all the one a re-attaching `fleet generate` runs
+first — takes the live job's recent progress through a server as proof that it serves, instead
+of a smoke request that waits for a slot behind the job's rows (issue 21 item 2: 1-2.5 s of a
+3 s command on an idle machine). A server the job has not seen generate lately is smoked as
+before, and the log says why.
+
+Real parts: the Prefect test server, sim servers (which count the requests they receive by
+their max_tokens: the smoke's is its own), the detached runner, the `fleet generate` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fleet.config import FleetConfig
+from fleet.jobs import LiveJob, judge_proof
+from test_bringup import port_block, run, run_logs, sim_config
+from test_generate_flow import prompts, stop_everything  # noqa: F401 (a fixture)
+
+SMOKE_TOKENS = 7   # the smoke's max_tokens: no row of the job asks for it
+
+
+def smokes(cfg: FleetConfig) -> list[int]:
+    """Smoke requests each sim server has received so far."""
+    base = cfg.servers.base_port
+    assert base is not None and cfg.servers.count is not None
+    return [int(httpx.get(f"http://127.0.0.1:{base + i}/sim/requests", timeout=10).json()["by_max_tokens"]
+                .get(str(SMOKE_TOKENS), 0)) for i in range(cfg.servers.count)]
+
+
+def job_cfg(tmp_path: Path, job_proof_s: float) -> FleetConfig:
+    # ~2 rows/s over 2 servers, 5,000 rows: the job outlives the test (the fixture kills it)
+    return sim_config(tmp_path, port_block(2), n=2,
+                      engine={"sim": {"startup_s": 0.3, "tokens_per_s": 20, "max_running_requests": 8}},
+                      generation={"max_tokens": 64, "max_concurrency_per_server": 2},
+                      smoke={"max_tokens": SMOKE_TOKENS, "job_proof_s": job_proof_s})
+
+
+def start_job(tmp_path: Path, cfg: FleetConfig) -> tuple[list[str], Path, dict[str, Any]]:
+    """`fleet generate` until the runner has reported both servers generating, then SIGKILL the
+    command (the runner goes on, detached). Returns the command, the output and that progress."""
+    from fleet.demo import to_toml
+
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input",
+            str(prompts(tmp_path / "in.jsonl", 5000)), "--output", str(out)]
+    log = tmp_path / "first.log"
+    with log.open("wb") as f:
+        first = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            p = _progress(out)
+            if p and len(p.get("servers") or []) == 2 and all(s.get("served_s") is not None for s in p["servers"]):
+                return argv, out, p
+            assert first.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the job never showed both servers generating"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def _progress(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def reattach(argv: list[str], log: Path) -> str:
+    """The same `fleet generate` again, until it says it re-attached; then Ctrl-C. Its output."""
+    with log.open("wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    try:
+        while "re-attached to runner pid" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "the command never re-attached"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return log.read_text(errors="replace")
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_reattach_sends_no_smoke_request_to_the_servers_the_live_job_is_using(tmp_path: Path,
+                                                                                 stop_everything) -> None:  # noqa: F811
+    """`fleet generate` re-attaching to a live runner brings the fleet up first, and its servers
+    are busy with that very job: a smoke request waited for a free slot behind the job's rows.
+    Counted at the sim servers: the re-attach sends none, says what proved each server instead,
+    and so does a `fleet up` while the job runs (its summary's `proof` column)."""
+    # the window is wide so a slow machine's runner still counts: the mechanism is tested here,
+    # the window by the tests of judge_proof below
+    cfg = job_cfg(tmp_path, job_proof_s=600)
+    stop_everything(cfg)
+    argv, _, _ = start_job(tmp_path, cfg)
+    before = smokes(cfg)
+    assert all(n >= 1 for n in before), before   # the first bring-up smoked each server
+    output = reattach(argv, tmp_path / "second.log")
+    assert smokes(cfg) == before, output[-4000:]
+    for i in (0, 1):
+        assert f"smoke local server {i}: the live job writing" in output and "no smoke request sent" in output, \
+            output[-4000:]
+    ok, rows, msg = run(cfg)
+    assert ok, msg
+    assert [r["proof"].startswith("live job: generated") for r in rows] == [True, True], rows
+    assert [r["smoke_latency_s"] for r in rows] == [None, None], rows
+    assert smokes(cfg) == before
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_server_the_live_job_has_not_seen_generate_lately_is_still_smoked(tmp_path: Path,
+                                                                            stop_everything) -> None:  # noqa: F811
+    """The live job's progress is proof only while it is recent: with the runner stopped, its
+    progress ages past smoke.job_proof_s, and the bring-up smokes every server again (the log
+    says the job uses it but saw it generate too long ago)."""
+    from fleet.jobs import job_dir
+
+    cfg = job_cfg(tmp_path, job_proof_s=1)
+    stop_everything(cfg)
+    _, out, _ = start_job(tmp_path, cfg)
+    runner = int(Path(job_dir(cfg.nodes[0], cfg, str(out)), "runner.pid").read_text().split()[0])
+    before = smokes(cfg)
+    os.kill(runner, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        # the stopped runner writes no more progress: wait until what it wrote is old enough
+        while time.time() - float((_progress(out) or {}).get("updated_at") or 0) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with run_logs() as logs:
+            ok, rows, msg = run(cfg)
+    finally:
+        os.kill(runner, signal.SIGCONT)
+    assert ok, msg
+    assert [r["proof"] for r in rows] == ["smoke", "smoke"], rows
+    assert smokes(cfg) == [n + 1 for n in before]
+    said = "\n".join(logs)
+    assert said.count("uses it, but it last saw it generate") == 2 and "smoke request sent" in said, said[-3000:]
+
+
+def _job(servers: list[dict[str, Any]] | None = None) -> LiveJob:
+    return LiveJob("local", 4242, "/w/jobs/t-1", "/data/out",
+                   servers or [{"node": "local", "index": 0, "url": "http://127.0.0.1:30000"}])
+
+
+def _progress_text(pid: int = 4242, updated_at: float = 1000.0, **srv: Any) -> str:
+    server = {"name": "local/0", "state": "up", "suspect": False, "served_s": 1.5, "completion_tokens": 900,
+              "requests": 12, **srv}
+    return json.dumps({"pid": pid, "updated_at": updated_at, "servers": [server]})
+
+
+def test_a_live_jobs_recent_progress_proves_its_server() -> None:
+    """The proof's arithmetic: progress.json's age on the node's clock plus the server's served_s."""
+    proof = judge_proof(_job(), "local/0", _progress_text(), node_now=1002.0, window_s=15)
+    assert proof.proven and proof.seen_s == 3.5 and proof.completion_tokens == 900
+    assert "saw it generate 3.5 s ago" in proof.describe()
+
+
+@pytest.mark.parametrize("text,now,why", [
+    (_progress_text(), 1014.0, "last saw it generate 16 s ago"),                 # progress too old
+    (_progress_text(served_s=14.0), 1002.0, "last saw it generate 16 s ago"),    # quiet server
+    (_progress_text(served_s=None), 1000.0, "has not seen it generate"),         # a runner that does not say
+    (_progress_text(state="down", down_reason="3 connection failures"), 1000.0, "has it down (3 connection"),
+    (_progress_text(suspect=True), 1000.0, "suspects it of a stall"),
+    (_progress_text(pid=99), 1000.0, "another runner's (pid 99)"),               # a previous runner's file
+    (_progress_text(name="local/1"), 1000.0, "does not list the server"),
+    ("", 1000.0, "missing or unreadable"),
+])
+def test_a_live_jobs_progress_is_no_proof_when_it_does_not_show_the_server_generating_lately(
+        text: str, now: float, why: str) -> None:
+    """Each way the job's progress can fail to prove a server: it is then smoked, and why is said."""
+    proof = judge_proof(_job(), "local/0", text, node_now=now, window_s=15)
+    assert not proof.proven and why in (proof.why_not or ""), proof
+
+
+def test_only_the_jobs_entry_for_that_server_and_port_counts() -> None:
+    """An [[endpoints]] entry, another index or another port is not the server being smoked."""
+    assert _job().uses("local", 0, 30000)
+    assert not _job().uses("local", 0, 30001)
+    assert not _job().uses("local", 1, 30000)
+    assert not _job().uses("other", 0, 30000)
+    assert not _job([{"node": "endpoint", "index": 0, "label": "endpoint/r", "url": "http://x:30000"}]).uses(
+        "local", 0, 30000)
