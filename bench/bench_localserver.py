@@ -26,7 +26,9 @@ server, long answers: the job outlasts the bench) gets a job started once by thi
 path runs the same `fleet generate` command, which re-attaches to that runner. Measured per
 command: seconds to its first line (the plan, Prefect-free: "re-attaching to the runner …"), to
 the flow's "re-attached to runner pid …" line, and the command's CPU seconds at that moment (its
-/proc stat, children included); then it gets a Ctrl-C (the runner is detached and goes on).
+/proc stat, children included); then it gets a Ctrl-C (the runner is detached and goes on). Also
+when it reached each phase (the flow run begins, the servers adopted, the last smoke task done),
+its longest smoke task, and how many smokes a live job's progress made unnecessary.
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ def tree_cpu(pid: int) -> float:
     return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+# When a re-attaching command reaches each phase (seconds from its start): the flow run begins
+# (Python, Prefect's import, the flow module and attaching are before it), it holds the node lock,
+# the servers are adopted ("launching"), every smoke task has ended, then "re-attached".
+PHASES = (("flow_begins_s", "Beginning flow run"), ("lock_held_s", "generate-bringup: holding"),
+          ("launching_s", "launching "))
+SMOKE_DONE = re.compile(r"smoke \S+ server \d+: done in ([\d.]+) s")
+
+
 def reattach(cwd: Path, home: Path, cfg: Path, rows: Path, out: Path, want: str = "re-attached to") -> dict[str, float]:
     """`fleet generate` until the flow says `want` about the runner, then Ctrl-C."""
     load = os.getloadavg()[0]
@@ -131,8 +141,18 @@ def reattach(cwd: Path, home: Path, cfg: Path, rows: Path, out: Path, want: str 
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
+            now = time.monotonic() - t0
             if "first_line_s" not in got:
-                got["first_line_s"] = time.monotonic() - t0
+                got["first_line_s"] = now
+            for key, mark in PHASES:
+                if key not in got and mark in line:
+                    got[key] = now
+            m = SMOKE_DONE.search(line)
+            if m and not seen.is_set():   # the smoke tasks' own seconds, and when the last one ended
+                got["smoke_task_s"] = max(got.get("smoke_task_s", 0.0), float(m.group(1)))
+                got["smokes_done_s"] = now
+            if "no smoke request sent" in line and not seen.is_set():
+                got["smokes_skipped"] = got.get("smokes_skipped", 0) + 1
             if want in line and not seen.is_set():
                 got["attached_s"] = time.monotonic() - t0
                 got["cpu_s"] = tree_cpu(proc.pid)
@@ -269,12 +289,24 @@ def main() -> None:
               "then (median) | shared server CPU s (median) | load (1 min) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, rs in gens.items():
-            col = {k: [r[k] for r in rs] for k in rs[0]}
+            col = {k: [r[k] for r in rs] for k in ("first_line_s", "attached_s", "cpu_s", "server_cpu_s", "load")}
             print(f"| {name} | {statistics.median(col['first_line_s']):.2f} "
                   f"| {statistics.median(col['attached_s']):.2f} ({min(col['attached_s']):.2f}–"
                   f"{max(col['attached_s']):.2f}) | {', '.join(f'{w:.2f}' for w in col['attached_s'])} "
                   f"| {statistics.median(col['cpu_s']):.2f} "
                   f"| {statistics.median(col['server_cpu_s']):.2f} | {min(col['load']):.1f}–{max(col['load']):.1f} |")
+        print("\nWhere a re-attach's wall goes (medians, s from the command's start): the flow run begins, the "
+              "servers are adopted, the last smoke task ends, re-attached; the longest smoke task; smokes not sent\n")
+        print("| path | flow begins | launching | smokes done | re-attached | longest smoke task | smokes skipped "
+              "(per rep) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, rs in gens.items():
+            def med(k: str) -> str:
+                xs = [r[k] for r in rs if k in r]
+                return f"{statistics.median(xs):.2f}" if xs else "-"
+            print(f"| {name} | {med('flow_begins_s')} | {med('launching_s')} | {med('smokes_done_s')} "
+                  f"| {med('attached_s')} | {med('smoke_task_s')} "
+                  f"| {', '.join(str(int(r.get('smokes_skipped', 0))) for r in rs)} |")
         g = {n: statistics.median(r["attached_s"] for r in rs) for n, rs in gens.items()}
         print(f"\nfleet generate re-attaching, old/new (medians): wall {g['old'] / g['new']:.2f}x")
     if args.out:
