@@ -176,11 +176,11 @@ def reattach(cwd: Path, home: Path, cfg: Path, rows: Path, out: Path, want: str 
     return {**got, "server_cpu_s": server_cpu(home) - srv, "load": load}
 
 
-def stop_runner(out: Path, wait_s: float = 60.0) -> None:
+def stop_runner(out: Path, wait_s: float = 60.0, pattern: str = "*.pid") -> None:
     """SIGTERM what still runs of the bench's fleets (the runner and servers: their pid files under `work`)
     and wait for it to be gone: the runner writes its manifest as it stops, into the temp dir removed next."""
     pids = []
-    for pid_file in out.rglob("*.pid"):
+    for pid_file in out.rglob(pattern):
         try:
             pid = int(pid_file.read_text().split()[0])
             os.kill(pid, signal.SIGTERM)
@@ -261,6 +261,8 @@ def main() -> None:
                     print(f"rep {i + 1} {name} generate: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()),
                           flush=True)
     finally:
+        # the job's runner first: alive, it relaunches the servers `fleet down` stops (left running then)
+        stop_runner(d / "work", pattern="runner.pid")
         for c in (cfg, gcfg):
             if c:
                 subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(c)], cwd=ROOT,

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -25,9 +26,26 @@ import pytest
 from fleet.config import FleetConfig
 from fleet.jobs import LiveJob, judge_proof
 from test_bringup import port_block, run, run_logs, sim_config
-from test_generate_flow import prompts, stop_everything  # noqa: F401 (a fixture)
+from test_generate_flow import prompts
 
 SMOKE_TOKENS = 7   # the smoke's max_tokens: no row of the job asks for it
+
+
+@pytest.fixture
+def stop_everything() -> Iterator[Callable[[FleetConfig], None]]:
+    """The job's runner first (SIGKILL), then the servers: a live runner relaunches a server that
+    is stopped under it, and that one would outlive the test."""
+    cfgs: list[FleetConfig] = []
+    yield cfgs.append
+    from fleet.node import connect
+    from fleet.servers import stop_servers
+
+    for cfg in cfgs:
+        for n in cfg.nodes:
+            with connect(n) as node:
+                node.run(["sh", "-c", 'for p in "$1"/jobs/*/runner.pid; do [ -f "$p" ] && { read -r pid _ < "$p"; '
+                          'kill -9 "$pid"; }; done; true', "x", n.workdir], check=False)
+                stop_servers(node, cfg, n)
 
 
 def smokes(cfg: FleetConfig) -> list[int]:
@@ -102,7 +120,7 @@ def reattach(argv: list[str], log: Path) -> str:
 
 @pytest.mark.usefixtures("prefect_api")
 def test_reattach_sends_no_smoke_request_to_the_servers_the_live_job_is_using(tmp_path: Path,
-                                                                                 stop_everything) -> None:  # noqa: F811
+                                                                                 stop_everything) -> None:
     """`fleet generate` re-attaching to a live runner brings the fleet up first, and its servers
     are busy with that very job: a smoke request waited for a free slot behind the job's rows.
     Counted at the sim servers: the re-attach sends none, says what proved each server instead,
@@ -128,7 +146,7 @@ def test_reattach_sends_no_smoke_request_to_the_servers_the_live_job_is_using(tm
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_server_the_live_job_has_not_seen_generate_lately_is_still_smoked(tmp_path: Path,
-                                                                            stop_everything) -> None:  # noqa: F811
+                                                                            stop_everything) -> None:
     """The live job's progress is proof only while it is recent: with the runner stopped, its
     progress ages past smoke.job_proof_s, and the bring-up smokes every server again (the log
     says the job uses it but saw it generate too long ago)."""
