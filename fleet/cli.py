@@ -127,7 +127,6 @@ def cmd_down(args: argparse.Namespace) -> int:
     from fleet import torndown
     from fleet.config import load_config
     from fleet.node import connect
-    from fleet.servers import stop_servers
     from fleet.stages import TeardownRow
     from fleet.staging import free_ramdisk
 
@@ -136,16 +135,14 @@ def cmd_down(args: argparse.Namespace) -> int:
     freed = []
     for node_cfg in cfg.nodes:
         with connect(node_cfg) as node:
-            stopped = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
-            rows += stopped
-            if not any(r.failed for r in stopped):
-                # revalidation then says "nothing is up (torn down …)" rather than alerting (fleet/torndown.py)
-                torndown.mark(node, node_cfg, cfg.name, by="fleet down", stopped=sum(1 for r in stopped if r.stopped))
+            # runners first, then servers; the marker makes revalidation say "nothing is up (torn down …)"
+            rows += torndown.tear_down(node, cfg, node_cfg, by="fleet down")
             if args.free_ramdisk:
                 freed.append({"node": node_cfg.name, **free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
                                                                     ramdisk=node_cfg.ramdisk, fleet=cfg.name)})
     if rows:
-        print_rows([{"server": r.index, **r.as_dict()} for r in rows], ["node", "server", "port", "pid", "action", "seconds"])
+        print_rows([{"server": r.index if r.is_server else r.what, **r.as_dict()} for r in rows],
+                   ["node", "server", "port", "pid", "action", "seconds"])
     else:
         print(f"no servers of fleet {cfg.name!r} recorded on any node")
     if freed:

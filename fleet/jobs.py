@@ -53,6 +53,7 @@ class LiveJob:
     job_dir: str
     output: str
     servers: list[dict[str, Any]]     # the job's server entries (node, index, url, …)
+    stop_grace_s: float = 60.0        # how long the runner lets in-flight rows finish after SIGTERM
 
     def uses(self, node: str, index: int, port: int) -> bool:
         """Its entry for fleet's server `index` on `node` (not an [[endpoints]] entry) is on `port`."""
@@ -92,8 +93,10 @@ def live_jobs(node: Node, workdir: str, fleet: str) -> list[LiveJob]:
         except ValueError:
             spec = {}
         if pid.isdigit():
+            grace = spec.get("stop_grace_s")
             jobs.append(LiveJob(node.name, int(pid), jdir, str(spec.get("output") or "?"),
-                                list(spec.get("servers") or [])))
+                                list(spec.get("servers") or []),
+                                float(grace) if isinstance(grace, int | float) else 60.0))
     return jobs
 
 

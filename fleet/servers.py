@@ -334,6 +334,25 @@ def record_smoke(node: Node, cfg: FleetConfig, spec: ServerSpec, smoke: dict[str
         node.write_text(paths.record, json.dumps(rec, indent=2))
 
 
+def stop_jobs(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dict[str, Any]]:
+    """Stop every generation runner of this fleet alive on the node, before its servers: a live
+    runner relaunches a server stopped under it, so a teardown that stopped only the servers left
+    them running (and billed) again moments later. SIGTERM is the runner's clean stop (in-flight
+    rows finish within its stop_grace_s, committed rows stay; the same `fleet generate` resumes);
+    SIGKILL only past that grace. Idempotent."""
+    out = []
+    for job in live_jobs(node, node_cfg.workdir, cfg.name):
+        result: dict[str, Any] = {"node": node_cfg.name, "pid": job.pid, "output": job.output}
+        try:
+            st = node.stop(job.pid, grace_s=job.stop_grace_s + 15)
+            result["action"] = "killed" if st.killed else ("stopped" if st.was_running else "already gone")
+            result["seconds"] = round(st.seconds, 2)
+        except FleetError as exc:
+            result["action"] = f"error: {exc.one_line()}"
+        out.append(result)
+    return out
+
+
 def stop_servers(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dict[str, Any]]:
     """Stop every server of this fleet on the node (whole process groups); idempotent."""
     out = []

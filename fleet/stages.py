@@ -143,7 +143,7 @@ class TeardownRow:
     """One row of the teardown table: a server stopped, or a node's RAM-disk copy freed (or kept)."""
 
     node: str
-    what: str  # "server <i>" or "ramdisk <path>"
+    what: str  # "server <i>", "runner writing <output>" or "ramdisk <path>"
     action: str  # stopped | killed | already gone | none | freed | kept: … | error: …
     port: int | None = None
     pid: int | None = None
@@ -158,6 +158,12 @@ class TeardownRow:
         return cls(str(stopped["node"]), f"server {index}", str(stopped["action"]), port=stopped.get("port"),
                    pid=stopped.get("pid"), seconds=stopped.get("seconds"),
                    index=int(index) if index is not None else None)
+
+    @classmethod
+    def of_job(cls, stopped: dict[str, Any]) -> TeardownRow:
+        """From one entry of `fleet.servers.stop_jobs`: a generation runner stopped before its servers."""
+        return cls(str(stopped["node"]), f"runner writing {stopped.get('output')}", str(stopped["action"]),
+                   pid=stopped.get("pid"), seconds=stopped.get("seconds"))
 
     @classmethod
     def of_ramdisk(cls, node: str, freed: dict[str, Any]) -> TeardownRow:

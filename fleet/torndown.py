@@ -13,8 +13,10 @@ import posixpath
 import time
 from typing import Any
 
-from fleet.config import NodeConfig
+from fleet.config import FleetConfig, NodeConfig
 from fleet.node import Node
+from fleet.servers import stop_jobs, stop_servers
+from fleet.stages import TeardownRow
 
 
 def marker_path(node_cfg: NodeConfig, fleet: str) -> str:
@@ -25,6 +27,17 @@ def marker_path(node_cfg: NodeConfig, fleet: str) -> str:
 def mark(node: Node, node_cfg: NodeConfig, fleet: str, *, stopped: int, by: str | None) -> None:
     node.write_text(marker_path(node_cfg, fleet),
                     json.dumps({"fleet": fleet, "at": time.time(), "by": by, "stopped": stopped}))
+
+
+def tear_down(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, by: str | None) -> list[TeardownRow]:
+    """The teardown of one node (the `teardown` action and `fleet down` alike): the fleet's
+    generation runners first (a live runner relaunches a server stopped under it), then every
+    server, then the marker — only when nothing failed."""
+    rows = [TeardownRow.of_job(r) for r in stop_jobs(node, cfg, node_cfg)]
+    rows += [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
+    if not any(r.failed for r in rows):
+        mark(node, node_cfg, cfg.name, stopped=sum(1 for r in rows if r.is_server and r.stopped), by=by)
+    return rows
 
 
 def clear(node: Node, node_cfg: NodeConfig, fleet: str) -> None:

@@ -217,8 +217,11 @@ def teardown_action(cfg: FleetConfig, free_ramdisk: bool) -> Any:
             rows.append(freed if freed is not None else TeardownRow(name, "ramdisk", f"error: {err}"))
     failures = [f"{r.node} {r.what}: {r.action}" for r in rows if r.failed]
     stopped = sum(1 for r in rows if r.is_server and r.stopped)
+    runners = [r for r in rows if r.what.startswith("runner") and r.stopped]
     freed_bytes = sum(r.bytes or 0 for r in rows if r.action == "freed")
     summary = (f"teardown of {cfg.name}: stopped {stopped} server(s)"
+               + (f" and {len(runners)} generation runner(s) first ({', '.join(r.what for r in runners)}; "
+                  "the same `fleet generate` resumes)" if runners else "")
                + (f", freed {freed_bytes / 1e9:.2f} GB of RAM disk" if freed_bytes else "")
                + (f"; {len(failures)} error(s)" if failures else ""))
     table = [r.as_dict() for r in rows]

@@ -1,4 +1,6 @@
-"""Teardown: stop every server of the fleet on every node (pid files, whole process groups).
+"""Teardown: stop every server of the fleet on every node (pid files, whole process groups),
+after the fleet's generation runners there (a clean SIGTERM stop: a live runner would relaunch
+the servers; the same `fleet generate` resumes the job).
 
 A teardown leaves a marker on each node (fleet/torndown.py); bring-up removes it
 (tasks/bringup.py provision). Revalidation of a node that holds the marker and runs none
@@ -13,7 +15,6 @@ from prefect import task
 
 from fleet import torndown
 from fleet.config import FleetConfig
-from fleet.servers import stop_servers
 from fleet.stages import TeardownRow
 from tasks.nodes import node_for
 from tasks.policy import TASK_OPTS
@@ -25,10 +26,7 @@ def stop_node(cfg: FleetConfig, node_name: str) -> list[TeardownRow]:
 
     node_cfg = cfg.node(node_name)
     node = node_for(cfg, node_name)
-    rows = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
-    if not any(r.failed for r in rows):
-        torndown.mark(node, node_cfg, cfg.name, stopped=sum(1 for r in rows if r.stopped), by=flow_run.name)
-    return rows
+    return torndown.tear_down(node, cfg, node_cfg, by=flow_run.name)
 
 
 def teardown(cfg: FleetConfig) -> list[TeardownRow]:

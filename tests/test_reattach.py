@@ -218,3 +218,49 @@ def test_only_the_jobs_entry_for_that_server_and_port_counts() -> None:
     assert not _job().uses("other", 0, 30000)
     assert not _job([{"node": "endpoint", "index": 0, "label": "endpoint/r", "url": "http://x:30000"}]).uses(
         "local", 0, 30000)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_fleet_down_stops_the_live_runner_first_so_no_server_comes_back(tmp_path: Path, stop_everything) -> None:
+    """`fleet down` while a generation job ran stopped only the servers, and the live runner
+    relaunched each one it saw go down: the operator was told the fleet was down while its
+    GPUs were serving (and billed) again. Now the fleet's runners are stopped first, cleanly
+    (SIGTERM: committed rows stay, the same `fleet generate` resumes), then the servers; when
+    `fleet down` returns nothing of the fleet is alive, and the table says which runner it stopped."""
+    cfg = job_cfg(tmp_path, job_proof_s=600)
+    stop_everything(cfg)
+    argv, out, progress = start_job(tmp_path, cfg)
+    runner_pid = int(progress["pid"])
+    assert _alive(runner_pid)
+    from fleet.node import connect
+    from fleet.servers import records, server_paths
+
+    n = cfg.nodes[0]
+
+    def server_pids() -> list[int | None]:
+        with connect(n) as node:
+            return [node.read_pid(server_paths(n.workdir, cfg.name, i).pid) for i in range(2)]
+
+    before = server_pids()
+    assert all(p is not None and _alive(p) for p in before), before
+    down = subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", argv[argv.index("-c") + 1]],
+                          capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"runner writing {out}" in down.stdout and str(runner_pid) in down.stdout, down.stdout
+    assert not _alive(runner_pid), down.stdout
+    assert not any(p is not None and _alive(p) for p in before), before
+    after = server_pids()   # a relaunched server would have written its pid file again
+    assert not any(p is not None and _alive(p) for p in after), (after, down.stdout)
+    for i in range(2):   # nothing listens on the servers' ports: no relaunch slipped in
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{cfg.servers.base_port + i}/health", timeout=5)
+    final = json.loads((out / "progress.json").read_text())
+    assert final["state"] == "stopped", final   # the runner's clean stop, not a kill
