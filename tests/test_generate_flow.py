@@ -41,10 +41,10 @@ def stop_everything():
 
     for cfg in cfgs:
         for n in cfg.nodes:
-            with connect(n) as node:
-                stop_servers(node, cfg, n)
+            with connect(n) as node:   # the runner first: a live runner relaunches a server stopped under it
                 node.run(["sh", "-c", 'for p in "$1"/jobs/*/runner.pid; do [ -f "$p" ] && { read -r pid _ < "$p"; kill -9 "$pid"; }; done; true',
                           "x", n.workdir], check=False)
+                stop_servers(node, cfg, n)
 
 
 def shard_ids(out: Path) -> list[str]:
