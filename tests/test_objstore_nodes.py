@@ -26,7 +26,6 @@ import pytest
 
 from fleet.config import FleetConfig
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
-from test_multinode import _cli, _run_to_end, plan_state, state_home  # noqa: F401  (fixture)
 from test_objstore import store_ids
 from test_objstore_gcs import gcs  # noqa: F401  (fixture)
 from test_objstore_hf import REPO, Hub, hub, peer_argv  # noqa: F401  (fixture)
@@ -153,31 +152,38 @@ def test_a_google_credentials_file_goes_to_a_runner_as_content_and_a_bad_one_is_
 
 
 def _ssh_config(tmp_path: Path, sshd, port: int) -> FleetConfig:  # type: ignore[no-untyped-def]
-    from test_bringup import sim_config
-
-    node = sshd.node_config(name="remote", workdir=str(tmp_path / "rwork"), ramdisk=str(tmp_path / "shm"))
+    node = sshd.node_config(name="remote", workdir=str(tmp_path / "rwork"), servers=1, base_port=port,
+                            ramdisk=str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
-    return sim_config(tmp_path, port, n=1, node=node.model_dump(mode="json"),
-                      venv={"path": sys.prefix, "use_existing": True},   # the sim server's; the runner has its own
-                      engine={"sim": {"startup_s": 0.3, "tokens_per_s": 200, "max_running_requests": 8}},
-                      # one chunk: each runner start over SSH costs seconds here, and one runner shows it all
-                      generation={"max_tokens": 8, "chunk_rows": 1000, "shard_rows": 25})
+    return FleetConfig(
+        name="objnodes", nodes=[node.model_dump(mode="json")],
+        engine={"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 200, "max_running_requests": 8}},
+        model={"source": "/dev/null/sim-model", "served_name": "sim-model"},
+        venv={"path": sys.prefix, "use_existing": True},   # the sim server's; the runner builds its own
+        servers={"ready_timeout_s": 60, "stop_grace_s": 2},
+        # one chunk: each runner start over SSH costs seconds here, and one runner shows it all
+        generation={"max_tokens": 8, "chunk_rows": 1000, "shard_rows": 25},
+    )
 
 
 @pytest.mark.ssh
-@pytest.mark.timeout(900)   # a bring-up over SSH, a runner venv install and a 150-row job, on a shared 2-core machine
+@pytest.mark.timeout(900)   # a runner venv install over SSH and a 150-row job, on a shared 2-core machine
 def test_ssh_node_runner_reads_hf_writes_gs_with_the_controllers_credentials(
-        tmp_path: Path, state_home: Path, sshd, gcs_signed_in: tuple[str, Path, str], hub: Hub,  # type: ignore[no-untyped-def]
+        tmp_path: Path, sshd, gcs_signed_in: tuple[str, Path, str], hub: Hub,  # type: ignore[no-untyped-def]
         google_token: TokenServer, monkeypatch: pytest.MonkeyPatch, stop_everything) -> None:
     """Runners on SSH nodes got s3fs and AWS_* only: a job reading hf:// and writing gs:// failed there (no
     gcsfs nor huggingface_hub in the runner's venv, no HF_TOKEN/HF_ENDPOINT, and GOOGLE_APPLICATION_CREDENTIALS
-    naming a file the node lacks). Now `fleet generate --input hf://… --output gs://…` on an SSH node: its
-    runner venv gets gcsfs and huggingface_hub (not s3fs), the runner reads its byte ranges from the Hub with
-    the controller's HF_TOKEN and puts its commits on gs:// authenticated with the controller's service
-    account (its key handed over as content: the token endpoint was asked by the runner's own process);
-    every id ends exactly once in the store, and neither secret is in any file on the node or the
-    controller's state."""
+    naming a file the node lacks). Now a job from hf:// to gs:// whose chunk runs on an SSH node (the
+    multi-node controller that `fleet generate` runs, here without Prefect): the runner venv gets gcsfs and
+    huggingface_hub (not s3fs), the runner reads its byte range from the Hub with the controller's HF_TOKEN
+    and puts its commits on gs:// authenticated as the controller's service account (its key handed over as
+    content: the token endpoint was asked by the runner's own process); every id ends exactly once in the
+    store, and neither secret is in any file on the node or in the controller's state."""
     from fleet.generation.job.remote import RUNNER_PACKAGES
+    from fleet.generation.multinode.chunks import ControllerLock
+    from fleet.generation.multinode.controller import Controller, NodeWork
+    from fleet.node import connect
+    from fleet.servers import launch, plan_servers, wait_ready
     from test_bringup import port_block
     from test_security import _scan_tree
 
@@ -186,21 +192,40 @@ def test_ssh_node_runner_reads_hf_writes_gs_with_the_controllers_credentials(
     hub.peers = []
     cfg = _ssh_config(tmp_path, sshd, port_block(1))
     stop_everything(cfg)
+    n = cfg.nodes[0]
+    with connect(n) as node:
+        specs = plan_servers(cfg, n, [], model_path="/dev/shm/sim-model", python=sys.executable)
+        for spec in specs:
+            wait_ready(node, cfg, spec, launch(node, cfg, spec).pid)
     inp = prompts(tmp_path / "in.jsonl", 150)
     hub.files["train/prompts.jsonl"] = inp.read_bytes()
     want = [json.loads(ln)["id"] for ln in inp.read_text().splitlines()]
     out = f"{bucket}/job"
-    log = tmp_path / "gen.log"
-    _run_to_end(_cli(cfg, tmp_path, f"hf://datasets/{REPO}/train/prompts.jsonl", out, log), log)   # type: ignore[arg-type]
+    pdir = tmp_path / "plan"
+    ctl = Controller(cfg, pdir, out, {"remote": NodeWork("remote", specs)}, poll_s=0.2)
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            ctl.node_loop("remote")
+        except BaseException as exc:  # the test reports it
+            errors.append(exc)
+
+    with ControllerLock(pdir):
+        ctl.prepare(f"hf://datasets/{REPO}/train/prompts.jsonl")
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        th.join(timeout=600)
+        ctl.stop()
+        assert not th.is_alive() and not errors, errors
+        manifest = ctl.finalize(out)
     ids = store_ids(out)
-    assert sorted(ids) == sorted(want) and len(ids) == len(set(ids))
-    _, st = plan_state(state_home)  # type: ignore[misc]
-    assert [c["state"] for c in st["chunks"].values()] == ["done"]
+    assert sorted(ids) == sorted(want) and len(ids) == len(set(ids)) and manifest["counts"]["completed"] == 150
     stamp = json.loads((tmp_path / "rwork" / "runner-venv" / ".fleet-venv.json").read_text())
     assert stamp["request"]["packages"] == [*RUNNER_PACKAGES, "fsspec>=2024.2", "gcsfs>=2024.2", "huggingface_hub>=0.23"]
     runner = [auth for who, auth in hub.peers if "fleet-runner.pyz" in who]
     assert runner and set(runner) == {f"Bearer {HF_SECRET}"}, hub.peers[:5]
     assert any("fleet-runner.pyz" in who and iss == SA_EMAIL for who, iss in google_token.asked), google_token.asked
     assert hub.unknown == []
-    hits = _scan_tree(tmp_path, [HF_SECRET, key_line])   # the node's workdir, the state, the logs, the CLI's HF home
+    hits = _scan_tree(tmp_path, [HF_SECRET, key_line])   # the node's workdir and logs, the plan and state
     assert [h for h in hits if not h.startswith(f"{sa_file.parent}/")] == []
