@@ -13,7 +13,7 @@ from fleet.errors import ConfigError
 from fleet.node.credentials import StoredNode
 
 
-STORE_SECRET_ENV = "FLEET_STORE_SECRET"   # names a Secret block: the object store's AWS_* variables, as JSON
+STORE_SECRET_ENV = "FLEET_STORE_SECRET"   # names a Secret block: the object store's variables (AWS_*, HF_TOKEN…), as JSON
 
 
 def secret_value(name: str, *, remedy: str) -> Any:
@@ -33,8 +33,9 @@ def secret_value(name: str, *, remedy: str) -> Any:
 
 def load_store_credentials() -> list[str]:
     """The object store's credentials from the Prefect Secret block that FLEET_STORE_SECRET names (its
-    value: an object of AWS_* variables; Secret keeps JSON as it is) into this process's environment, where s3fs reads them and
-    start_job hands them to each runner's 0600 env file. A variable already set wins. Returns the names set."""
+    value: an object of the variables objstore.STORE_ENV names — AWS_*, HF_TOKEN, …; Secret keeps JSON as it
+    is) into this process's environment, where s3fs (gcsfs, huggingface_hub) reads them and start_job hands
+    them to each runner's 0600 env file. A variable already set wins. Returns the names set."""
     import json
     import os
 

@@ -168,6 +168,20 @@ def _cli(cfg: FleetConfig, tmp_path: Path, inp: Path, out: Path, log: Path) -> s
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
+def _run_to_end(proc: subprocess.Popen, log: Path, timeout: float = 400) -> str:
+    """Wait for a command `_cli` started to end (its process group SIGKILLed past `timeout`), assert it
+    exited 0 (the end of its log in the message else); its log."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-5000:]
+    return text
+
+
 def _wait(proc: subprocess.Popen, log: Path, check, what: str, timeout: float = 240) -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import free_port
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
-from test_multinode import _cli, _runner_pids, _server_pids, _wait, plan_state, state_home, two_nodes  # noqa: F401
+from test_multinode import _cli, _run_to_end, _runner_pids, _server_pids, _wait, plan_state, state_home, two_nodes  # noqa: F401
 
 SECRET = "s3-secret-7c1d2e3f4a5b"
 
@@ -155,13 +155,7 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
             except ProcessLookupError:
                 pass
     log2 = tmp_path / "second.log"
-    second = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2)   # type: ignore[arg-type]
-    try:
-        rc = second.wait(timeout=400)
-    finally:
-        if second.poll() is None:
-            os.killpg(second.pid, signal.SIGKILL)
-    assert rc == 0, log2.read_text(errors="replace")[-5000:]
+    _run_to_end(_cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2), log2)   # type: ignore[arg-type]
     pdir, st = plan_state(state_home)  # type: ignore[misc]
     assert any(e["event"] == "node-lost" and e["node"] == "slow" for e in st["events"])
     assert all(c["state"] == "done" for c in st["chunks"].values())
@@ -500,14 +494,8 @@ def test_controller_lost_with_its_machine_resumes_from_the_store(tmp_path: Path,
     shutil.rmtree(state_home)                                  # the first machine is gone
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "elsewhere"))
     log2 = tmp_path / "second.log"
-    second = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2)   # type: ignore[arg-type]
-    try:
-        rc = second.wait(timeout=500)
-    finally:
-        if second.poll() is None:
-            os.killpg(second.pid, signal.SIGKILL)
-    assert rc == 0, log2.read_text(errors="replace")[-5000:]
-    assert "plan and state read from" in log2.read_text(errors="replace")
+    text = _run_to_end(_cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2), log2, timeout=500)   # type: ignore[arg-type]
+    assert "plan and state read from" in text
     _, st = plan_state(tmp_path / "elsewhere")  # type: ignore[misc]
     assert all(c["state"] == "done" for c in st["chunks"].values())
     for idx, c in before["chunks"].items():

@@ -2,8 +2,8 @@
 package, in memory, on loopback) with gcsfs: the exactly-once rules that hold on S3 hold there —
 an unfinished upload is no object, the merge keeps every id once, an input is read in place.
 
-What is not tested on gs://: a whole job with runners on nodes (a runner's venv gets s3fs, not
-gcsfs, and its env file carries AWS_* variables only; see README).
+A whole gs:// job with its runner on an SSH node, authenticated with the controller's
+GOOGLE_APPLICATION_CREDENTIALS: tests/test_objstore_nodes.py.
 """
 
 from __future__ import annotations

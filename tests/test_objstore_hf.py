@@ -5,18 +5,16 @@ read a dataset repo's files — the repo info (`/api/datasets/<id>[/revision/<re
 the file itself (`/datasets/<id>/resolve/<rev>/<path>`, with HTTP Range, ETag, X-Repo-Commit,
 Content-Length). Anything else it asks is answered 404 and recorded, so a test sees it.
 
-What is not tested on hf://: a runner on an SSH node (its venv gets s3fs, not huggingface_hub, and
-its environment file carries the AWS_* variables only; see README); private repos (no token here);
-Xet-stored files (the stand-in names no xetHash, so files come over plain HTTP ranges).
+A runner on an SSH node reading an hf:// input with the controller's HF_TOKEN and HF_ENDPOINT:
+tests/test_objstore_nodes.py. What is not tested on hf://: private or gated repos (the stand-in
+takes any token), Xet-stored files (it names no xetHash, so files come over plain HTTP ranges).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import signal
 import socket
 import sys
 import threading
@@ -32,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
-from test_multinode import _cli, plan_state, state_home, two_nodes  # noqa: F401
+from test_multinode import _cli, _run_to_end, plan_state, state_home, two_nodes  # noqa: F401
 from test_objstore import s3, store_ids  # noqa: F401  (fixture)
 
 REPO = "fleet-test/prompts"
@@ -47,6 +45,8 @@ class Hub:
     files: dict[str, bytes] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)
     ranged: int = 0
+    # when a list: (the asking process's command line, its Authorization header) of every request
+    peers: list[tuple[str, str | None]] | None = None
 
     def oid(self, path: str) -> str:
         data = self.files[path]
@@ -69,6 +69,20 @@ class Hub:
             for depth in range(1, len(parts) + 1 if recursive else 2):
                 names.add(prefix + "/".join(parts[:depth]))
         return [self.entry(n) for n in sorted(names)]
+
+
+def peer_argv(client: tuple[str, int], server_port: int) -> str:
+    """The command line of the process on this machine at the other end of a loopback connection to
+    `server_port` (from the kernel's socket table), "?" when it is not found."""
+    import psutil
+
+    for c in psutil.net_connections(kind="tcp"):
+        if c.pid and c.laddr and c.laddr.port == client[1] and c.raddr and c.raddr.port == server_port:
+            try:
+                return " ".join(psutil.Process(c.pid).cmdline())
+            except psutil.Error:
+                return "?"
+    return "?"
 
 
 def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
@@ -123,7 +137,13 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             if not head:
                 self.wfile.write(data[start:end + 1])
 
+        def _note(self) -> None:
+            if hub.peers is not None:
+                hub.peers.append((peer_argv(self.client_address, self.server.server_address[1]),
+                                  self.headers.get("Authorization")))
+
         def _get(self, head: bool) -> None:
+            self._note()
             u = urlsplit(self.path)
             path, query = unquote(u.path), parse_qs(u.query)
             if path in (api, f"{api}/revision/main", f"{api}/revision/{SHA}"):
@@ -151,6 +171,7 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             self._get(head=True)
 
         def do_POST(self) -> None:
+            self._note()
             path = unquote(urlsplit(self.path).path)
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
             if path in (f"{api}/paths-info/main", f"{api}/paths-info/{SHA}"):
@@ -272,13 +293,7 @@ def test_hf_input_job_reads_every_row_exactly_once(tmp_path: Path, state_home: P
     want = [json.loads(ln)["id"] for ln in inp.read_text().splitlines() if ln.strip()]
     out = f"{s3}/job"
     log = tmp_path / "gen.log"
-    proc = _cli(cfg, tmp_path, f"hf://datasets/{REPO}/train/prompts.jsonl", out, log)   # type: ignore[arg-type]
-    try:
-        rc = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert rc == 0, log.read_text(errors="replace")[-5000:]
+    _run_to_end(_cli(cfg, tmp_path, f"hf://datasets/{REPO}/train/prompts.jsonl", out, log), log, timeout=600)   # type: ignore[arg-type]
     ids = store_ids(out)
     assert sorted(ids) == sorted(want) and len(ids) == len(set(ids))
     pdir, st = plan_state(state_home)  # type: ignore[misc]

@@ -690,15 +690,21 @@ def test_store_credentials_reach_a_runner_only_through_its_env_file(tmp_path: Pa
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A job on object storage needs the store's credentials on every node. They could have ridden in
     job.json (a file on the node), in the runner's argv (`ps`), or in the store URL itself. start_job
-    hands the AWS_* variables of the controller's environment to start_detached's env (the 0600 file
-    its launch shell removes, tested above), and job.json and argv name only URLs."""
+    hands the variables of the controller's environment that the job's protocols name (AWS_* for s3://;
+    HF_TOKEN, HF_ENDPOINT for hf://; for gs:// the content of the GOOGLE_APPLICATION_CREDENTIALS file,
+    not its path) to start_detached's env (the 0600 file its launch shell removes, tested above), and
+    job.json and argv name only URLs. A job gets no other protocol's secrets."""
     from fleet.generation.job.remote import start_job
     from fleet.node import LocalNode
+    from test_objstore_nodes import service_account_file
 
-    secret = "aws-secret-9f8e7d6c5b"
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fleet-test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    secret, hf_token = "aws-secret-9f8e7d6c5b", "hf_secTOKEN_1a2b3c4d5e"
+    sa = tmp_path / "sa.json"
+    key_line = service_account_file(sa, "http://127.0.0.1:9/token")
+    for k, v in {"AWS_ACCESS_KEY_ID": "fleet-test", "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+                 "HF_TOKEN": hf_token, "HF_ENDPOINT": "http://127.0.0.1:9", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:9",
+                 "GOOGLE_APPLICATION_CREDENTIALS": str(sa)}.items():
+        monkeypatch.setenv(k, v)   # every endpoint a dead loopback port: the runners started here reach nothing
     seen: list[tuple[list[str], dict[str, str]]] = []
 
     class Recording(LocalNode):   # the real local node; it only keeps what it was asked to start
@@ -712,9 +718,15 @@ def test_store_credentials_reach_a_runner_only_through_its_env_file(tmp_path: Pa
                   output=str(tmp_path / "out"), specs=[], store="s3://jobs/_parts/n/chunk-00000",
                   seed=["s3://jobs/_parts/m/chunk-00000"])
     node.stop(h.pid, grace_s=1)
-    job = Path(h.job_dir, "job.json").read_text()
-    assert json.loads(job)["store"] == "s3://jobs/_parts/n/chunk-00000"
-    assert secret not in job
-    (argv, env), = seen
-    assert all(secret not in a for a in argv)
+    h2 = start_job(node, cfg, cfg.nodes[0], input_path="hf://datasets/u/d/in.jsonl", output=str(tmp_path / "out2"),
+                   specs=[], store="gs://jobs/_parts/n/chunk-00000")
+    node.stop(h2.pid, grace_s=1)
+    job = Path(h.job_dir, "job.json").read_text() + Path(h2.job_dir, "job.json").read_text()
+    assert json.loads(Path(h.job_dir, "job.json").read_text())["store"] == "s3://jobs/_parts/n/chunk-00000"
+    assert not [s for s in (secret, hf_token, key_line, str(sa)) if s in job]
+    (argv, env), (argv2, env2) = seen
+    assert not [a for a in argv + argv2 if any(s in a for s in (secret, hf_token, key_line))]
     assert env["AWS_SECRET_ACCESS_KEY"] == secret and env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+    assert not {"HF_TOKEN", "FLEET_GCS_CREDENTIALS_JSON", "STORAGE_EMULATOR_HOST"} & set(env)   # an s3:// job
+    assert env2["HF_TOKEN"] == hf_token and key_line in env2["FLEET_GCS_CREDENTIALS_JSON"]
+    assert not {"AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"} & set(env2)   # hf:// in, gs:// out

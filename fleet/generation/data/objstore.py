@@ -7,37 +7,66 @@ write small files, copy one object to another. A plain path or `file://` URL get
 filesystem (writes there go to a temporary name, then a rename: a reader sees a whole file or
 none); on object storage a PUT is atomic by itself (an object is visible only once complete).
 
-Credentials are never passed here: s3fs (botocore) reads the standard AWS_* environment
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL) or
-its own config files; `store_env` names the variables the runner on a node needs, which travel
-in start_detached's 0600 env file, never in argv, job.json or artifacts.
+Credentials are never passed here: each protocol's package reads its own environment (SCHEMES:
+s3fs/botocore the AWS_* variables, gcsfs/google-auth GOOGLE_APPLICATION_CREDENTIALS and
+STORAGE_EMULATOR_HOST, huggingface_hub HF_TOKEN and HF_ENDPOINT) or its own config files.
+`store_env` gives a node's runner the variables its job's URLs need, which travel in
+start_detached's 0600 env file (removed once read), never in argv, job.json or artifacts.
+GOOGLE_APPLICATION_CREDENTIALS names a file on the controller's machine, which a node does not
+have: its content travels instead (GCS_CREDENTIALS_JSON), and the runner builds its credentials
+from that (`_gcs_credentials`); nothing of it is written on the node.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
 log = logging.getLogger("fleet.generation.data.objstore")
 
-__all__ = ["Store", "export_via_copy", "is_url", "store_env", "STORE_ENV", "STORE_PACKAGES"]
-
-# The environment a node's runner needs to reach the store (botocore's names; AWS_ENDPOINT_URL is
-# how an S3-compatible server other than AWS is named, e.g. a local one in the tests).
-STORE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
-             "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")
-# What the runner's venv on a node adds when its job reads or writes object storage.
-STORE_PACKAGES = ["fsspec>=2024.2", "s3fs>=2024.2"]
+__all__ = ["Store", "SCHEMES", "Scheme", "export_via_copy", "is_url", "scheme_of", "store_env", "store_env_names",
+           "store_packages", "STORE_ENV", "GCS_CREDENTIALS_FILE", "GCS_CREDENTIALS_JSON"]
 
 
-# The extra (pyproject.toml) that brings each protocol's fsspec package.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "hf": "hf"}
+@dataclass(frozen=True)
+class Scheme:
+    """What a protocol needs where a runner uses it: its extra (pyproject.toml), the packages a node's
+    runner venv adds, and the environment variables (by name) the runner is given."""
+
+    extra: str
+    packages: tuple[str, ...]
+    env: tuple[str, ...]
+
+
+# GOOGLE_APPLICATION_CREDENTIALS is a path on the controller's machine: its content goes to a runner
+# under GCS_CREDENTIALS_JSON (store_env), never the path, and never a copy of the file on the node.
+GCS_CREDENTIALS_FILE = "GOOGLE_APPLICATION_CREDENTIALS"
+GCS_CREDENTIALS_JSON = "FLEET_GCS_CREDENTIALS_JSON"
+_GCS_CREDENTIALS_MAX = 64 * 1024   # a service-account key is ~2.4 KB; anything far larger is not one
+
+_S3 = Scheme("s3", ("s3fs>=2024.2",),
+             # botocore's names; AWS_ENDPOINT_URL names an S3-compatible server other than AWS (a local one in tests)
+             ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
+              "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"))
+_GS = Scheme("gs", ("gcsfs>=2024.2",),
+             # STORAGE_EMULATOR_HOST: a GCS emulator (tests); GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT: gcsfs's bucket-type
+             # probe speaks gRPC, which an emulator does not (a minute lost per bucket)
+             (GCS_CREDENTIALS_FILE, "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "GCSFS_DEFAULT_PROJECT",
+              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"))
+_HF = Scheme("hf", ("huggingface_hub>=0.23",),
+             ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_TELEMETRY"))
+SCHEMES: dict[str, Scheme] = {"s3": _S3, "s3a": _S3, "gs": _GS, "gcs": _GS, "hf": _HF}
+# Every name a store's credentials may come under (a FLEET_STORE_SECRET block holds some of them).
+STORE_ENV = tuple(dict.fromkeys(k for sch in SCHEMES.values() for k in sch.env))
 
 
 def is_url(path: str) -> bool:
@@ -45,19 +74,85 @@ def is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def store_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The store's credentials and endpoint from this process's environment, for a runner's env file."""
+def scheme_of(url: str) -> str | None:
+    """The protocol of a URL (`s3`, `gs`, `hf`, …); None for a local path or `file://`."""
+    return url.split("://", 1)[0] if is_url(url) else None
+
+
+def _schemes(urls: Iterable[str | None]) -> list[Scheme]:
+    found = [SCHEMES[p] for p in (scheme_of(u) for u in urls if u) if p in SCHEMES]
+    return list(dict.fromkeys(found))
+
+
+def store_packages(urls: Iterable[str | None]) -> list[str]:
+    """The packages a runner venv adds for a job that reads or writes these URLs (none for local paths)."""
+    pkgs = [p for sch in _schemes(urls) for p in sch.packages]
+    return ["fsspec>=2024.2", *sorted(set(pkgs))] if pkgs else []
+
+
+def store_env_names(urls: Iterable[str | None]) -> list[str]:
+    """The environment variables a runner for these URLs is given, by name (GCS_CREDENTIALS_FILE stands
+    for its content, GCS_CREDENTIALS_JSON)."""
+    return [k for sch in _schemes(urls) for k in sch.env]
+
+
+def store_env(urls: Iterable[str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of this process's environment that a runner for these URLs needs, for its env
+    file: only the names its schemes list, and for GOOGLE_APPLICATION_CREDENTIALS the file's content
+    (GCS_CREDENTIALS_JSON), read here. ConfigError, never echoing the file, when it is not a credentials
+    JSON file."""
     env = os.environ if environ is None else environ
-    return {k: env[k] for k in STORE_ENV if env.get(k)}
+    out = {k: env[k] for k in store_env_names(urls) if env.get(k)}
+    path = out.pop(GCS_CREDENTIALS_FILE, None)
+    if path:
+        out[GCS_CREDENTIALS_JSON] = _credentials_json(path)
+    return out
+
+
+def _credentials_json(path: str) -> str:
+    """The content of a Google credentials file, checked to be one (a JSON object with a `type`)."""
+    from fleet.errors import ConfigError
+
+    remedy = (f"point {GCS_CREDENTIALS_FILE} at a service-account or application-default credentials JSON "
+              "file on this machine, or unset it to let each node use its own default credentials")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_GCS_CREDENTIALS_MAX + 1)
+    except OSError as exc:
+        raise ConfigError(f"{GCS_CREDENTIALS_FILE} names {path}, which cannot be read: {exc.strerror}",
+                          remedy=remedy) from None
+    try:
+        info = json.loads(raw) if len(raw) <= _GCS_CREDENTIALS_MAX else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict) or not isinstance(info.get("type"), str):
+        raise ConfigError(f"{GCS_CREDENTIALS_FILE} names {path}, which is not a Google credentials JSON file "
+                          f"(an object with a \"type\", at most {_GCS_CREDENTIALS_MAX // 1024} KB)", remedy=remedy)
+    return json.dumps(info, separators=(",", ":"))
+
+
+@lru_cache(maxsize=4)
+def _gcs_credentials(text: str) -> Any:
+    """google-auth credentials from GCS_CREDENTIALS_JSON (every type a credentials file may hold), one
+    object per process: fsspec caches a filesystem by its arguments, and a new object each time would
+    mean a new filesystem and a new token request for every Store."""
+    import google.auth
+
+    creds, _ = google.auth.load_credentials_from_dict(  # type: ignore[no-untyped-call]  # google-auth's own annotation gap
+        json.loads(text), scopes=["https://www.googleapis.com/auth/devstorage.full_control"])
+    return creds
 
 
 def _options(protocol: str) -> dict[str, Any]:
     """Options from the environment that fsspec does not read itself: an S3 endpoint (s3fs takes
-    the endpoint as a client argument; some botocore versions ignore AWS_ENDPOINT_URL there)."""
+    the endpoint as a client argument; some botocore versions ignore AWS_ENDPOINT_URL there), and a
+    runner's GCS credentials handed over as content (GCS_CREDENTIALS_JSON)."""
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             return {"client_kwargs": {"endpoint_url": endpoint}}
+    if protocol in ("gs", "gcs") and os.environ.get(GCS_CREDENTIALS_JSON):   # a runner given the controller's file
+        return {"token": _gcs_credentials(os.environ[GCS_CREDENTIALS_JSON])}
     return {}
 
 
@@ -74,8 +169,8 @@ class Store:
         except ImportError as exc:   # fsspec knows the protocol but its package is not installed here
             from fleet.errors import InputError
 
-            extra = _EXTRAS.get(protocol)
-            raise InputError(f"{root}: {exc}", remedy=f"pip install 'fleet[{extra}]'" if extra else
+            sch = SCHEMES.get(protocol)
+            raise InputError(f"{root}: {exc}", remedy=f"pip install 'fleet[{sch.extra}]'" if sch else
                              "install the fsspec package for this protocol") from exc
         self.local = protocol == "file"
 

@@ -21,7 +21,7 @@ import posixpath
 import sys
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed, FleetError, JobConflict
-from fleet.generation.data.objstore import STORE_PACKAGES, is_url, store_env
+from fleet.generation.data.objstore import is_url, store_env, store_packages
 from fleet.interrupt import check_stop
 from fleet.jobs import EXIT_FILE, job_dir
 from fleet.node import LocalNode, Node
@@ -65,9 +65,10 @@ def build_pyz() -> bytes:
     return buf.getvalue()
 
 
-def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, store: bool = False) -> list[str]:
-    """The argv prefix that runs the runner on this node, installing it there when needed (`store`: a
-    job on object storage, whose runner needs fsspec and s3fs too)."""
+def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, urls: Sequence[str] = ()) -> list[str]:
+    """The argv prefix that runs the runner on this node, installing it there when needed (`urls`: the
+    job's locations on object storage; the venv adds the fsspec package of each protocol they use, and
+    only those: `store_packages`)."""
     if isinstance(node, LocalNode):
         return [sys.executable, "-m", "fleet.generation.job.runner"]
     from fleet.venv import ensure_venv
@@ -75,7 +76,7 @@ def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, store:
     runner_cfg = cfg.model_copy(deep=True)
     runner_cfg.venv.path = f"{node_cfg.workdir.rstrip('/')}/runner-venv"
     runner_cfg.venv.use_existing = False
-    runner_cfg.engine.packages = list(RUNNER_PACKAGES) + (list(STORE_PACKAGES) if store else [])
+    runner_cfg.engine.packages = list(RUNNER_PACKAGES) + store_packages(urls)
     venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
     pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
     import tempfile
@@ -134,8 +135,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     runner reads it from there); `store`: the URL the runner puts its committed output under,
     `seed`: earlier attempts' store URLs (fleet.generation.job.publish), `input_span`: the [start, end)
     bytes of `input_path` that are this job's input, `input_rows` the [first, end) rows of a Parquet
-    `input_path` (ranges.py). The store's credentials go to the
-    runner in the environment, never in job.json or argv.
+    `input_path` (ranges.py). The credentials of the URLs' protocols go to the runner in the
+    environment (`store_env`: by name, a Google credentials file by content), never in job.json or argv.
 
     `exclusive`: the caller already holds the output's own lock (the multi-node controller's
     ControllerLock over its chunk directories), so no start claim is taken: a controller killed
@@ -149,8 +150,9 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)
     if attached is not None:
         return attached
-    on_store = store is not None or is_url(input_path)
-    prefix = runner_command(node, cfg, node_cfg, store=on_store)
+    urls = [u for u in (input_path, store, *(seed or [])) if u and is_url(u)]
+    store_vars = store_env(urls)   # only what these URLs' protocols need (objstore.SCHEMES); refused before any install
+    prefix = runner_command(node, cfg, node_cfg, urls=urls)
     token = None if exclusive else _claim_start(node, jdir)
     try:
         attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)  # one that won meanwhile
@@ -169,8 +171,7 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
         node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
         node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
         env = runner_secret_env(cfg, endpoint_keys)
-        if on_store:
-            env.update(store_env())
+        env.update(store_vars)
         env["PYTHONUNBUFFERED"] = "1"
         det = node.start_detached([*prefix, "--job", f"{jdir}/job.json"], log_path=log_path, pid_path=pid_path,
                                   env=env, cwd=jdir)

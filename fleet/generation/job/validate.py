@@ -446,13 +446,15 @@ def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
     runners put their commits there; a plain --output path would be on each node's own disk)."""
     from urllib.parse import urlsplit
 
-    from fleet.generation.data.objstore import Store, is_url
+    from fleet.generation.data.objstore import Store, is_url, store_env
 
     for url in (input, output):
         if is_url(url) and (urlsplit(url).username or urlsplit(url).password):
             raise InputError("an object-storage URL with a user or password in it would be written to job.json, the "
                              "manifest and the flow run's parameters",
-                             remedy="give the URL without credentials; put them in AWS_* variables or FLEET_STORE_SECRET")
+                             remedy="give the URL without credentials; put them in the environment (AWS_*, "
+                                    "GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN) or FLEET_STORE_SECRET")
+    store_env([input, output])   # what the runners will be given can be read (a credentials file): before bring-up
     if output.startswith("hf://"):
         raise InputError(f"--output {output}: hf:// is read-only for fleet (an input, not a job's output)",
                          remedy="give --output an s3:// or gs:// URL; upload the exported result to the Hub after")
@@ -463,7 +465,8 @@ def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
         parent, _, name = input.rstrip("/").rpartition("/")
         if not Store(parent).exists(name):
             raise InputError(f"input {input} does not exist (or these credentials cannot read it)",
-                             remedy="check the URL, and the AWS_* variables of this shell")
+                             remedy="check the URL, and the credentials in this shell's environment (AWS_*, "
+                                    "GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN)")
     else:
         input = str(_resolve(input, cwd))
         if not Path(input).is_file():
