@@ -119,20 +119,52 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
     first = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log1)   # type: ignore[arg-type]
     frozen: list[int] = []
     try:
+        def slow_runner_of(idx: int) -> int | None:
+            """The live runner on the slow node writing chunk `idx` (its working copy's job.json)."""
+            from fleet.node import LocalNode
+
+            for jf in (tmp_path / "work-slow").glob("jobs/*/job.json"):
+                if json.loads(jf.read_text())["output"].endswith(f"chunk-{idx:05d}"):
+                    pidf = jf.parent / "runner.pid"
+                    pid = int((pidf.read_text().split() or ["0"])[0]) if pidf.exists() else 0
+                    return pid if pid and LocalNode().is_alive(pid) else None
+            return None
+
+        tried: set[int] = set()
+
         def slow_chunk_with_published_shards() -> int | None:
             got = plan_state(state_home)
             if not got:
                 return None
             for idx, c in got[1]["chunks"].items():
-                if c["state"] == "running" and c["node"] == "slow":
-                    if len(Store(f"{out}/_parts/slow/chunk-{int(idx):05d}").names("shards")) >= 2:
+                if c["state"] == "running" and c["node"] == "slow" and int(idx) not in tried:
+                    if len(Store(f"{out}/_parts/slow/chunk-{int(idx):05d}").names("shards")) >= 2 \
+                            and slow_runner_of(int(idx)):
                         return int(idx)
             return None
 
-        idx = _wait(first, log1, slow_chunk_with_published_shards, "the slow node to put shards in the store")
-        frozen = _runner_pids(tmp_path / "work-slow") + _server_pids(tmp_path / "work-slow")
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        def frozen_mid_chunk() -> int | None:
+            """Freeze the slow node while its runner is mid-chunk. The controller's state lags the
+            runner (a chunk it still calls running may be finished): after the SIGSTOP the scene is
+            checked — that chunk's runner alive (stopped) and its manifest not in the store — and
+            otherwise let go, and the next chunk on the slow node is tried."""
+            idx = slow_chunk_with_published_shards()
+            if idx is None:
+                return None
+            pids = _runner_pids(tmp_path / "work-slow") + _server_pids(tmp_path / "work-slow")
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            frozen[:] = pids
+            if slow_runner_of(idx) in pids and \
+                    Store(f"{out}/_parts/slow/chunk-{idx:05d}").read_bytes("manifest.json") is None:
+                return idx
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            frozen.clear()
+            tried.add(idx)
+            return None
+
+        idx = _wait(first, log1, frozen_mid_chunk, "the slow node to put shards in the store, caught mid-chunk")
 
         def taken_over() -> bool:
             st = acknowledged_state(out, tmp_path / "peek")   # the store's copy: what a next controller reads
@@ -147,7 +179,10 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
 
         _wait(first, log1, seeded_takeover, "the takeover's runner, seeded from the store")
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:   # it ended on its own: the assertion above says why
+            pass
         first.wait()
         for pid in frozen:
             try:
