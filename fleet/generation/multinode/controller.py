@@ -49,8 +49,8 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.multinode.chunks import (
-    MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, finishes_first, merge,
-    load_plan, split_input,
+    MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, merge,
+    load_plan, sooner_node, split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleet.generation.multinode.controller")
 
 MAX_FAILED_ATTEMPTS = 3
+IDLE_MAX_S = 8.0   # the longest an idle node waits before asking again when nothing it waits on changed
 STORE_FILE = "store.json"   # in the plan directory of a job whose output is on object storage: its URL
 
 
@@ -145,10 +146,22 @@ class RateView:
         return self._slow[0][0] if self._slow else None
 
 
+@dataclass
+class _Asking:
+    """When a node that was told to wait asks for work again (`Controller._refused`): at the first change
+    that concerns it (`event`, set by `Assignments.watch`), at the latest when its back-off ends (`until`,
+    doubled from poll_s up to idle_max_s at each answer of "wait": bounded, never waiting unbounded on a
+    change that may not come: a faster node's live rate moving, the chunks getting smaller)."""
+
+    event: threading.Event
+    wait_s: float = 0.0
+    until: float = 0.0
+
+
 class Controller:
     def __init__(self, cfg: FleetConfig, plan_dir: str | Path, output: str, nodes: dict[str, NodeWork], *,
                  node_lost_s: float | None = None, probe_s: float = 10.0, poll_s: float = 1.0,
-                 fetch_every_s: float = 30.0, rejoin_s: float = 3600.0,
+                 fetch_every_s: float = 30.0, rejoin_s: float = 3600.0, idle_max_s: float = IDLE_MAX_S,
                  say: Callable[[int, str], None] | None = None) -> None:
         self.cfg = cfg
         self.plan_dir = Path(plan_dir)
@@ -156,6 +169,9 @@ class Controller:
         self.nodes = nodes
         self.node_lost_s = node_lost_s if node_lost_s is not None else cfg.generation.node_lost_s
         self.probe_s, self.poll_s, self.rejoin_s = probe_s, poll_s, rejoin_s
+        self.idle_max_s = max(poll_s, idle_max_s)
+        self._asking: dict[str, _Asking] = {}
+        self._sooner: dict[str, str | None] = {}   # per node: the faster node its last "wait" left the chunk to
         # gather committed shards often enough that a node lost now costs little
         self.fetch_every_s = min(fetch_every_s, max(1.0, self.node_lost_s / 4))
         # where the controller's own lines go (the Prefect layer passes its run logger)
@@ -256,6 +272,48 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.assign is not None:
+            self.assign.wake_all()
+
+    def _wait(self, event: threading.Event, timeout: float) -> bool:
+        """Wait up to `timeout` s for `event` (the scale bench runs this clock faster)."""
+        return event.wait(timeout)
+
+    # -- when an idle node asks again
+
+    def _ask(self, name: str) -> threading.Event:
+        """Before node `name` asks for work: any change from now on wakes it (narrowed by `_refused`)."""
+        assert self.assign is not None
+        ev = threading.Event()
+        self.assign.watch(name, ev)
+        return ev
+
+    def _refused(self, name: str, ev: threading.Event, deps: frozenset[str]) -> _Asking:
+        """Node `name` was told to wait: it asks again at the first change of `deps` (the faster node it
+        left the chunk to) or of itself, a chunk handed back, the job's end — or when its back-off ends."""
+        assert self.assign is not None
+        prev = self._asking.get(name)
+        wait = min(self.idle_max_s, 2 * prev.wait_s) if prev is not None and prev.wait_s else self.poll_s
+        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + wait)
+        self.assign.watch(name, ev, deps)
+        return a
+
+    def _answered(self, name: str) -> None:
+        """Node `name` got work (or a decision): its next question is asked when it needs one."""
+        assert self.assign is not None
+        self._asking.pop(name, None)
+        self.assign.unwatch(name)
+
+    def _idle(self, name: str, ev: threading.Event, deps: frozenset[str]) -> None:
+        """Wait, with nothing to run, until node `name` should ask again (`_refused`) or the job stops."""
+        a = self._refused(name, ev, deps)
+        if not self._stop.is_set():
+            self._wait(ev, a.wait_s)
+
+    def _may_ask(self, name: str) -> bool:
+        """Whether node `name`, told to wait while its chunk drains, should ask again at this poll."""
+        a = self._asking.get(name)
+        return a is None or a.event.is_set() or time.monotonic() >= a.until
 
     # -- one node
 
@@ -278,19 +336,22 @@ class Controller:
                 lost_since = None
             self.assign.node_ok(name)
             rows: int | None = None
+            ev = self._ask(name)
             if not self.assign.running_on(name):
                 rows, go = self.next_size(name)
                 if not go:   # a faster node would end the next chunk sooner: leave it to that node
                     work.state = "idle"
-                    self._stop.wait(self.poll_s)
+                    sooner = self._sooner.get(name)
+                    self._idle(name, ev, frozenset((sooner,)) if sooner else frozenset())
                     continue
             index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
                                       min_rest=self.min_rest())
             if index is None:
                 # nothing pending: others hold the last chunks. Wait: a loss may hand one back.
                 work.state = "idle"
-                self._stop.wait(self.poll_s)
+                self._idle(name, ev, frozenset())
                 continue
+            self._answered(name)
             try:
                 run(name, index)
             except NodeLost as exc:
@@ -301,7 +362,7 @@ class Controller:
             except ChunkFailed as exc:
                 self.say(logging.WARNING, f"chunk {index} failed on {name}: {exc.one_line()}")
                 if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
-                    self._stop.set()
+                    self.stop()
                     raise FatalError(f"chunk {index} failed {MAX_FAILED_ATTEMPTS} times (last on {name}: "
                                      f"{exc.one_line()})",
                                      remedy="read the runner logs under the nodes' workdir/jobs, fix the cause, "
@@ -404,8 +465,9 @@ class Controller:
             take = min(nxt, rows) if rows and nxt - rows > max(1, rows // 4, self.min_rest()) else nxt
             if not rate:
                 return rows, True
-            others = [(v.left[n] / r, r) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost]
-            return rows, finishes_first(take, rate, others, v.left[name] / rate)
+            others = ((v.left[n] / r, r, n) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost)
+            sooner = self._sooner[name] = sooner_node(take, rate, others, v.left[name] / rate)
+            return rows, sooner is None
 
     def _probe(self, name: str) -> bool:
         try:
@@ -573,8 +635,14 @@ class Controller:
                 self._stop_runner(node, pid)
                 self._gather_partial(node, index, out, dest)
                 raise NodeLost(why)
-            if prog is not None and not prestarted and _draining(prog):
+            if prog is not None and not prestarted and _draining(prog) and self._may_ask(name):
+                ev = self._ask(name)
                 prestarted = self._prestart(node, name)
+                if prestarted:
+                    self._answered(name)
+                else:   # asked again at the first change it waits on, or its back-off's end: not every poll
+                    sooner = self._sooner.get(name)
+                    self._refused(name, ev, frozenset((sooner,)) if sooner else frozenset())
             if now - last_fetch > self.fetch_every_s:
                 last_fetch = now
                 self._gather_partial(node, index, out, dest)
