@@ -152,6 +152,7 @@ class FakeHost:
         self.by_output: dict[str, FakeRunner] = {}
         self.last = clock.monotonic()
         self.next_pid = 1000
+        self.unused = 0.0   # rows of capacity no runner used while the node was up (idle, runner starts)
 
     def down(self, now: float) -> bool:
         return any(a <= now < b for a, b in self.outages)
@@ -174,6 +175,8 @@ class FakeHost:
                 if r.done >= r.lines - 1e-9:
                     r.done, r.ended_at = float(r.lines), now
                     self._publish(r)
+            if not self.down(now):
+                self.unused += budget
             return now
 
     def _publish(self, r: FakeRunner) -> None:
@@ -413,6 +416,8 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
                      probe_s=args.probe_s, poll_s=args.poll_s)
     ctl._stop = VEvent(args.speed)
     ctl._wait = lambda ev, timeout: ev.wait(timeout / args.speed)   # an idle node's wait, in job seconds
+    if getattr(args, "idle_max_s", None) is not None:
+        ctl.idle_max_s = max(args.poll_s, args.idle_max_s)
     FAKE_CPU.reset()
     plan = ctl.prepare(f"{root}/input.jsonl")
 
@@ -447,6 +452,10 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
 
     cpu0, v0, w0 = _time.process_time(), clock.monotonic(), _time.monotonic()
     threads = [threading.Thread(target=worker, args=(h,), daemon=True) for h in sorted(hosts)]
+    for h in hosts.values():
+        h.last = clock.monotonic()
+    unused = {"pending": 0.0, "tail": 0.0}   # capacity unused, while chunks were pending / after
+    seen = 0.0
     for t in threads:
         t.start()
     progress_writes = 0
@@ -458,6 +467,9 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
             break
         ctl.write_progress()   # the flow's watch_progress: every 5 s, one Prefect artifact update each
         progress_writes += 1
+        now_unused = sum(h.unused for h in hosts.values())
+        unused["pending" if ctl.assign.first_pending() is not None else "tail"] += now_unused - seen
+        seen = now_unused
         if ctl._stop.wait(5.0):
             break
     for t in threads:
@@ -469,6 +481,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     c = counters.c
     rate = sum(h.rate for h in hosts.values())
     minutes = vsec / 60
+    unused["tail"] += sum(h.unused for h in hosts.values()) - seen
     n = len(hosts)
     counts = ctl.assign.counts()
     log = ctl.assign.log.counters
@@ -486,6 +499,8 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
         "fake_cpu_s": round(fake, 2), "controller_cpu_s": round(cpu - fake, 2),
         "controller_cpu_per_job_s": round((cpu - fake) / vsec, 4),
         "decisions_wait": int(c.get("decisions_wait", 0)),
+        "unused_while_pending": round(unused["pending"] / (rate * vsec), 3),
+        "unused_at_tail": round(unused["tail"] / (rate * vsec), 3),
         "decisions_per_chunk": round(c.get("decisions", 0) / max(1, counts.get("done", 0)), 1),
         "decisions": int(c.get("decisions", 0)),
         "cpu_per_decision_ms": round(1000 * c.get("decision_cpu", 0) / max(1, c.get("decisions", 0)), 3),
@@ -581,6 +596,8 @@ def main() -> None:
     ap.add_argument("--probe-s", type=float, default=10.0)
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--idle-max-s", type=float, default=None,
+                    help="the controller's longest back-off of an idle node (default: its own, IDLE_MAX_S)")
     ap.add_argument("--max-wall-s", type=float, default=600.0)
     ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
     ap.add_argument("--compare-state", action="store_true",
@@ -619,6 +636,8 @@ TABLE = [   # (column, key or function of the result)
     ("pass", "pass"), ("nodes", "nodes"), ("rows", "rows"),
     ("chunks done / once / total", lambda r: f"{r['chunks_done']} / {r['chunks_done_once']} / {r['chunks']}"),
     ("job s ÷ ideal", lambda r: f"{r['makespan_s']:,.0f} ÷ {r['ideal_s']:,.0f} = {r['makespan_over_ideal']}"),
+    ("capacity unused while chunks pending / after", lambda r: f"{r.get('unused_while_pending', '?')} / "
+                                                               f"{r.get('unused_at_tail', '?')}"),
     ("CPU / decision ms", "cpu_per_decision_ms"),
     ("decisions (told to wait; per chunk)", lambda r: f"{r['decisions']:,} ({r.get('decisions_wait', '?'):,}; "
                                                       f"{r.get('decisions_per_chunk', '?')})"),

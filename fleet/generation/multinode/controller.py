@@ -125,6 +125,9 @@ class RateView:
         return Fraction(r) if r is not None and r > 0 and name not in self.lost else Fraction(0)
 
     def update(self, name: str, rate: float | None, left: int, lost: bool) -> None:
+        self.left[name] = left
+        if self.rate.get(name) == rate and (name in self.lost) == lost:
+            return   # most updates are a progress move: rows left change, the rate (and the exact sum) not
         self.total -= self._counted(name)
         (self.lost.add if lost else self.lost.discard)(name)
         if rate:
@@ -136,7 +139,6 @@ class RateView:
             self.rate[name] = rate
         else:
             self.rate.pop(name, None)
-        self.left[name] = left
         self.total += self._counted(name)
 
     def slowest(self) -> float | None:
@@ -171,7 +173,9 @@ class Controller:
         self.probe_s, self.poll_s, self.rejoin_s = probe_s, poll_s, rejoin_s
         self.idle_max_s = max(poll_s, idle_max_s)
         self._asking: dict[str, _Asking] = {}
-        self._sooner: dict[str, str | None] = {}   # per node: the faster node its last "wait" left the chunk to
+        # per node, from its last "wait": the faster node it left the chunk to, and the job seconds after
+        # which its answer turns as the nodes work on (`sooner_node`)
+        self._sooner: dict[str, tuple[str | None, float]] = {}
         # gather committed shards often enough that a node lost now costs little
         self.fetch_every_s = min(fetch_every_s, max(1.0, self.node_lost_s / 4))
         # where the controller's own lines go (the Prefect layer passes its run logger)
@@ -288,14 +292,16 @@ class Controller:
         self.assign.watch(name, ev)
         return ev
 
-    def _refused(self, name: str, ev: threading.Event, deps: frozenset[str]) -> _Asking:
-        """Node `name` was told to wait: it asks again at the first change of `deps` (the faster node it
-        left the chunk to) or of itself, a chunk handed back, the job's end — or when its back-off ends."""
+    def _refused(self, name: str, ev: threading.Event, sooner: bool) -> _Asking:
+        """Node `name` was told to wait: it asks again at the first change of itself or of the faster node
+        it left the chunk to (`sooner`: told so by `next_size`), a chunk handed back, the job's end; when
+        its answer turns as the nodes work on (`sooner_node`); or when its back-off ends."""
         assert self.assign is not None
         prev = self._asking.get(name)
         wait = min(self.idle_max_s, 2 * prev.wait_s) if prev is not None and prev.wait_s else self.poll_s
-        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + wait)
-        self.assign.watch(name, ev, deps)
+        node, turns = self._sooner.get(name, (None, math.inf)) if sooner else (None, math.inf)
+        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + min(wait, turns))
+        self.assign.watch(name, ev, frozenset((node,)) if node else frozenset())
         return a
 
     def _answered(self, name: str) -> None:
@@ -304,11 +310,11 @@ class Controller:
         self._asking.pop(name, None)
         self.assign.unwatch(name)
 
-    def _idle(self, name: str, ev: threading.Event, deps: frozenset[str]) -> None:
+    def _idle(self, name: str, ev: threading.Event, sooner: bool) -> None:
         """Wait, with nothing to run, until node `name` should ask again (`_refused`) or the job stops."""
-        a = self._refused(name, ev, deps)
+        a = self._refused(name, ev, sooner)
         if not self._stop.is_set():
-            self._wait(ev, a.wait_s)
+            self._wait(ev, max(0.0, a.until - time.monotonic()))
 
     def _may_ask(self, name: str) -> bool:
         """Whether node `name`, told to wait while its chunk drains, should ask again at this poll."""
@@ -341,15 +347,14 @@ class Controller:
                 rows, go = self.next_size(name)
                 if not go:   # a faster node would end the next chunk sooner: leave it to that node
                     work.state = "idle"
-                    sooner = self._sooner.get(name)
-                    self._idle(name, ev, frozenset((sooner,)) if sooner else frozenset())
+                    self._idle(name, ev, sooner=True)
                     continue
             index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
                                       min_rest=self.min_rest())
             if index is None:
                 # nothing pending: others hold the last chunks. Wait: a loss may hand one back.
                 work.state = "idle"
-                self._idle(name, ev, frozenset())
+                self._idle(name, ev, sooner=False)
                 continue
             self._answered(name)
             try:
@@ -467,7 +472,7 @@ class Controller:
                 return rows, True
             others = ((v.left[n] / r, r, n) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost)
             sooner = self._sooner[name] = sooner_node(take, rate, others, v.left[name] / rate)
-            return rows, sooner is None
+            return rows, sooner[0] is None
 
     def _probe(self, name: str) -> bool:
         try:
@@ -641,8 +646,7 @@ class Controller:
                 if prestarted:
                     self._answered(name)
                 else:   # asked again at the first change it waits on, or its back-off's end: not every poll
-                    sooner = self._sooner.get(name)
-                    self._refused(name, ev, frozenset((sooner,)) if sooner else frozenset())
+                    self._refused(name, ev, sooner=True)
             if now - last_fetch > self.fetch_every_s:
                 last_fetch = now
                 self._gather_partial(node, index, out, dest)
