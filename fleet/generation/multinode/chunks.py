@@ -143,29 +143,23 @@ def finishes_first(rows: int, rate: float | None, others: list[tuple[float, floa
     early), take a chunk of `rows`? Not when a faster node (`others`: (free_s, rate) of the other live
     nodes) would end it sooner: a slow node that takes the last chunk is what makes a job's tail
     long. Unknown rates: take it."""
-    return sooner_node(rows, rate, ((busy, r, "") for busy, r in others), free_s)[0] is None
+    return sooner_node(rows, rate, ((busy, r, "") for busy, r in others), free_s) is None
 
 
 def sooner_node(rows: int, rate: float | None, others: Iterable[tuple[float, float, str]],
-                free_s: float = 0.0) -> tuple[str | None, float]:
-    """`finishes_first` naming the node: (the first of `others` ((free_s, rate, name)) faster than this
-    node that would end the chunk sooner, or None: take it; the seconds after which, as every node works
-    on, none would). A node asked early (`free_s` > 0) gets ahead as it drains while a faster node that is
-    free stays free: its answer turns after `mine - rows / r` for each node that beats it now, if that
-    comes before it is free itself; else only a change turns it (that node takes a chunk, is lost;
-    chunks get smaller): inf. The controller asks again at the first of the two, not at every poll."""
+                free_s: float = 0.0) -> str | None:
+    """`finishes_first` naming the node: the first of `others` ((free_s, rate, name)) faster than this
+    node that would end the chunk sooner; None: take it. Time alone never turns that answer (the faster
+    node's free time shrinks as this node's does, and once free it stays the faster one): a change does
+    (it takes a chunk or is lost, the chunks get smaller), so the controller waits for a change of that
+    node, not for the next poll."""
     if not rate or rate <= 0:
-        return None, 0.0
+        return None
     mine = free_s + rows / rate
-    first: str | None = None
-    turns = 0.0
     for busy, r, name in others:
         if r > rate and busy + rows / r < mine:
-            first = name if first is None else first
-            turns = max(turns, mine - rows / r)
-    if first is None:
-        return None, 0.0
-    return first, turns if turns <= free_s else math.inf
+            return name
+    return None
 
 
 @dataclass(frozen=True)

@@ -173,9 +173,7 @@ class Controller:
         self.probe_s, self.poll_s, self.rejoin_s = probe_s, poll_s, rejoin_s
         self.idle_max_s = max(poll_s, idle_max_s)
         self._asking: dict[str, _Asking] = {}
-        # per node, from its last "wait": the faster node it left the chunk to, and the job seconds after
-        # which its answer turns as the nodes work on (`sooner_node`)
-        self._sooner: dict[str, tuple[str | None, float]] = {}
+        self._sooner: dict[str, str | None] = {}   # per node: the faster node its last "wait" left the chunk to
         # gather committed shards often enough that a node lost now costs little
         self.fetch_every_s = min(fetch_every_s, max(1.0, self.node_lost_s / 4))
         # where the controller's own lines go (the Prefect layer passes its run logger)
@@ -294,13 +292,14 @@ class Controller:
 
     def _refused(self, name: str, ev: threading.Event, sooner: bool) -> _Asking:
         """Node `name` was told to wait: it asks again at the first change of itself or of the faster node
-        it left the chunk to (`sooner`: told so by `next_size`), a chunk handed back, the job's end; when
-        its answer turns as the nodes work on (`sooner_node`); or when its back-off ends."""
+        it left the chunk to (`sooner`: told so by `next_size`), a chunk handed back, the job's end — or
+        when its back-off ends (what no change here announces: the chunks getting smaller as others
+        claim them, a faster node's live rate moving)."""
         assert self.assign is not None
         prev = self._asking.get(name)
         wait = min(self.idle_max_s, 2 * prev.wait_s) if prev is not None and prev.wait_s else self.poll_s
-        node, turns = self._sooner.get(name, (None, math.inf)) if sooner else (None, math.inf)
-        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + min(wait, turns))
+        node = self._sooner.get(name) if sooner else None
+        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + wait)
         self.assign.watch(name, ev, frozenset((node,)) if node else frozenset())
         return a
 
@@ -472,7 +471,7 @@ class Controller:
                 return rows, True
             others = ((v.left[n] / r, r, n) for n, r in v.rate.items() if r > rate and n != name and n not in v.lost)
             sooner = self._sooner[name] = sooner_node(take, rate, others, v.left[name] / rate)
-            return rows, sooner[0] is None
+            return rows, sooner is None
 
     def _probe(self, name: str) -> bool:
         try:
