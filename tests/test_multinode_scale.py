@@ -215,3 +215,29 @@ def test_an_idle_node_asks_again_only_when_something_it_waits_on_changes(tmp_pat
         ctl.stop()
         t.join(timeout=30)
     assert not t.is_alive()
+
+
+def test_a_node_waiting_on_a_faster_one_is_woken_by_that_node_not_by_others(tmp_path: Path) -> None:
+    """What wakes a node told to wait (`Assignments.watch`): a change of the faster node it left the chunk
+    to (here: it claims the chunk), a chunk handed back to the queue, the job's end — not the changes of
+    every other node (at 1,000 nodes, hundreds a minute: each would be a decision of every idle node)."""
+    from fleet.generation.multinode.chunks import Assignments, split_input
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"id": {i}, "prompt": "q"}}\n' for i in range(60)))
+    pdir = tmp_path / "p"
+    st = Assignments(pdir, split_input(src, pdir, ["slow", "fast", "other"], chunk_rows=10))
+    slow, free = threading.Event(), threading.Event()
+    st.watch("slow", slow, frozenset({"fast"}))
+    st.watch("idle", free, frozenset())
+    i = st.claim("other", lambda i: f"/o/other/{i}")
+    assert i is not None
+    st.finish(i, "other", "done", fetched=True)
+    st.node_ok("other")
+    assert not slow.is_set() and not free.is_set()
+    j = st.claim("fast", lambda i: f"/o/fast/{i}")
+    assert j is not None and slow.is_set() and not free.is_set()
+    st.finish(j, "fast", "lost", "no answer")   # handed back: every waiting node may take it
+    assert free.is_set()
+    st.unwatch("idle")
+    assert "idle" not in st._watchers
