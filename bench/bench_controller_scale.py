@@ -410,6 +410,15 @@ def _instrument(ctl: Any, counters: Counters) -> None:
         setattr(obj, name, timed)
 
 
+@FAKE_CPU.timed
+def _unused(hosts: dict[str, FakeHost]) -> float:
+    """The capacity the nodes left unused so far (each moved on to now: a node whose thread waits idle
+    does no operation that would move it)."""
+    for h in hosts.values():
+        h.advance()
+    return sum(h.unused for h in hosts.values())
+
+
 def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeHost], counters: Counters,
            state: dict[str, int], clock: VClock, root: str, Controller: Any, NodeWork: Any) -> dict[str, Any]:
     ctl = Controller(cfg, tmp / "plan", f"{root}/out", {h: NodeWork(h, []) for h in hosts},
@@ -467,7 +476,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
             break
         ctl.write_progress()   # the flow's watch_progress: every 5 s, one Prefect artifact update each
         progress_writes += 1
-        now_unused = sum(h.unused for h in hosts.values())
+        now_unused = _unused(hosts)
         unused["pending" if ctl.assign.first_pending() is not None else "tail"] += now_unused - seen
         seen = now_unused
         if ctl._stop.wait(5.0):
@@ -481,7 +490,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     c = counters.c
     rate = sum(h.rate for h in hosts.values())
     minutes = vsec / 60
-    unused["tail"] += sum(h.unused for h in hosts.values()) - seen
+    unused["tail"] += _unused(hosts) - seen
     n = len(hosts)
     counts = ctl.assign.counts()
     log = ctl.assign.log.counters
