@@ -241,3 +241,40 @@ def test_a_node_waiting_on_a_faster_one_is_woken_by_that_node_not_by_others(tmp_
     assert free.is_set()
     st.unwatch("idle")
     assert "idle" not in st._watchers
+
+
+def test_the_faster_node_check_walks_only_faster_nodes_and_answers_as_finishes_first() -> None:
+    """`RateView.sooner` (what a decision asks, 2.4 ms per decision at 1,000 nodes when every node was
+    walked through a generator) must give `finishes_first`'s answer on every case: live nodes only, faster
+    ones only, the node itself never; and it looks at no node slower than the one asking."""
+    import random
+
+    from fleet.generation.multinode.chunks import finishes_first
+    from fleet.generation.multinode.controller import RateView
+
+    rng = random.Random(7)
+    for case in range(300):
+        names = [f"n{i}" for i in range(rng.randint(1, 40))]
+        v = RateView(names)
+        for n in names:
+            v.update(n, rng.choice([None, round(rng.uniform(1, 12), 1)]), rng.randint(0, 400), rng.random() < 0.1)
+        me = rng.choice(names)
+        rate = v.rate.get(me) or rng.uniform(1, 12)
+        rows, free_s = rng.randint(1, 300), rng.uniform(0, 30)
+        others = [(v.left[n] / r, r) for n, r in v.rate.items() if n != me and n not in v.lost]
+        got = v.sooner(me, rate, rows, free_s)
+        assert (got is None) == finishes_first(rows, rate, others, free_s), case
+        assert got is None or (v.rate[got] > rate and got != me and got not in v.lost)
+    looked: list[str] = []
+
+    class Left(dict):   # type: ignore[type-arg]
+        def __getitem__(self, key: str) -> int:
+            looked.append(key)
+            return int(super().__getitem__(key))
+
+    v = RateView([])
+    for i in range(100):
+        v.update(f"n{i:03d}", 1.0 + i, 1000, False)
+    v.left = Left(v.left)
+    assert v.sooner("n050", 51.0, 10, 0.0) is None
+    assert sorted(looked) == [f"n{i:03d}" for i in range(51, 100)]

@@ -57,7 +57,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.data.objstore import Store, is_url
 
 __all__ = ["Chunk", "Plan", "Assignments", "attempt_spans", "plan_sizes", "split_input", "load_plan", "merge",
-           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first", "sooner_node",
+           "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
            "split_chunk", "apply_cut", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S", "write_manifest_to", "read_state"]
 
 PLAN_FILE = "plan.json"
@@ -142,24 +142,11 @@ def finishes_first(rows: int, rate: float | None, others: list[tuple[float, floa
     """Should a node of `rate` rows/s, free in `free_s` (the rest of the chunk it drains, when it asks
     early), take a chunk of `rows`? Not when a faster node (`others`: (free_s, rate) of the other live
     nodes) would end it sooner: a slow node that takes the last chunk is what makes a job's tail
-    long. Unknown rates: take it."""
-    return sooner_node(rows, rate, ((busy, r, "") for busy, r in others), free_s) is None
-
-
-def sooner_node(rows: int, rate: float | None, others: Iterable[tuple[float, float, str]],
-                free_s: float = 0.0) -> str | None:
-    """`finishes_first` naming the node: the first of `others` ((free_s, rate, name)) faster than this
-    node that would end the chunk sooner; None: take it. Time alone never turns that answer (the faster
-    node's free time shrinks as this node's does, and once free it stays the faster one): a change does
-    (it takes a chunk or is lost, the chunks get smaller), so the controller waits for a change of that
-    node, not for the next poll."""
+    long. Unknown rates: take it. (The controller asks `RateView.sooner`: the same rule, naming the node.)"""
     if not rate or rate <= 0:
-        return None
+        return True
     mine = free_s + rows / rate
-    for busy, r, name in others:
-        if r > rate and busy + rows / r < mine:
-            return name
-    return None
+    return all(mine <= busy + rows / r for busy, r in others if r > rate)
 
 
 @dataclass(frozen=True)
