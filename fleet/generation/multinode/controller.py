@@ -301,24 +301,18 @@ class Controller:
 
     # -- when an idle node asks again
 
-    def _ask(self, name: str) -> threading.Event:
-        """Before node `name` asks for work: any change from now on wakes it (narrowed by `_refused`)."""
-        assert self.assign is not None
-        ev = threading.Event()
-        self.assign.watch(name, ev)
-        return ev
-
-    def _refused(self, name: str, ev: threading.Event, sooner: bool) -> _Asking:
+    def _refused(self, name: str, sooner: bool) -> _Asking:
         """Node `name` was told to wait: it asks again at the first change of itself or of the faster node
         it left the chunk to (`sooner`: told so by `next_size`), a chunk handed back, the job's end — or
         when its back-off ends (what no change here announces: the chunks getting smaller as others
-        claim them, a faster node's live rate moving)."""
+        claim them, a faster node's live rate moving). Called under the state's lock, with the answer:
+        a change between the two would wake nobody (or, watched from before the question, everybody)."""
         assert self.assign is not None
         prev = self._asking.get(name)
         wait = min(self.idle_max_s, 2 * prev.wait_s) if prev is not None and prev.wait_s else self.poll_s
         node = self._sooner.get(name) if sooner else None
-        a = self._asking[name] = _Asking(ev, wait, time.monotonic() + wait)
-        self.assign.watch(name, ev, frozenset((node,)) if node else frozenset())
+        a = self._asking[name] = _Asking(threading.Event(), wait, time.monotonic() + wait)
+        self.assign.watch(name, a.event, frozenset((node,)) if node else frozenset())
         return a
 
     def _answered(self, name: str) -> None:
@@ -327,11 +321,11 @@ class Controller:
         self._asking.pop(name, None)
         self.assign.unwatch(name)
 
-    def _idle(self, name: str, ev: threading.Event, sooner: bool) -> None:
-        """Wait, with nothing to run, until node `name` should ask again (`_refused`) or the job stops."""
-        a = self._refused(name, ev, sooner)
+    def _idle(self, a: _Asking) -> None:
+        """Wait, with nothing to run, until the node told to wait should ask again (`_refused`) or the job
+        stops (`stop` sets _stop, then every watched event)."""
         if not self._stop.is_set():
-            self._wait(ev, max(0.0, a.until - time.monotonic()))
+            self._wait(a.event, max(0.0, a.until - time.monotonic()))
 
     def _may_ask(self, name: str) -> bool:
         """Whether node `name`, told to wait while its chunk drains, should ask again at this poll."""
@@ -359,19 +353,23 @@ class Controller:
                 lost_since = None
             self.assign.node_ok(name)
             rows: int | None = None
-            ev = self._ask(name)
-            if not self.assign.running_on(name):
-                rows, go = self.next_size(name)
+            index: int | None = None
+            waiting: _Asking | None = None
+            with self.assign._lock:   # the answer and what to wait for at once (`_refused`)
+                go = True
+                if not self.assign.running_on(name):
+                    rows, go = self.next_size(name)
                 if not go:   # a faster node would end the next chunk sooner: leave it to that node
-                    work.state = "idle"
-                    self._idle(name, ev, sooner=True)
-                    continue
-            index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
-                                      min_rest=self.min_rest())
-            if index is None:
-                # nothing pending: others hold the last chunks. Wait: a loss may hand one back.
+                    waiting = self._refused(name, sooner=True)
+                else:
+                    index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
+                                              min_rest=self.min_rest())
+                    if index is None:   # nothing pending: others hold the last chunks; a loss may hand one back
+                        waiting = self._refused(name, sooner=False)
+            if waiting is not None or index is None:   # (index is None only when told to wait)
                 work.state = "idle"
-                self._idle(name, ev, sooner=False)
+                if waiting is not None:
+                    self._idle(waiting)
                 continue
             self._answered(name)
             try:
@@ -657,12 +655,10 @@ class Controller:
                 self._gather_partial(node, index, out, dest)
                 raise NodeLost(why)
             if prog is not None and not prestarted and _draining(prog) and self._may_ask(name):
-                ev = self._ask(name)
+                # told to wait: asked again at the first change it waits on or its back-off's end, not every poll
                 prestarted = self._prestart(node, name)
                 if prestarted:
                     self._answered(name)
-                else:   # asked again at the first change it waits on, or its back-off's end: not every poll
-                    self._refused(name, ev, sooner=True)
             if now - last_fetch > self.fetch_every_s:
                 last_fetch = now
                 self._gather_partial(node, index, out, dest)
@@ -723,11 +719,13 @@ class Controller:
         from fleet.generation.job.remote import start_job
 
         assert self.assign is not None
-        rows, go = self.next_size(name)
-        if not go:
-            return False
-        nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows,
-                                min_rest=self.min_rest())
+        with self.assign._lock:   # the answer and what to wait for at once (`_refused`)
+            rows, go = self.next_size(name)
+            if not go:
+                self._refused(name, sooner=True)
+                return False
+            nxt = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), another=True, rows=rows,
+                                    min_rest=self.min_rest())
         if nxt is None:
             return True
         chunk = self.chunk(nxt)
