@@ -100,6 +100,38 @@ class Counters:
             self.c[key] = self.c.get(key, 0) + n
 
 
+class FakeCPU:
+    """Thread CPU spent inside the fake nodes (their progress, the fake runners' publishing, the counting):
+    the bench's own cost, reported apart so that the controller's CPU is measured without it."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.local = threading.local()
+        self.cells: list[list[float]] = []
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t = _time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                c = getattr(self.local, "c", None)
+                if c is None:
+                    c = self.local.c = [0.0]
+                    self.cells.append(c)
+                c[0] += _time.thread_time() - t
+
+        return wrapper
+
+    def total(self) -> float:
+        return sum(c[0] for c in self.cells)
+
+
+FAKE_CPU = FakeCPU()
+
+
 class FakeRunner:
     def __init__(self, pid: int, output: str, lines: int, started: float) -> None:
         self.pid, self.output, self.lines, self.started = pid, output, lines, started
@@ -120,6 +152,7 @@ class FakeHost:
         self.by_output: dict[str, FakeRunner] = {}
         self.last = clock.monotonic()
         self.next_pid = 1000
+        self.unused = 0.0   # rows of capacity no runner used while the node was up (idle, runner starts)
 
     def down(self, now: float) -> bool:
         return any(a <= now < b for a, b in self.outages)
@@ -142,6 +175,8 @@ class FakeHost:
                 if r.done >= r.lines - 1e-9:
                     r.done, r.ended_at = float(r.lines), now
                     self._publish(r)
+            if not self.down(now):
+                self.unused += budget
             return now
 
     def _publish(self, r: FakeRunner) -> None:
@@ -179,17 +214,20 @@ class FakeNode:
             raise OSError(f"{self.host.name}: no route to host")
         return now
 
+    @FAKE_CPU.timed
     def run(self, argv: list[str], **kw: Any) -> Any:
         self._op("run")
         from fleet.node.base import RunResult
 
         return RunResult(self.host.name, tuple(argv), 0, "", "", 0.0)
 
+    @FAKE_CPU.timed
     def exists(self, path: str) -> bool:
         now = self._op("exists")
         out = path.rsplit("/", 1)[0]
         return self.host.progress(out, now) is not None
 
+    @FAKE_CPU.timed
     def read_text(self, path: str, tail_bytes: int | None = None) -> str | None:
         now = self._op("read_text")
         out, _, leaf = path.rpartition("/")
@@ -202,12 +240,14 @@ class FakeNode:
                 return json.dumps({"complete": True, "state": "done", "accounted": r.lines})
         return None
 
+    @FAKE_CPU.timed
     def is_alive(self, pid: int) -> bool:
         now = self._op("is_alive")
         r = self.host.runners.get(pid)
         # a runner exits a moment after its last rows (its final commit and publish)
         return r is not None and not r.dead and (r.ended_at is None or now - r.ended_at < 1.0)
 
+    @FAKE_CPU.timed
     def stop(self, pid: int, grace_s: float = 5.0) -> None:
         self._op("stop")
         r = self.host.runners.get(pid)
@@ -221,6 +261,7 @@ class FakeNode:
 def fake_start_job(hosts: dict[str, FakeHost], counters: Counters) -> Callable[..., Any]:
     from fleet.generation.job.remote import JobHandle
 
+    @FAKE_CPU.timed
     def start_job(node: FakeNode, cfg: Any, node_cfg: Any, *, input_path: str, output: str, specs: Any,
                   facts: Any = None, store: str | None = None, seed: list[str] | None = None,
                   input_span: list[int] | None = None, **kw: Any) -> JobHandle:
@@ -297,6 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             state["bytes"] += size
             state["max"] = max(state["max"], size)
 
+    @FAKE_CPU.timed
     def connect(node_cfg: Any) -> FakeNode:
         counters.add("connect")
         node = FakeNode(hosts[node_cfg.name], counters)
@@ -353,15 +395,28 @@ def _instrument(ctl: Any, counters: Counters) -> None:
     for obj, name in ((ctl, "next_size"), (ctl.assign, "claim")):
         real = getattr(obj, name)
 
-        def timed(*a: Any, _real: Any = real, **kw: Any) -> Any:
+        def timed(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
             t = _time.thread_time()
+            out = None
             try:
-                return _real(*a, **kw)
+                out = _real(*a, **kw)
+                return out
             finally:
                 counters.add("decisions")
                 counters.add("decision_cpu", _time.thread_time() - t)
+                if (_name == "next_size" and out is not None and not out[1]) or (_name == "claim" and out is None):
+                    counters.add("decisions_wait")   # told to wait: nothing pending, or a faster node's
 
         setattr(obj, name, timed)
+
+
+@FAKE_CPU.timed
+def _unused(hosts: dict[str, FakeHost]) -> float:
+    """The capacity the nodes left unused so far (each moved on to now: a node whose thread waits idle
+    does no operation that would move it)."""
+    for h in hosts.values():
+        h.advance()
+    return sum(h.unused for h in hosts.values())
 
 
 def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeHost], counters: Counters,
@@ -369,6 +424,10 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     ctl = Controller(cfg, tmp / "plan", f"{root}/out", {h: NodeWork(h, []) for h in hosts},
                      probe_s=args.probe_s, poll_s=args.poll_s)
     ctl._stop = VEvent(args.speed)
+    ctl._wait = lambda ev, timeout: ev.wait(timeout / args.speed)   # an idle node's wait, in job seconds
+    if getattr(args, "idle_max_s", None) is not None:
+        ctl.idle_max_s = max(args.poll_s, args.idle_max_s)
+    FAKE_CPU.reset()
     plan = ctl.prepare(f"{root}/input.jsonl")
 
     def lines_of(name: str) -> int:
@@ -402,6 +461,10 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
 
     cpu0, v0, w0 = _time.process_time(), clock.monotonic(), _time.monotonic()
     threads = [threading.Thread(target=worker, args=(h,), daemon=True) for h in sorted(hosts)]
+    for h in hosts.values():
+        h.last = clock.monotonic()
+    unused = {"pending": 0.0, "tail": 0.0}   # capacity unused, while chunks were pending / after
+    seen = 0.0
     for t in threads:
         t.start()
     progress_writes = 0
@@ -413,6 +476,9 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
             break
         ctl.write_progress()   # the flow's watch_progress: every 5 s, one Prefect artifact update each
         progress_writes += 1
+        now_unused = _unused(hosts)
+        unused["pending" if ctl.assign.first_pending() is not None else "tail"] += now_unused - seen
+        seen = now_unused
         if ctl._stop.wait(5.0):
             break
     for t in threads:
@@ -420,9 +486,11 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     vsec = clock.monotonic() - v0
     wall = _time.monotonic() - w0
     cpu = _time.process_time() - cpu0
+    fake = FAKE_CPU.total()
     c = counters.c
     rate = sum(h.rate for h in hosts.values())
     minutes = vsec / 60
+    unused["tail"] += _unused(hosts) - seen
     n = len(hosts)
     counts = ctl.assign.counts()
     log = ctl.assign.log.counters
@@ -437,6 +505,12 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
         "makespan_s": round(vsec, 1), "ideal_s": round(plan.total_lines / rate, 1),
         "makespan_over_ideal": round(vsec / (plan.total_lines / rate), 3), "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 2), "cpu_per_job_s": round(cpu / vsec, 4), "gil_busy": round(cpu / wall, 2),
+        "fake_cpu_s": round(fake, 2), "controller_cpu_s": round(cpu - fake, 2),
+        "controller_cpu_per_job_s": round((cpu - fake) / vsec, 4),
+        "decisions_wait": int(c.get("decisions_wait", 0)),
+        "unused_while_pending": round(unused["pending"] / (rate * vsec), 3),
+        "unused_at_tail": round(unused["tail"] / (rate * vsec), 3),
+        "decisions_per_chunk": round(c.get("decisions", 0) / max(1, counts.get("done", 0)), 1),
         "decisions": int(c.get("decisions", 0)),
         "cpu_per_decision_ms": round(1000 * c.get("decision_cpu", 0) / max(1, c.get("decisions", 0)), 3),
         "decision_cpu_s": round(c.get("decision_cpu", 0), 2),
@@ -531,6 +605,8 @@ def main() -> None:
     ap.add_argument("--probe-s", type=float, default=10.0)
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--idle-max-s", type=float, default=None,
+                    help="the controller's longest back-off of an idle node (default: its own, IDLE_MAX_S)")
     ap.add_argument("--max-wall-s", type=float, default=600.0)
     ap.add_argument("--compare", action="store_true", help="also run the same job with the scans before the fix")
     ap.add_argument("--compare-state", action="store_true",
@@ -569,8 +645,15 @@ TABLE = [   # (column, key or function of the result)
     ("pass", "pass"), ("nodes", "nodes"), ("rows", "rows"),
     ("chunks done / once / total", lambda r: f"{r['chunks_done']} / {r['chunks_done_once']} / {r['chunks']}"),
     ("job s ÷ ideal", lambda r: f"{r['makespan_s']:,.0f} ÷ {r['ideal_s']:,.0f} = {r['makespan_over_ideal']}"),
-    ("CPU / decision ms", "cpu_per_decision_ms"), ("decisions", "decisions"),
-    ("controller CPU s (per job s)", lambda r: f"{r['cpu_s']} ({r['cpu_per_job_s']})"),
+    ("capacity unused while chunks pending / after", lambda r: f"{r.get('unused_while_pending', '?')} / "
+                                                               f"{r.get('unused_at_tail', '?')}"),
+    ("CPU / decision ms", "cpu_per_decision_ms"),
+    ("decisions (told to wait; per chunk)", lambda r: f"{r['decisions']:,} ({r.get('decisions_wait', '?'):,}; "
+                                                      f"{r.get('decisions_per_chunk', '?')})"),
+    ("CPU s: all (per job s)", lambda r: f"{r['cpu_s']} ({r['cpu_per_job_s']})"),
+    ("CPU s: controller, fake nodes apart (per job s)",
+     lambda r: f"{r.get('controller_cpu_s', '?')} ({r.get('controller_cpu_per_job_s', '?')})"),
+    ("CPU s: fake nodes", lambda r: r.get("fake_cpu_s", "?")),
     ("peak RSS MB", "rss_mb"),
     ("state KB / min (B / change)", lambda r: f"{r['state_kb_per_min']:,} ({r['state_bytes_per_change']:,})"),
     ("changes / min", "state_changes_per_min"),

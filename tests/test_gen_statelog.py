@@ -200,11 +200,11 @@ def test_a_job_with_no_copy_in_the_store_is_not_pulled(tmp_path: Path) -> None:
     assert (pdir / PLAN_FILE).exists()
 
 
-def test_a_cut_whose_put_failed_keeps_the_plan_made_here(tmp_path: Path) -> None:
-    """A cut rewrites the chunk files here, then puts plan.json in the store; if that PUT fails, the
-    store's plan is older than the files. The next controller on this machine must keep the plan made
-    here (the store's would send the head's file as the whole chunk: the rest's rows lost); the cut's
-    new chunk, never acknowledged, is simply pending."""
+def test_a_cut_whose_put_failed_leaves_every_line_in_one_chunk(tmp_path: Path) -> None:
+    """A cut is a line of the state log (plan.json is no longer rewritten per cut); with a store, the
+    line is acknowledged once its segment is put there. If that PUT fails, the cut was never made: the
+    head's chunk file is not replaced (it still holds the rest's lines), and the next controller on this
+    machine (the store's copy pulled) reads a plan whose chunk files hold every input line exactly once."""
     from fleet.generation.multinode.chunks import load_plan, split_input
 
     inp = tmp_path / "in.jsonl"
@@ -215,6 +215,8 @@ def test_a_cut_whose_put_failed_keeps_the_plan_made_here(tmp_path: Path) -> None
     n = len(plan.chunks)
     st = Assignments(pdir, plan, mirror)
     st.start(0, "a", "/w/a/chunk-00000")
+    first = st.pending()[0]
+    head_file = (pdir / plan.chunks[first].file).read_bytes()
 
     def no_store(*a: Any, **kw: Any) -> None:
         raise OSError("the store is unreachable")
@@ -227,13 +229,59 @@ def test_a_cut_whose_put_failed_keeps_the_plan_made_here(tmp_path: Path) -> None
             st.claim("b", rows=30)
     finally:
         journal.PUT_TRIES = tries
+    assert (pdir / plan.chunks[first].file).read_bytes() == head_file
     assert journal.pull(mirror, pdir)
     again = load_plan(pdir)
-    assert again is not None and len(again.chunks) == n + 1
-    lines = sum(len((pdir / c.file).read_text().splitlines()) for c in again.chunks)
-    assert lines == sum(c.lines for c in again.chunks) == 400
+    assert again is not None and len(again.chunks) == n
+    lines = [line for c in again.chunks for line in (pdir / c.file).read_text().splitlines()]
+    assert sorted(lines) == sorted(inp.read_text().splitlines()) and sum(c.lines for c in again.chunks) == 400
     st2 = Assignments(pdir, again)
-    assert st2.chunks[n].state == "pending" and st2.chunks[0].state == "running"
+    assert st2.chunks[first].state == "pending" and st2.chunks[0].state == "running"
+
+
+def test_plan_bytes_written_per_cut_stay_constant_as_the_plan_grows(tmp_path: Path) -> None:
+    """The scale bench's next limit: plan.json was rewritten whole on every cut (1.3 MB at 1,000 nodes,
+    a cut per first claim of a chunk: thousands a job). Now a cut is a line of the state log and
+    plan.json is rewritten only at the log's compaction: the bytes written per cut (plan.json, log
+    lines, snapshots) do not grow with the plan, at 100 chunks as at 5,000; a new controller reads the
+    plan with every cut (plan.json plus the cuts logged since it was written)."""
+    from fleet.generation.multinode import chunks as chunks_mod
+    from fleet.generation.multinode.chunks import load_plan
+
+    per_cut = {}
+    real = chunks_mod.write_json_atomic
+    for n in (100, 5_000):
+        pdir = tmp_path / str(n)
+        plan = _plan(pdir, n)
+        for c in plan.chunks:   # chunks of 10,000 lines, each cut to 100 at its claim
+            plan.chunks[c.index] = Chunk(index=c.index, first_line=1 + 10_000 * c.index, lines=10_000, file="")
+        plan.total_lines = plan.rows = 10_000 * n
+        write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+        st = Assignments(pdir, plan)
+        written = [0]
+
+        def counted(path: Any, obj: Any, _w: list[int] = written) -> None:
+            real(path, obj)
+            _w[0] += Path(path).stat().st_size
+
+        chunks_mod.write_json_atomic = counted   # type: ignore[assignment]
+        try:
+            for k in range(600):
+                node = f"n{k % 10}"
+                i = st.claim(node, lambda i: f"/w/{node}/chunk-{i:05d}", rows=100)
+                assert i is not None
+                st.finish(i, node, "done", fetched=True)
+        finally:
+            chunks_mod.write_json_atomic = real   # type: ignore[assignment]
+        cuts = len(plan.chunks) - n
+        assert cuts > 500
+        c = st.log.counters
+        per_cut[n] = (written[0] + c["log_bytes"] + c["snapshot_bytes"]) / cuts
+        st.close()
+        again = load_plan(pdir)
+        assert again is not None and again.chunks == plan.chunks
+    assert len(json.dumps(plan.to_dict())) > 400_000   # the old way: > 400 KB written per cut at 5,000 chunks
+    assert per_cut[5_000] < 3 * per_cut[100] and per_cut[5_000] < 5_000, per_cut
 
 
 def test_a_job_begun_before_the_store_copy_puts_its_whole_state_there_first(tmp_path: Path) -> None:

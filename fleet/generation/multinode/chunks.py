@@ -15,7 +15,8 @@ What is new lives here:
   few minutes of its work but at most its share of half of what is left (so the last chunks end
   together), and a slow node leaves a chunk to a faster one that would end it sooner.
   `Assignments.claim` cuts a longer first-time chunk to that size (`split_chunk`: the rest is a
-  new chunk at the end of the plan, recorded in plan.json before the files change).
+  new chunk at the end of the plan, recorded as a line of the state log before the head's file
+  changes; plan.json is rewritten at the log's compaction, and `load_plan` replays the cuts since).
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
   with the input's schema) and the plan, atomically. A JSONL or Parquet input on object storage is
   read in place instead: its chunks are byte ranges (JSONL) or row ranges (Parquet) of it
@@ -66,7 +67,7 @@ from fleet.generation.data.objstore import Store, is_url
 
 __all__ = ["Chunk", "Plan", "Assignments", "attempt_spans", "plan_sizes", "split_input", "load_plan", "merge",
            "plan_dir_for", "PLAN_FILE", "STATE_FILE", "ControllerLock", "busy_seconds", "chunk_rows_for", "finishes_first",
-           "split_chunk", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S", "write_manifest_to", "read_state"]
+           "split_chunk", "apply_cut", "grow_plan", "CHUNK_TARGET_S", "MIN_CHUNK_S", "write_manifest_to", "read_state"]
 
 PLAN_FILE = "plan.json"
 STATE_FILE = "state.json"
@@ -141,7 +142,7 @@ def finishes_first(rows: int, rate: float | None, others: list[tuple[float, floa
     """Should a node of `rate` rows/s, free in `free_s` (the rest of the chunk it drains, when it asks
     early), take a chunk of `rows`? Not when a faster node (`others`: (free_s, rate) of the other live
     nodes) would end it sooner: a slow node that takes the last chunk is what makes a job's tail
-    long. Unknown rates: take it."""
+    long. Unknown rates: take it. (The controller asks `RateView.sooner`: the same rule, naming the node.)"""
     if not rate or rate <= 0:
         return True
     mine = free_s + rows / rate
@@ -236,10 +237,34 @@ def _count(path: Path, limit: int | None) -> tuple[str, int, int]:
 
 
 def load_plan(plan_dir: str | Path) -> Plan | None:
+    """plan.json with the cuts made since it was written (lines of the state log, `Assignments.claim`)."""
+    from fleet.generation.multinode.journal import StateLog
+
     try:
-        return Plan.from_dict(json.loads((Path(plan_dir) / PLAN_FILE).read_text()))
+        plan = Plan.from_dict(json.loads((Path(plan_dir) / PLAN_FILE).read_text()))
     except FileNotFoundError:
         return None
+    for rec in StateLog(plan_dir).read_log():
+        if rec.get("cut"):
+            apply_cut(plan, rec["cut"])
+    return plan
+
+
+def apply_cut(plan: Plan, cut: dict[str, Any]) -> None:
+    """One cut (`{"head": chunk, "rest": chunk}`, as logged) onto `plan`: the head replaces its chunk,
+    the rest is the chunk of its index (appended when it is the next one). Applying a cut the plan
+    already holds changes nothing: plan.json written at a compaction holds the cuts still in the log."""
+    from fleet.errors import FatalError
+
+    head, rest = Chunk(**cut["head"]), Chunk(**cut["rest"])
+    if rest.index > len(plan.chunks):
+        raise FatalError(f"a cut names chunk {rest.index} but the plan has {len(plan.chunks)} chunks",
+                         remedy="restore the job directory from a backup, or move it aside to start the job afresh")
+    plan.chunks[head.index] = head
+    if rest.index == len(plan.chunks):
+        plan.chunks.append(rest)
+    else:
+        plan.chunks[rest.index] = rest
 
 
 def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], *, chunk_rows: int | None = None,
@@ -365,27 +390,36 @@ def _cut(src: Path, pdir: Path, fmt: str, *, first_line: int, index: int, lines:
     return chunks
 
 
-def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chunk:
+def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int,
+                commit: Callable[[Chunk, Chunk], None] | None = None) -> Chunk:
     """Cut chunk `index` (pending, never attempted) after its first `rows` lines: the rest becomes a
     new chunk at the end of `plan.chunks`. Returns the new chunk.
 
-    Order of writes, for a controller killed at any point: the rest's file, then the head's file
-    aside, then plan.json (atomic: the cut happens here), then the head's file in place. Killed
-    before plan.json: nothing changed. Killed after it, before the head's file is replaced: the
+    `commit(head, rest)` records the cut durably; the cut happens there (`Assignments.claim`: a line of
+    the state log, O(1) bytes; by default plan.json rewritten whole). Order of writes, for a controller
+    killed at any point: the rest's file, then the head's file aside, then the commit, then the head's
+    file in place. Killed (or the commit failed) before the commit: nothing changed (the rest's file is
+    an orphan, written again by the next cut; a commit that failed leaves the head's file whole). Killed after it, before the head's file is replaced: the
     head's runner reads the rest's lines too; the merge drops their second copies (first wins)."""
     pdir = Path(plan_dir)
     c = plan.chunks[index]
     if not 0 < rows < c.lines:
         raise ValueError(f"cannot cut chunk {index} of {c.lines} lines after {rows}")
-    if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, plan.json the only write
+
+    def record(head: Chunk, rest: Chunk) -> None:
+        # in memory first, as the log line will say (a line whose PUT failed is put with the next one);
+        # a failed commit raises before the head's file is replaced: that file still holds every line
+        plan.chunks[index] = head
+        plan.chunks.append(rest)
+        (commit or (lambda h, r: write_json_atomic(pdir / PLAN_FILE, plan.to_dict())))(head, rest)
+
+    if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, the commit the only write
         from fleet.generation.data.ranges import split_span
 
         head_span, rest_span = split_span(plan.input, c.span, rows) if c.span is not None else (None, None)
         new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
                     span=rest_span)
-        plan.chunks[index] = Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span)
-        plan.chunks.append(new)
-        write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+        record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span), new)
         return new
     new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
                 file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
@@ -405,9 +439,7 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int) -> Chun
                 out.flush()
                 os.fsync(out.fileno())
     os.replace(pdir / (new.file + ".tmp"), pdir / new.file)
-    plan.chunks[index] = head
-    plan.chunks.append(new)
-    write_json_atomic(pdir / PLAN_FILE, plan.to_dict())
+    record(head, new)
     os.replace(head_tmp, pdir / c.file)
     return new
 
@@ -527,6 +559,10 @@ class Assignments:
         # the nodes each change touched (a chunk's node, its attempts' nodes, a node's own record), since
         # the controller last took them (`take_touched`): it evaluates only those nodes' rates again
         self.touched: set[str] = set()
+        self._plan_dirty = False   # a cut is in the log, not yet in plan.json (written at compaction)
+        # idle nodes waiting for a change that concerns them (`watch`): node -> (its event, the nodes it
+        # waits on; None: any change)
+        self._watchers: dict[str, tuple[threading.Event, frozenset[str] | None]] = {}
         # state.json (a snapshot) + state.jsonl (a line per change since): journal.py. `mirror`: the
         # job's `_control/` on object storage, where every change is put too.
         self.log = StateLog(plan_dir, mirror)
@@ -537,6 +573,7 @@ class Assignments:
         self.nodes = d["nodes"]
         self.events = d["events"]
         self.started_at = d.get("started_at") or self.started_at
+        self._left = sum(1 for c in self.chunks.values() if c.state != "done")   # chunks not done
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as one JSON object (state.json's content; `read_state`)."""
@@ -546,16 +583,18 @@ class Assignments:
                     "nodes": self.nodes, "events": self.events[-500:]}
 
     def _save(self, chunks: tuple[int, ...] = (), nodes: tuple[str, ...] = (),
-              event: dict[str, Any] | None = None) -> None:
+              event: dict[str, Any] | None = None, cut: dict[str, Any] | None = None, freed: bool = False) -> None:
         """Record one change: the chunks and nodes it touched, as they are now, and its event (one line
-        of the log, O(1) bytes; the snapshot is rewritten when the log has grown to its size)."""
+        of the log, O(1) bytes; the snapshot is rewritten when the log has grown to its size), then wake
+        the idle nodes it concerns (`freed`: a chunk went back to the queue)."""
         self.version += 1
-        self.touched.update(nodes)
+        touched = set(nodes)
         for i in chunks:
             c = self.chunks[i]
-            self.touched.update(a.node for a in c.attempts)
+            touched.update(a.node for a in c.attempts)
             if c.node is not None:
-                self.touched.add(c.node)
+                touched.add(c.node)
+        self.touched |= touched
         rec: dict[str, Any] = {} if self.log.seq else {"started_at": self.started_at}   # the job's first change
         if chunks:
             rec["chunks"] = {str(i): asdict(self.chunks[i]) for i in chunks}
@@ -563,14 +602,45 @@ class Assignments:
             rec["nodes"] = {n: self.nodes[n] for n in nodes}
         if event is not None:
             rec["event"] = event
+        if cut is not None:
+            rec["cut"] = cut
         self.log.append(rec)
         if self.log.due():
             del self.events[:-500]
-            self.log.compact(self.snapshot())
+            self.compact()
+        self._wake(touched, freed or self._left == 0)
+
+    def watch(self, node: str, event: threading.Event, deps: frozenset[str] | None = None) -> None:
+        """Set `event` at the next change that may change node `node`'s answer when it asks for work: one
+        that touches the node itself or one of `deps` (the faster node it leaves the next chunk to takes a
+        chunk, finishes one, is lost), a chunk handed back to the queue (lost, failed), the job's end.
+        `deps` None: any change (from before the question until its answer names what it waits on)."""
+        with self._lock:
+            self._watchers[node] = (event, deps)
+
+    def unwatch(self, node: str) -> None:
+        with self._lock:
+            self._watchers.pop(node, None)
+
+    def wake_all(self) -> None:
+        with self._lock:
+            for ev, _ in self._watchers.values():
+                ev.set()
+
+    def _wake(self, touched: set[str], freed: bool) -> None:
+        """The watchers this change concerns (`watch`). Every idle node asking at every poll whether or not
+        anything changed was the 1,000-node bench's count of decisions: 572,860 in 500 s."""
+        for node, (ev, deps) in self._watchers.items():
+            if freed or deps is None or node in touched or not deps.isdisjoint(touched):
+                ev.set()
 
     def compact(self) -> None:
-        """Write the snapshot now (the end of a job: state.json then holds it all)."""
+        """Write the snapshot now (also when the log is due, and at the end of a job: state.json then
+        holds it all), plan.json first when a cut changed it: the log's cut lines go with the compaction."""
         with self._lock:
+            if self._plan_dirty:
+                write_json_atomic(self.path.parent / PLAN_FILE, self.plan.to_dict())
+                self._plan_dirty = False
             self.log.compact(self.snapshot())
 
     def close(self) -> None:
@@ -639,13 +709,21 @@ class Assignments:
                 c = self.chunks[i]
                 if rows is not None and not c.attempts and \
                         self.plan.chunks[i].lines - rows > max(1, rows // 4, min_rest):
-                    new = split_chunk(self.path.parent, self.plan, i, rows)
-                    self.chunks[new.index] = ChunkState()
-                    self._save((i, new.index), event=self._event("cut", chunk=i, rows=rows, rest=new.index))
+                    split_chunk(self.path.parent, self.plan, i, rows, commit=self._cut)
                 if output_for is not None:
                     self.start(i, node, output_for(i))
                 return i
             return None
+
+    def _cut(self, head: Chunk, rest: Chunk) -> None:
+        """Record a cut (`split_chunk`'s commit): one line of the log with the head and the rest, O(1)
+        bytes. plan.json, rewritten whole per cut before (1.3 MB at 1,000 nodes, thousands of cuts a
+        job), is written at the next compaction (`_save`); `load_plan` replays the cuts logged since."""
+        self.chunks[rest.index] = ChunkState()
+        self._left += 1
+        self._plan_dirty = True
+        self._save((head.index, rest.index), cut={"head": asdict(head), "rest": asdict(rest)},
+                   event=self._event("cut", chunk=head.index, rows=head.lines, rest=rest.index))
 
     def start(self, index: int, node: str, output: str) -> tuple[Attempt, bool]:
         """Record `node` running chunk `index` into `output`: (the attempt, True when it is new).
@@ -673,12 +751,15 @@ class Assignments:
                         a.mono = [a.mono[0], time.monotonic()]
                     a.fetched = a.fetched or fetched
                     break
+            freed = False
             if c.state == "running" and c.node == node:
                 if outcome == "done":
                     c.state = "done"
+                    self._left -= 1
                 else:
                     c.state, c.node = "pending", None
-            self._save((index,), event=self._event(outcome, chunk=index, node=node, detail=detail))
+                    freed = True
+            self._save((index,), event=self._event(outcome, chunk=index, node=node, detail=detail), freed=freed)
 
     def mark_fetched(self, index: int, output: str) -> None:
         with self._lock:

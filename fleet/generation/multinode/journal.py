@@ -19,7 +19,9 @@ The state used to be one `state.json` rewritten whole on every change: O(chunks)
   snapshot `state.json`, and the log as numbered segments `log/<first seq>.jsonl`. S3 has no
   append: the current segment is put whole on every change (one PUT, at most SEGMENT_BYTES) until
   it holds SEGMENT_BYTES, then the next one starts; a compaction puts the snapshot and deletes the
-  segments it holds. The plan is put before any segment whose lines need it (a cut's new chunk).
+  segments it holds. A cut of a chunk is a line of the log too (its head and rest: `Assignments._cut`);
+  plan.json is rewritten here and put there only at a compaction (or when the plan grows), before the
+  snapshot, so it holds every cut the snapshot's lines had (replaying a cut twice changes nothing).
   The first upload puts the snapshot before the plan: a plan in the store says the state is there.
   With a mirror a change is acknowledged once its segment is in the store; a line appended here
   whose PUT failed was never acted on, and is put again with the next one.
@@ -77,7 +79,7 @@ class StateLog:
     def load(self) -> dict[str, Any]:
         """The state: the snapshot with every later log line applied (log read first, see above); a gap in
         their seqs raises FatalError (changes lost: never resumed from silently)."""
-        lines = self._read_log()
+        lines = self.read_log()
         try:
             raw = (self.dir / SNAPSHOT_FILE).read_bytes()
         except FileNotFoundError:
@@ -98,7 +100,7 @@ class StateLog:
             self.seq = rec["seq"]
         return state
 
-    def _read_log(self) -> list[dict[str, Any]]:
+    def read_log(self) -> list[dict[str, Any]]:
         """The whole lines of the log; the byte length they span is `log_bytes` (a torn tail is after it)."""
         try:
             data = (self.dir / LOG_FILE).read_bytes()
@@ -255,10 +257,11 @@ def _read_mirror(mirror: Store) -> tuple[bytes | None, list[bytes]]:
 
 
 def _local_plan_ahead(local: Path, stored: bytes) -> bool:
-    """The plan here has chunks the store's lacks: a cut made here whose PUT failed (plan.json was put
-    before its line). A plan only grows (a cut shortens a chunk and adds its rest), and a cut of chunk
-    files rewrote them here: the store's older plan would send the head's file as the whole chunk.
-    The store's state never names the newer chunks, so they are pending: keep this plan."""
+    """The plan here has chunks the store's lacks: plan.json rewritten here (a compaction holding cuts,
+    a grown plan) whose PUT failed. A plan only grows (a cut shortens a chunk and adds its rest), and a
+    cut of chunk files rewrote them here: the store's older plan would send the head's file as the whole
+    chunk. The store's state never names the newer chunks, so they are pending: keep this plan (the
+    store's cut lines, replayed onto it by `load_plan`, change nothing it holds)."""
     try:
         here = json.loads(local.read_bytes())
     except (FileNotFoundError, ValueError):
