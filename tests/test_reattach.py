@@ -264,3 +264,29 @@ def test_fleet_down_stops_the_live_runner_first_so_no_server_comes_back(tmp_path
             httpx.get(f"http://127.0.0.1:{cfg.servers.base_port + i}/health", timeout=5)
     final = json.loads((out / "progress.json").read_text())
     assert final["state"] == "stopped", final   # the runner's clean stop, not a kill
+
+
+def test_teardown_stops_only_its_own_fleets_runner_not_one_whose_name_extends_it(tmp_path: Path) -> None:
+    """Fleets "t" and "t-b" share a node's workdir. live_jobs globbed "<workdir>/jobs/t-*", which is
+    also "t-b"'s job directory (t-b-<key>): `fleet down` of "t" (stop_jobs) SIGTERMed the other
+    fleet's live runner. Only a directory named <fleet>-<10 hex> (job_dir) is this fleet's."""
+    from fleet.jobs import job_dir, live_jobs
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)   # fleet "t"
+    other = cfg.model_copy(update={"name": "t-b"})
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, other, str(tmp_path / "other-out")))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": str(tmp_path / "other-out"), "servers": [],
+                                              "stop_grace_s": 1}))
+    node = LocalNode("local")
+    det = node.start_detached(["sleep", "300"], log_path=str(jdir / "runner.log"), pid_path=str(jdir / "runner.pid"))
+    try:
+        assert [j.pid for j in live_jobs(node, n.workdir, "t-b")] == [det.pid]   # its own fleet sees it
+        assert live_jobs(node, n.workdir, "t") == []
+        assert stop_jobs(node, cfg, n) == []
+        assert _alive(det.pid), "fleet t's teardown stopped fleet t-b's runner"
+    finally:
+        node.stop(det.pid, grace_s=1)
