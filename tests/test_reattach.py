@@ -290,3 +290,29 @@ def test_teardown_stops_only_its_own_fleets_runner_not_one_whose_name_extends_it
         assert _alive(det.pid), "fleet t's teardown stopped fleet t-b's runner"
     finally:
         node.stop(det.pid, grace_s=1)
+
+
+def test_teardown_marks_the_node_before_it_stops_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker stops runners relaunching the fleet's servers (relaunch.py). Written only after
+    the servers were stopped, it left a window: a runner started meanwhile (a multi-node
+    controller starts the next chunk's as soon as the stopped one exits) found a server already
+    stopped and relaunched it. It is there before the runners and servers are stopped; a teardown
+    that fails removes it again."""
+    import fleet.torndown as torndown
+    from fleet.node import LocalNode
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    Path(n.workdir).mkdir(parents=True, exist_ok=True)
+    node = LocalNode("local")
+    seen: list[bool] = []
+
+    def stop_servers(*args: Any) -> list[dict[str, Any]]:
+        seen.append(Path(torndown.marker_path(n, cfg.name)).exists())
+        return [{"node": "local", "index": 0, "port": 1, "pid": None, "action": "error: it would not stop"}]
+
+    monkeypatch.setattr(torndown, "stop_servers", stop_servers)
+    rows = torndown.tear_down(node, cfg, n, by="fleet down")
+    assert seen == [True], "the servers were stopped before the node was marked torn down"
+    assert [r.failed for r in rows] == [True]
+    assert not Path(torndown.marker_path(n, cfg.name)).exists(), "a failed teardown kept its marker"
