@@ -316,3 +316,31 @@ def test_teardown_marks_the_node_before_it_stops_anything(tmp_path: Path, monkey
     assert seen == [True], "the servers were stopped before the node was marked torn down"
     assert [r.failed for r in rows] == [True]
     assert not Path(torndown.marker_path(n, cfg.name)).exists(), "a failed teardown kept its marker"
+
+
+def test_teardown_refuses_a_runner_pid_planted_in_a_workdir_others_can_write(tmp_path: Path) -> None:
+    """stop_jobs signalled whatever a runner.pid under <workdir>/jobs named, without the check that
+    guards every other pid file (fleet.workdir: a workdir another user can write is theirs to
+    forge): one planted there, naming any process of ours with its start time, had its whole process
+    group SIGTERMed (then SIGKILLed) by `fleet down`. It is refused before anything is signalled."""
+    from fleet.errors import ConfigError
+    from fleet.jobs import job_dir
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, cfg, "/planted"))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": "/planted", "servers": [], "stop_grace_s": 1}))
+    node = LocalNode("local")
+    victim = node.start_detached(["sleep", "300"], log_path=str(tmp_path / "victim.log"),
+                                 pid_path=str(jdir / "runner.pid"))   # "PID STARTTIME", as a forger writes it
+    os.chmod(jdir.parent, 0o777)   # the jobs directory: anyone may plant there
+    try:
+        with pytest.raises(ConfigError):
+            stop_jobs(node, cfg, n)
+        assert _alive(victim.pid), "a pid planted in a workdir others can write was killed"
+    finally:
+        os.chmod(jdir.parent, 0o700)
+        node.stop(victim.pid, grace_s=1)
