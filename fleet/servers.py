@@ -347,6 +347,10 @@ def stop_jobs(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dict[s
     for job in live_jobs(node, node_cfg.workdir, cfg.name):
         result: dict[str, Any] = {"node": node_cfg.name, "pid": job.pid, "output": job.output}
         try:
+            # a stopped (SIGSTOP) runner acts on SIGTERM only once continued: else it sat out the
+            # whole grace and was SIGKILLed, never the clean stop
+            node.run(["sh", "-c", 'kill -CONT "-$1" 2>/dev/null || kill -CONT "$1"', "fleet-cont", str(job.pid)],
+                     check=False, timeout=30)
             st = node.stop(job.pid, grace_s=job.stop_grace_s + 15)
             result["action"] = "killed" if st.killed else ("stopped" if st.was_running else "already gone")
             result["seconds"] = round(st.seconds, 2)

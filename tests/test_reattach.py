@@ -344,3 +344,40 @@ def test_teardown_refuses_a_runner_pid_planted_in_a_workdir_others_can_write(tmp
     finally:
         os.chmod(jdir.parent, 0o700)
         node.stop(victim.pid, grace_s=1)
+
+
+def test_teardown_stops_a_sigstopped_runner_cleanly_not_by_kill_after_the_grace(tmp_path: Path) -> None:
+    """A stopped (SIGSTOP) runner acts on SIGTERM only once continued: stop_jobs sent TERM alone,
+    so teardown sat out the runner's whole stop_grace_s + 15 s and then SIGKILLed it (no clean
+    stop, no final manifest). It is continued first: it stops cleanly at once."""
+    from fleet.jobs import job_dir
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, cfg, str(tmp_path / "out")))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": str(tmp_path / "out"), "servers": [], "stop_grace_s": 5}))
+    clean = tmp_path / "stopped-cleanly"
+    node = LocalNode("local")
+    code = ("import pathlib, signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(clean)!r}).write_text('yes'), sys.exit(0)))\n"
+            "pathlib.Path(sys.argv[1]).write_text('ready')\n"
+            "while True: time.sleep(0.05)\n")
+    ready = tmp_path / "ready"
+    det = node.start_detached([sys.executable, "-c", code, str(ready)], log_path=str(jdir / "runner.log"),
+                              pid_path=str(jdir / "runner.pid"))
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, (jdir / "runner.log").read_text()
+            time.sleep(0.05)
+        os.kill(det.pid, signal.SIGSTOP)
+        (row,) = stop_jobs(node, cfg, n)
+        assert row["action"] == "stopped" and clean.exists(), row
+    finally:
+        try:
+            os.killpg(det.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
