@@ -72,8 +72,12 @@ class LiveJob:
 
 
 
+# "$2"-<10 hex>: exactly this fleet's directories (job_dir). "$2"-* matched another fleet's too when
+# its name begins with this one's and a dash ("gen" and "gen-b"), and teardown stopped its runner.
+JOB_DIR_GLOB = '"$2"-' + "[0-9a-f]" * 10
+
 _LIVE_JOBS = LIVE_PID_SH + r'''
-for d in "$1"/jobs/"$2"-*; do
+for d in "$1"/jobs/''' + JOB_DIR_GLOB + r'''; do
   p=$(live_pid "$d/runner.pid") || continue
   printf '=== %s %s\n' "$p" "$d"; cat "$d/job.json" 2>/dev/null; echo
 done

@@ -339,11 +339,18 @@ def stop_jobs(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> list[dict[s
     runner relaunches a server stopped under it, so a teardown that stopped only the servers left
     them running (and billed) again moments later. SIGTERM is the runner's clean stop (in-flight
     rows finish within its stop_grace_s, committed rows stay; the same `fleet generate` resumes);
-    SIGKILL only past that grace. Idempotent."""
-    out = []
+    SIGKILL only past that grace. Idempotent. A workdir another user can write is refused first
+    (ConfigError), as `records` refuses it: a runner.pid planted there would name what is killed."""
+    out: list[dict[str, Any]] = []
+    if not ensure_workdir(node, node_cfg.workdir, create=False):
+        return out
     for job in live_jobs(node, node_cfg.workdir, cfg.name):
         result: dict[str, Any] = {"node": node_cfg.name, "pid": job.pid, "output": job.output}
         try:
+            # a stopped (SIGSTOP) runner acts on SIGTERM only once continued: else it sat out the
+            # whole grace and was SIGKILLed, never the clean stop
+            node.run(["sh", "-c", 'kill -CONT "-$1" 2>/dev/null || kill -CONT "$1"', "fleet-cont", str(job.pid)],
+                     check=False, timeout=30)
             st = node.stop(job.pid, grace_s=job.stop_grace_s + 15)
             result["action"] = "killed" if st.killed else ("stopped" if st.was_running else "already gone")
             result["seconds"] = round(st.seconds, 2)

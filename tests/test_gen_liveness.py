@@ -336,3 +336,44 @@ def test_a_mistyped_streamed_answer_is_refused_like_a_whole_one() -> None:
     bad.add({"choices": [{"index": 0, "delta": {"content": 12345}, "finish_reason": "stop"}]})
     with _pytest.raises(TypeError):
         bad.completion()   # _read_stream turns this into BadStream: an invalid answer
+
+
+def test_served_s_is_generation_since_admission_not_a_first_reading_or_an_earlier_process(sims) -> None:
+    """served_s is what a re-attaching bring-up takes as proof that a server serves instead of a
+    smoke (fleet.jobs.judge_proof). It must mean the server generated: the first /metrics reading
+    after an admission is a baseline, not progress (it called a server that had generated nothing
+    "generated 0 s ago"), and an answer from before the server went down (and was relaunched on
+    that port) proves nothing of the process admitted now."""
+    import time
+
+    import aiohttp
+
+    s = sims("--tokens-per-s", "1000")
+    d = Dispatcher([s.endpoint("sim")], MemStore(), gen(stall_s=1.0))
+    srv = d.servers[0]
+
+    def served() -> Any:
+        return srv.snapshot(time.monotonic())["served_s"]
+
+    async def go() -> list[Any]:
+        seen = []
+        async with aiohttp.ClientSession() as session:
+            d.health.note_done(srv, 0.1)   # an answer from the process before it went down
+            assert await d.health.admit(srv)
+            for w in srv.workers:
+                w.cancel()
+            seen.append(served())
+            await d.health.read_progress(srv, session)   # the first reading: nothing generated
+            seen.append(served())
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+                r = await c.post("/v1/chat/completions", json={"model": "sim-model", "max_tokens": 5,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200, r.text
+            await d.health.read_progress(srv, session)   # the total moved: it generated
+            seen.append(served())
+        return seen
+
+    after_admit, after_first_reading, after_generating = asyncio.run(go())
+    assert after_admit is None, "an answer of the earlier process counted for the one admitted now"
+    assert after_first_reading is None, "a first /metrics reading counted as generation"
+    assert after_generating is not None and after_generating < 5

@@ -370,3 +370,41 @@ def test_liveness_reads_pid_files_that_carry_the_start_time(tmp_path: Path) -> N
         proc.kill()
         proc.wait()
     assert servers.is_alive(ep) is False
+
+
+def test_a_runner_does_not_relaunch_a_server_of_a_fleet_torn_down_on_its_node(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teardown stops the fleet's live runners before its servers, but a runner can still be
+    alive afterwards: a multi-node controller hands the stopped chunk back to the queue and starts
+    the next runner on the node, which found every server down and relaunched each one — after
+    `fleet down` the GPUs were serving (and billed) again. With the teardown marker on the node
+    (written once every server is stopped; a bring-up removes it) the runner relaunches nothing."""
+    import fleet.servers
+    from fleet.generation.hotpath.dispatch import Endpoint
+    from fleet.generation.job.relaunch import JobServers
+
+    cfg = FleetConfig(name="torn", nodes=[{"name": "local", "workdir": str(tmp_path)}])
+    spec = {"node": "local", "index": 0, "gpus": [], "host": "127.0.0.1", "port": 1, "model_path": "/m",
+            "served_name": "m", "python": sys.executable, "workdir": str(tmp_path)}
+    entry = ServerEntry(node="local", index=0, url="http://127.0.0.1:1", model="m", spec=spec)
+    servers = JobServers(cfg, [entry], relaunch=True)
+    ep = Endpoint(name=entry.name, url=entry.url, model="m")
+    (tmp_path / "teardown").mkdir()
+    (tmp_path / "teardown" / "torn.json").write_text(json.dumps({"fleet": "torn", "at": time.time(),
+                                                                 "by": "fleet down", "stopped": 1}))
+    launched: list[Any] = []
+
+    class Launched(Exception):
+        pass
+
+    def launch(*args: Any, **kw: Any) -> Any:
+        launched.append(args)
+        raise Launched
+
+    monkeypatch.setattr(fleet.servers, "launch", launch)
+    try:
+        ok = servers._relaunch(ep, entry)
+    except Launched:
+        ok = None
+    assert launched == [], "a server of a torn-down fleet was relaunched"
+    assert ok is False

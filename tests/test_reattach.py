@@ -264,3 +264,120 @@ def test_fleet_down_stops_the_live_runner_first_so_no_server_comes_back(tmp_path
             httpx.get(f"http://127.0.0.1:{cfg.servers.base_port + i}/health", timeout=5)
     final = json.loads((out / "progress.json").read_text())
     assert final["state"] == "stopped", final   # the runner's clean stop, not a kill
+
+
+def test_teardown_stops_only_its_own_fleets_runner_not_one_whose_name_extends_it(tmp_path: Path) -> None:
+    """Fleets "t" and "t-b" share a node's workdir. live_jobs globbed "<workdir>/jobs/t-*", which is
+    also "t-b"'s job directory (t-b-<key>): `fleet down` of "t" (stop_jobs) SIGTERMed the other
+    fleet's live runner. Only a directory named <fleet>-<10 hex> (job_dir) is this fleet's."""
+    from fleet.jobs import job_dir, live_jobs
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)   # fleet "t"
+    other = cfg.model_copy(update={"name": "t-b"})
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, other, str(tmp_path / "other-out")))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": str(tmp_path / "other-out"), "servers": [],
+                                              "stop_grace_s": 1}))
+    node = LocalNode("local")
+    det = node.start_detached(["sleep", "300"], log_path=str(jdir / "runner.log"), pid_path=str(jdir / "runner.pid"))
+    try:
+        assert [j.pid for j in live_jobs(node, n.workdir, "t-b")] == [det.pid]   # its own fleet sees it
+        assert live_jobs(node, n.workdir, "t") == []
+        assert stop_jobs(node, cfg, n) == []
+        assert _alive(det.pid), "fleet t's teardown stopped fleet t-b's runner"
+    finally:
+        node.stop(det.pid, grace_s=1)
+
+
+def test_teardown_marks_the_node_before_it_stops_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker stops runners relaunching the fleet's servers (relaunch.py). Written only after
+    the servers were stopped, it left a window: a runner started meanwhile (a multi-node
+    controller starts the next chunk's as soon as the stopped one exits) found a server already
+    stopped and relaunched it. It is there before the runners and servers are stopped; a teardown
+    that fails removes it again."""
+    import fleet.torndown as torndown
+    from fleet.node import LocalNode
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    Path(n.workdir).mkdir(parents=True, exist_ok=True)
+    node = LocalNode("local")
+    seen: list[bool] = []
+
+    def stop_servers(*args: Any) -> list[dict[str, Any]]:
+        seen.append(Path(torndown.marker_path(n, cfg.name)).exists())
+        return [{"node": "local", "index": 0, "port": 1, "pid": None, "action": "error: it would not stop"}]
+
+    monkeypatch.setattr(torndown, "stop_servers", stop_servers)
+    rows = torndown.tear_down(node, cfg, n, by="fleet down")
+    assert seen == [True], "the servers were stopped before the node was marked torn down"
+    assert [r.failed for r in rows] == [True]
+    assert not Path(torndown.marker_path(n, cfg.name)).exists(), "a failed teardown kept its marker"
+
+
+def test_teardown_refuses_a_runner_pid_planted_in_a_workdir_others_can_write(tmp_path: Path) -> None:
+    """stop_jobs signalled whatever a runner.pid under <workdir>/jobs named, without the check that
+    guards every other pid file (fleet.workdir: a workdir another user can write is theirs to
+    forge): one planted there, naming any process of ours with its start time, had its whole process
+    group SIGTERMed (then SIGKILLed) by `fleet down`. It is refused before anything is signalled."""
+    from fleet.errors import ConfigError
+    from fleet.jobs import job_dir
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, cfg, "/planted"))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": "/planted", "servers": [], "stop_grace_s": 1}))
+    node = LocalNode("local")
+    victim = node.start_detached(["sleep", "300"], log_path=str(tmp_path / "victim.log"),
+                                 pid_path=str(jdir / "runner.pid"))   # "PID STARTTIME", as a forger writes it
+    os.chmod(jdir.parent, 0o777)   # the jobs directory: anyone may plant there
+    try:
+        with pytest.raises(ConfigError):
+            stop_jobs(node, cfg, n)
+        assert _alive(victim.pid), "a pid planted in a workdir others can write was killed"
+    finally:
+        os.chmod(jdir.parent, 0o700)
+        node.stop(victim.pid, grace_s=1)
+
+
+def test_teardown_stops_a_sigstopped_runner_cleanly_not_by_kill_after_the_grace(tmp_path: Path) -> None:
+    """A stopped (SIGSTOP) runner acts on SIGTERM only once continued: stop_jobs sent TERM alone,
+    so teardown sat out the runner's whole stop_grace_s + 15 s and then SIGKILLed it (no clean
+    stop, no final manifest). It is continued first: it stops cleanly at once."""
+    from fleet.jobs import job_dir
+    from fleet.node import LocalNode
+    from fleet.servers import stop_jobs
+
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    n = cfg.nodes[0]
+    jdir = Path(job_dir(n, cfg, str(tmp_path / "out")))
+    jdir.mkdir(parents=True)
+    (jdir / "job.json").write_text(json.dumps({"output": str(tmp_path / "out"), "servers": [], "stop_grace_s": 5}))
+    clean = tmp_path / "stopped-cleanly"
+    node = LocalNode("local")
+    code = ("import pathlib, signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(clean)!r}).write_text('yes'), sys.exit(0)))\n"
+            "pathlib.Path(sys.argv[1]).write_text('ready')\n"
+            "while True: time.sleep(0.05)\n")
+    ready = tmp_path / "ready"
+    det = node.start_detached([sys.executable, "-c", code, str(ready)], log_path=str(jdir / "runner.log"),
+                              pid_path=str(jdir / "runner.pid"))
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, (jdir / "runner.log").read_text()
+            time.sleep(0.05)
+        os.kill(det.pid, signal.SIGSTOP)
+        (row,) = stop_jobs(node, cfg, n)
+        assert row["action"] == "stopped" and clean.exists(), row
+    finally:
+        try:
+            os.killpg(det.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

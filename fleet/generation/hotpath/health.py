@@ -156,6 +156,7 @@ class ServerHealth:
         # a relaunched engine starts its counters again, and may be another build: read afresh
         srv.progress = "stream" if srv.ep.stream else None
         srv.tokens, srv.read_at, srv.suspect_since = None, 0.0, None
+        srv.generated_at = 0.0   # what an earlier process on this port generated proves nothing of this one
         srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
         log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
         self.on_change()
@@ -284,6 +285,8 @@ class ServerHealth:
         elif kind == "failed":
             srv.progress = srv.progress or "metrics"   # silent: its stall clock runs
         elif total != srv.tokens:
+            if srv.tokens is not None:   # moved since the last reading: it generated (a first reading is a baseline)
+                srv.generated_at = now
             srv.progress, srv.tokens, srv.tokens_at, srv.suspect_since = "metrics", total, now, None
 
     async def watchdog(self) -> None:
@@ -423,7 +426,7 @@ class ServerHealth:
     def note_done(self, srv: ServerState, latency_s: float) -> None:
         """A request finished on `srv`: the watchdog's clock and the row-time estimate."""
         now = time.monotonic()
-        srv.last_done = srv.answered_at = now
+        srv.last_done = srv.generated_at = now
         srv.lats.append(latency_s)
         self.lats.append(latency_s)
         if srv.lat is None or len(srv.lats) <= 8 or now - srv.lat_at >= 0.5:

@@ -134,7 +134,10 @@ class ServerState:
         # the watchdog: a server with rows in flight and no progress for stall_s is probed
         self.epoch = 0                   # bumped at every admission: a worker of an older epoch stops
         self.last_done = 0.0             # monotonic: last row completed (or the moment it became busy)
-        self.answered_at = 0.0           # monotonic: last answer it gave (a row's turn done): it generates
+        # monotonic: it last generated, since it was (re)admitted: an answer, a streamed chunk, or its
+        # token total moving from a first reading (a first reading is a baseline, not progress; a
+        # relaunched engine on the same port has generated nothing yet) — served_s, a bring-up's proof
+        self.generated_at = 0.0
         self.probing = False             # a stall probe is running
         self.stalls = 0                  # stall probes sent
         # token progress (health.ServerHealth.read_progress): where it comes from, "metrics"
@@ -153,7 +156,7 @@ class ServerState:
 
     def chunk(self) -> None:
         """A streamed answer's event arrived: token progress (`Endpoint.stream`)."""
-        self.tokens_at = time.monotonic()
+        self.tokens_at = self.generated_at = time.monotonic()
         self.suspect_since = None
 
     @property
@@ -190,7 +193,6 @@ class ServerState:
             "suspect": self.under_suspicion,
             # seconds since it last generated: a token counted or an answer given (not the moment it
             # became busy, which `quiet_s` counts too): a bring-up's proof that it serves (fleet.jobs)
-            "served_s": round(now - max(self.tokens_at, self.answered_at), 1)
-            if max(self.tokens_at, self.answered_at) > 0 else None,
+            "served_s": round(now - self.generated_at, 1) if self.generated_at > 0 else None,
             "timeline": self.timeline.rows(),
         }

@@ -181,6 +181,13 @@ class JobServers:
             except OSError:
                 pass
             node.stop(pid, grace_s=self.cfg.servers.stop_grace_s)
+        # A teardown stopped this fleet here on purpose: a runner that outlived it, or one a
+        # multi-node controller started after it (the stopped chunk goes back to the queue), must
+        # not bring the GPUs back. A bring-up removes the marker (fleet.torndown.marker_path).
+        if Path(spec.workdir, "teardown", f"{self.cfg.name}.json").exists():
+            log.warning("server %s not relaunched: the fleet was torn down on this node (fleet up brings it back)",
+                        ep.name)
+            return False
         log.warning("relaunching server %s on GPUs %s", ep.name, list(spec.gpus))
         res = launch(node, self.cfg, spec)
         wait_ready(node, self.cfg, spec, res.pid)

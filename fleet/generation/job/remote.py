@@ -31,7 +31,7 @@ from fleet.engines import ServerSpec, get_profile
 from fleet.errors import CommandFailed, FleetError, JobConflict
 from fleet.generation.data.objstore import is_url, store_env, store_packages
 from fleet.interrupt import check_stop
-from fleet.jobs import EXIT_FILE, job_dir
+from fleet.jobs import EXIT_FILE, JOB_DIR_GLOB, job_dir
 from fleet.node import LocalNode, Node
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ def watch_job(node: Node, handle: JobHandle, *, poll_s: float = 5.0,
 
 # sh -c JOBS fleet-jobs WORKDIR FLEET: every job.json of the fleet, each after "@@<mtime> <path>".
 _JOBS = r"""
-for f in "$1"/jobs/"$2"-*/job.json; do
+for f in "$1"/jobs/""" + JOB_DIR_GLOB + r"""/job.json; do
   [ -f "$f" ] || continue
   printf '@@%s %s\n' "$(stat -c %Y -- "$f")" "$f"; cat -- "$f"; echo
 done
