@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from blocks.credentials import STORE_SECRET_ENV, PrefectCredentials, load_store_credentials
+from blocks.credentials import STORE_BLOCK_ENVS, PrefectCredentials, load_store_credentials
 from fleet import cli
 from fleet.cli import EXIT_ERROR, EXIT_FAILED, print_rows
 from fleet.node.credentials import install
@@ -97,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.limit is not None:
         cfg.generation.limit = args.limit
-    if os.environ.get(STORE_SECRET_ENV):   # the store's credentials from a Prefect block: needed to check the input
+    if any(os.environ.get(k) for k in STORE_BLOCK_ENVS):   # the store's credentials from Prefect blocks: to check the input
         ensure_api()
         load_store_credentials()
     # Before anything starts: the input, the output location, the job already there (exit 2).

@@ -270,6 +270,89 @@ def test_store_credentials_from_a_prefect_secret_block(prefect_api, monkeypatch:
     assert SECRET not in str(info.value)
 
 
+AWS_BLOCK_SECRET = "aws-block-secret-5e6f7a8b9c0d"
+
+
+def _aws_credentials(endpoint: str | None = None, **kw: Any) -> Any:
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    return AwsCredentials(aws_access_key_id="fleet-block", aws_secret_access_key=AWS_BLOCK_SECRET,
+                          region_name="us-east-1", aws_client_parameters=AwsClientParameters(endpoint_url=endpoint), **kw)
+
+
+def test_store_credentials_from_a_prefect_aws_block(prefect_api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ecosystem keeps AWS credentials in prefect-aws's AwsCredentials (or an S3Bucket holding one), not
+    in a Secret of fleet's own shape: FLEET_STORE_AWS_BLOCK names either (`NAME`, `aws-credentials/NAME`,
+    `s3-bucket/NAME`) and its keys, region and endpoint become the AWS_* variables. A missing block, a block
+    that names a profile or a role (a node's runner has neither), an unknown kind, or prefect-aws not
+    installed is a ConfigError with its remedy, never echoing the block's secret."""
+    from prefect_aws import S3Bucket
+
+    from blocks.credentials import load_store_credentials
+    from fleet.errors import ConfigError
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL",
+              "FLEET_STORE_SECRET"):
+        monkeypatch.delenv(k, raising=False)
+    _aws_credentials("http://127.0.0.1:9").save("fleet-aws-test", overwrite=True)
+    S3Bucket(bucket_name="jobs", credentials=_aws_credentials("http://127.0.0.1:8")).save("fleet-bucket-test",
+                                                                                           overwrite=True)
+    monkeypatch.setenv("FLEET_STORE_AWS_BLOCK", "s3-bucket/fleet-bucket-test")
+    assert sorted(load_store_credentials()) == ["AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL", "AWS_REGION",
+                                                "AWS_SECRET_ACCESS_KEY"]
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == AWS_BLOCK_SECRET and os.environ["AWS_ENDPOINT_URL"] == "http://127.0.0.1:8"
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    for ref in ("fleet-aws-test", "aws-credentials/fleet-aws-test"):   # a variable already set wins
+        monkeypatch.setenv("FLEET_STORE_AWS_BLOCK", ref)
+        assert load_store_credentials() == ["AWS_ENDPOINT_URL"] and os.environ["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+        monkeypatch.delenv("AWS_ENDPOINT_URL")
+    _aws_credentials(profile_name="dev").save("fleet-aws-profile", overwrite=True)
+    for ref, remedy in (("fleet-aws-missing", "create it"), ("fleet-aws-profile", "access keys"),
+                        ("secret/fleet-aws-test", "aws-credentials/NAME")):
+        monkeypatch.setenv("FLEET_STORE_AWS_BLOCK", ref)
+        with pytest.raises(ConfigError) as info:
+            load_store_credentials()
+        assert remedy in (info.value.remedy or "") and AWS_BLOCK_SECRET not in str(info.value), ref
+    monkeypatch.setenv("FLEET_STORE_AWS_BLOCK", "fleet-aws-test")
+    monkeypatch.setitem(sys.modules, "prefect_aws", None)   # prefect-aws not installed: its import fails
+    with pytest.raises(ConfigError) as info:
+        load_store_credentials()
+    assert "pip install 'fleet[aws]'" in (info.value.remedy or "")
+
+
+def test_a_store_job_with_its_credentials_from_an_aws_credentials_block(tmp_path: Path, state_home: Path, s3: str,
+                                                                      prefect_api, stop_everything,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no AWS_* in the flow's environment, only FLEET_STORE_AWS_BLOCK naming an AwsCredentials block
+    (the keys and the S3-compatible server's endpoint in it), a job reading and writing s3:// runs over two
+    local nodes: every id once in the store, and the block's secret in no file under the nodes' workdirs,
+    the plan and state, nor in the command line of any process started meanwhile."""
+    from fleet.generation.data.objstore import Store
+    from flows.fleet import fleet
+    from test_security import CmdlineWatcher, _scan_tree
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 100})
+    stop_everything(cfg)
+    Store(s3).put_file(str(prompts(tmp_path / "in.jsonl", 200)), "in/prompts.jsonl")
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL", "FLEET_STORE_SECRET"):
+        monkeypatch.delenv(k, raising=False)
+    _aws_credentials(endpoint).save("fleet-aws-job", overwrite=True)
+    monkeypatch.setenv("FLEET_STORE_AWS_BLOCK", "fleet-aws-job")
+    out = f"{s3}/aws-job"
+    with CmdlineWatcher() as watch:
+        state = fleet(config=cfg, action="generate", input=f"{s3}/in/prompts.jsonl", output=out, return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res)
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == AWS_BLOCK_SECRET   # the block's, loaded by the flow
+    ids = store_ids(out)
+    assert len(ids) == len(set(ids)) == 200
+    assert [argv for argv in watch.seen.values() if AWS_BLOCK_SECRET in argv] == []
+    for root in (tmp_path, state_home):
+        assert _scan_tree(root, [AWS_BLOCK_SECRET]) == []
+
+
 def test_store_jobs_refuse_what_they_cannot_do_safely(tmp_path: Path) -> None:
     """Found in review: an object-storage job with [[endpoints]] would run per chunk under the
     controller, which starts only fleet's servers (an endpoints-only config failed with "no server

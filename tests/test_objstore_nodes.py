@@ -111,6 +111,7 @@ def test_the_scheme_table_matches_the_extras_and_a_runner_gets_only_what_its_url
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name, sch in SCHEMES.items():
         assert list(sch.packages) == extras[sch.extra], name
+    assert extras["aws"] == [*extras["s3"], "prefect-aws>=0.7"] and "prefect-aws>=0.7" in extras["test"]
     assert store_packages(["/data/in.jsonl", None, "file:///x"]) == []
     assert store_packages(["s3://b/in.jsonl", "s3://b/out"]) == ["fsspec>=2024.2", "s3fs>=2024.2"]
     assert store_packages([f"hf://datasets/{REPO}/p.jsonl", "gs://b/out", "gs://b/_parts/n/c"]) == \

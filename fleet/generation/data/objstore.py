@@ -65,7 +65,8 @@ _GS = Scheme("gs", ("gcsfs>=2024.2",),
 _HF = Scheme("hf", ("huggingface_hub>=0.23",),
              ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_DISABLE_TELEMETRY"))
 SCHEMES: dict[str, Scheme] = {"s3": _S3, "s3a": _S3, "gs": _GS, "gcs": _GS, "hf": _HF}
-# Every name a store's credentials may come under (a FLEET_STORE_SECRET block holds some of them).
+# Every name a store's credentials may come under (a FLEET_STORE_SECRET block holds some of them; a
+# FLEET_STORE_AWS_BLOCK block gives AWS_* ones: blocks/credentials.py).
 STORE_ENV = tuple(dict.fromkeys(k for sch in SCHEMES.values() for k in sch.env))
 
 
