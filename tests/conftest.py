@@ -471,16 +471,13 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 # it is started once, not once per worker that gets one of their tests.
 # (Node id prefixes; the longest matching one wins; None: not grouped.)
 GROUPED: dict[str, str | None] = {
+    # One group, one Prefect server and one worker for the whole module: the `fleet deploy` tests and
+    # the interrupted-`up` tests (which need only the server) each had a group of their own, to shorten
+    # the longest unit of work with 4 workers, but each group started its own server (and worker, and
+    # deployments): ≈ 40 s of CPU more on a CPU-bound 2-core run for the `fleet deploy` pair, ≈ 15 s for
+    # the interrupted pair. Started first (the largest SLOW_S sum), it still ends well before the rest.
     "test_deployments.py": "deployments",
-    # needs only the module's Prefect server, not its deployments and worker: a second group, so
-    # that the deployments group, the longest unit of work, is shorter
-    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
-    # `fleet deploy`'s own deployments on the module's server and worker: a third group (its own
-    # server and worker on another test worker), so that neither half is the longest unit of work
-    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet":
-        "deployments-block",
-    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": "deployments-block",
     "test_ui.py": "ui",
     # (not grouped: each of its three README walks has its own clone, Prefect server and worker,
     # so the three run side by side)
