@@ -471,11 +471,12 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 # it is started once, not once per worker that gets one of their tests.
 # (Node id prefixes; the longest matching one wins; None: not grouped.)
 GROUPED: dict[str, str | None] = {
-    # One group, one Prefect server and one worker for the whole module: the `fleet deploy` tests and
-    # the interrupted-`up` tests (which need only the server) each had a group of their own, to shorten
-    # the longest unit of work with 4 workers, but each group started its own server (and worker, and
-    # deployments): ≈ 40 s of CPU more on a CPU-bound 2-core run for the `fleet deploy` pair, ≈ 15 s for
-    # the interrupted pair. Started first (the largest SLOW_S sum), it still ends well before the rest.
+    # One group, one Prefect server and one worker for the whole module. The `fleet deploy` pair and the
+    # interrupted-`up` pair (which needs only the server) had groups of their own, to shorten the
+    # longest unit of work with 4 workers, but each group started its own server (the pairs' first
+    # tests, which set them up, took 103 and 36 s of CPU; 81 and 20 s in one group): on a CPU-bound
+    # 2-core run that cost more than it saved. Started first (the largest SLOW_S sum), it ends before
+    # the rest of the suite.
     "test_deployments.py": "deployments",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
     "test_ui.py": "ui",
