@@ -56,14 +56,25 @@ class PrefectServer:
         return res
 
     def get(self, path: str) -> Any:
-        r = httpx.get(self.api + path, timeout=30)
-        r.raise_for_status()
-        return r.json()
+        return self.call("GET", path).json()
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        r = httpx.post(self.api + path, json=body, timeout=30)
-        r.raise_for_status()
-        return r.json()
+        return self.call("POST", path, body).json()
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *, ok: tuple[int, ...] = ()
+             ) -> httpx.Response:
+        """One request as Prefect's client (and so the CLI) sends it: a 503, which the server answers at once
+        while another writer holds the SQLite database ("database is locked"), is sent again (for up to
+        120 s, as the client's retries); any other error fails, but those in `ok`, which are returned."""
+        deadline = time.monotonic() + 120
+        while True:
+            r = httpx.request(method, self.api + path, json=body, timeout=30)
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if r.status_code not in ok:
+            r.raise_for_status()
+        return r
 
 
 def stop_group(proc: subprocess.Popen, *, sigints: int = 1, wait_s: float = 20) -> bool:
@@ -465,9 +476,9 @@ def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServ
         assert note["subject"] == "fleet: revalidate-dep-late Failed"
     finally:
         for action in ("bringup", "revalidate", "generate", "teardown"):   # what `prefect deployment delete` sends
-            r = httpx.get(f"{s.api}/deployments/name/fleet/{action}-dep-late", timeout=30)
+            r = s.call("GET", f"/deployments/name/fleet/{action}-dep-late", ok=(404,))
             if r.status_code == 200:
-                httpx.delete(f"{s.api}/deployments/{r.json()['id']}", timeout=30).raise_for_status()
+                s.call("DELETE", f"/deployments/{r.json()['id']}")
 
 
 def test_default_config_is_read_relative_to_the_repo(deployed: PrefectServer) -> None:
@@ -530,11 +541,8 @@ def test_interrupted_up_on_a_real_server_leaves_no_lock(prefect_server: PrefectS
 
 def slots(s: PrefectServer, limit: str) -> int:
     """Active slots of a global concurrency limit (0 before its first use creates it)."""
-    r = httpx.get(f"{s.api}/v2/concurrency_limits/{limit}", timeout=30)
-    if r.status_code == 404:
-        return 0
-    r.raise_for_status()
-    return int(r.json()["active_slots"])
+    r = s.call("GET", f"/v2/concurrency_limits/{limit}", ok=(404,))
+    return 0 if r.status_code == 404 else int(r.json()["active_slots"])
 
 
 def test_a_cancel_whose_task_thread_still_runs_is_not_set_cancelled_by_the_run(monkeypatch) -> None:
