@@ -471,16 +471,14 @@ def node(request: pytest.FixtureRequest) -> Iterator[Node]:
 # it is started once, not once per worker that gets one of their tests.
 # (Node id prefixes; the longest matching one wins; None: not grouped.)
 GROUPED: dict[str, str | None] = {
+    # One group, one Prefect server and one worker for the whole module. The `fleet deploy` pair and the
+    # interrupted-`up` pair (which needs only the server) had groups of their own, to shorten the
+    # longest unit of work with 4 workers, but each group started its own server (the pairs' first
+    # tests, which set them up, took 103 and 36 s of CPU; 81 and 20 s in one group): on a CPU-bound
+    # 2-core run that cost more than it saved. Started first (the largest SLOW_S sum), it ends before
+    # the rest of the suite.
     "test_deployments.py": "deployments",
-    # needs only the module's Prefect server, not its deployments and worker: a second group, so
-    # that the deployments group, the longest unit of work, is shorter
-    "test_deployments.py::test_interrupted_up_on_a_real_server_leaves_no_lock": "deployments-server",
     "test_deployments.py::test_serve_builds_the_deployments_the_yaml_declares": None,
-    # `fleet deploy`'s own deployments on the module's server and worker: a third group (its own
-    # server and worker on another test worker), so that neither half is the longest unit of work
-    "test_deployments.py::test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fleet":
-        "deployments-block",
-    "test_deployments.py::test_alert_for_a_run_of_a_fresh_schedule_comes_at_once": "deployments-block",
     "test_ui.py": "ui",
     # (not grouped: each of its three README walks has its own clone, Prefect server and worker,
     # so the three run side by side)

@@ -190,8 +190,9 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTHON", "VIRTUAL_ENV"))}
     env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(VENV_BIN.parent),
                PYTHONPATH=str(root), PREFECT_HOME=str(seed_prefect_home(tmp / "prefect-home")),
-               # test pace only: the worker and `serve` look for new runs every second, not every 10 s
-               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_POLL_FREQUENCY="1")
+               # test pace only: the worker and `serve` look for new runs every 2 s, not every 10 s (each
+               # look costs the server CPU: test_deployments.prefect_server)
+               PREFECT_WORKER_QUERY_SECONDS="2", PREFECT_RUNNER_POLL_FREQUENCY="2")
     c = Clone(root, tmp, env)
     (tmp / "elsewhere").mkdir()
     where = subprocess.run(["python", "-c", "import fleet, flows, tasks, blocks; "
