@@ -305,23 +305,38 @@ def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_pat
     cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
                       nodes=[{"name": n, "workdir": str(tmp_path / n), "servers": 1} for n in ("fast", "slow")],
                       generation={"chunk_rows": 100})
-    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"),
-                     {n: NodeWork(n, []) for n in ("fast", "slow")})
-    ctl.prepare(str(lines_file(tmp_path / "in.jsonl", 1000)))
-    assert ctl.assign is not None
-    for idx, node, secs in ((0, "fast", 5.0), (1, "slow", 10.0)):   # measured: fast 20 rows/s, slow 10
-        att, _ = ctl.assign.start(idx, node, f"/o/{node}/{idx}")
-        ctl.assign.finish(idx, node, "done", fetched=True)
-        att.ended_at = att.started_at + secs
-        att.mono = [att.mono[0], att.mono[0] + secs] if att.mono else None   # durations: the monotonic clock
-    pending = ctl.assign.pending()
-    assert ctl.chunk(pending[0]).lines == 100
-    # fast is free now: it ends a 100-row chunk in 5 s, slow in 10 s -> slow leaves it
+
+    def measured(keep: int, tag: str) -> tuple[Controller, list[int]]:
+        """1,000 rows in chunks of 100 (tapering at the end), fast measured at 20 rows/s and slow at 10,
+        every chunk done but the first `keep` pending ones: the job's tail."""
+        ctl = Controller(cfg, tmp_path / f"plan-{tag}", str(tmp_path / f"out-{tag}"),
+                         {n: NodeWork(n, []) for n in ("fast", "slow")})
+        ctl.prepare(str(lines_file(tmp_path / f"in-{tag}.jsonl", 1000)))
+        assert ctl.assign is not None
+        done = [(0, "fast"), (1, "slow")]
+        done += [(i, "fast") for i in ctl.assign.pending()[2 + keep:]]
+        clock = {"fast": 0.0, "slow": 0.0}   # each node's chunks one after another, not overlapping
+        for idx, node in done:
+            att, _ = ctl.assign.start(idx, node, f"/o/{node}/{idx}")
+            ctl.assign.finish(idx, node, "done", fetched=True)
+            secs = ctl.chunk(idx).lines / (20.0 if node == "fast" else 10.0)
+            att.started_at -= 1000 - clock[node]
+            att.ended_at = att.started_at + secs
+            if att.mono:   # durations: the monotonic clock
+                att.mono = [att.mono[0] - 1000 + clock[node], att.mono[0] - 1000 + clock[node] + secs]
+            clock[node] += secs
+        return ctl, ctl.assign.pending()
+
+    # one chunk pending: fast is free now and ends it in 5 s, slow in 10 s -> slow leaves it
+    ctl, pending = measured(1, "tail")
+    assert ctl.assign is not None and len(pending) == 1 and ctl.chunk(pending[0]).lines == 100
     assert ctl.next_size("slow")[1] is False
     assert ctl._prestart(LocalNode("slow"), "slow") is False
     assert ctl.assign.pending() == pending and not ctl.assign.running_on("slow")
-    # fast drains its chunk (10 rows left: 0.5 s) and has started the next one early (100 rows: 5 s):
-    # it would end a third in 10.5 s, slow in 10 s -> slow takes it
+    # three pending: fast drains its chunk (10 rows left: 0.5 s) and has started the next one early
+    # (100 rows: 5 s): it would end the third in 10.5 s, slow in 10 s -> slow takes it
+    ctl, pending = measured(3, "busy")
+    assert ctl.assign is not None and len(pending) == 3 and ctl.chunk(pending[2]).lines == 100
     cur, early = pending[0], pending[1]
     ctl.assign.start(cur, "fast", f"/o/fast/{cur}")
     ctl.assign.start(early, "fast", f"/o/fast/{early}")
