@@ -448,6 +448,7 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_PREFECT_SERVER_IDLE_S": "idle seconds before the shared local Prefect server stops (flows/localserver.py)",
     "FLEET_PREFECT_SERVER_DIR": "the local Prefect server's state directory, in its own environment",
     "FLEET_STORE_SECRET": "names a Prefect Secret block holding the object store's variables: AWS_*, HF_TOKEN, … (blocks/credentials.py)",
+    "FLEET_STORE_AWS_BLOCK": "names a prefect-aws AwsCredentials or S3Bucket block holding the object store's AWS credentials (blocks/credentials.py)",
     "FLEET_GCS_CREDENTIALS_JSON": "a Google credentials file's content, handed to a detached runner (fleet/generation/data/objstore.py)",
     "FLEET_GCWATCH_DIR": "where the GPU bench has the engine write its GC and memory record (bench/gcwatch/sitecustomize.py)",
     # set by fleet in the servers' own environment (never read as config, but a process

@@ -150,7 +150,10 @@ def test_preflight_paths_with_spaces_globs_quotes_and_dashes(node: Node, tmp_pat
 
 
 def _fake_job(workdir: Path, fleet: str, output: Path) -> None:
-    jdir = workdir / "jobs" / f"{fleet}-abc"
+    import hashlib
+
+    # named as fleet.jobs.job_dir names it: <fleet>-<10 hex of the output> (only those are a fleet's jobs)
+    jdir = workdir / "jobs" / f"{fleet}-{hashlib.sha256(str(output).encode()).hexdigest()[:10]}"
     jdir.mkdir(parents=True)
     (jdir / "job.json").write_text(json.dumps({"output": str(output), "servers": []}))
     output.mkdir(parents=True)
