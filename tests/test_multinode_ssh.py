@@ -84,11 +84,10 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
                        timeout=180, what="the remote node's first chunk under way")
             assert th.is_alive(), errors
             chunk = ctl.nodes["remote"].chunk
+            before = sshd.session_pids()
             os.kill(sshd.pid, signal.SIGSTOP)        # new connections hang ...
             stopped = True
-            # listed once the listener is stopped: a session it forked between a list taken before and the
-            # SIGSTOP kept serving, the node stayed in reach, and it was never lost (seen at load 14)
-            for pid in sshd.session_pids():
+            for pid in before:
                 try:
                     os.kill(pid, signal.SIGKILL)      # ... and the open ones drop
                 except ProcessLookupError:
