@@ -41,6 +41,19 @@ def ssh_only_config(tmp_path: Path, sshd, port: int) -> FleetConfig:
     )
 
 
+def sim_servers_up(cfg: FleetConfig) -> list:
+    """Launch the config's sim servers on its one node and wait until each is ready; their specs."""
+    from fleet.node import connect
+    from fleet.servers import launch, plan_servers, wait_ready
+
+    n = cfg.nodes[0]
+    with connect(n) as node:
+        specs = plan_servers(cfg, n, [], model_path="/dev/shm/sim-model", python=sys.executable)
+        for spec in specs:
+            wait_ready(node, cfg, spec, launch(node, cfg, spec).pid)
+    return specs
+
+
 def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path: Path, sshd,
                                                                        stop_everything) -> None:
     """Fault: SSH to a node goes away mid-job (connections cut, new ones hang). The controller marks the
@@ -51,16 +64,10 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
     from conftest import port_block
     from fleet.generation.multinode.chunks import ControllerLock
     from fleet.generation.multinode.controller import Controller, NodeWork
-    from fleet.node import connect
-    from fleet.servers import launch, plan_servers, wait_ready
 
     cfg = ssh_only_config(tmp_path, sshd, port_block(1))
     stop_everything(cfg)
-    n = cfg.nodes[0]
-    with connect(n) as node:
-        specs = plan_servers(cfg, n, [], model_path="/dev/shm/sim-model", python=sys.executable)
-        for spec in specs:
-            wait_ready(node, cfg, spec, launch(node, cfg, spec).pid)
+    specs = sim_servers_up(cfg)
     inp = prompts(tmp_path / "in.jsonl", 300)   # 3 chunks: the outage in the first, two still to hand out
     pdir = tmp_path / "plan"
     ctl = Controller(cfg, pdir, str(tmp_path / "rout"), {"remote": NodeWork("remote", specs)}, probe_s=0.5,

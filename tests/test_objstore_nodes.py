@@ -28,6 +28,7 @@ from fleet.config import FleetConfig
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
 from test_objstore import store_ids
 from test_objstore_gcs import gcs  # noqa: F401  (fixture)
+from test_multinode_ssh import sim_servers_up
 from test_objstore_hf import REPO, Hub, hub, peer_argv  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,8 +184,6 @@ def test_ssh_node_runner_reads_hf_writes_gs_with_the_controllers_credentials(
     from fleet.generation.job.remote import RUNNER_PACKAGES
     from fleet.generation.multinode.chunks import ControllerLock
     from fleet.generation.multinode.controller import Controller, NodeWork
-    from fleet.node import connect
-    from fleet.servers import launch, plan_servers, wait_ready
     from test_bringup import port_block
     from test_security import _scan_tree
 
@@ -193,11 +192,7 @@ def test_ssh_node_runner_reads_hf_writes_gs_with_the_controllers_credentials(
     hub.peers = []
     cfg = _ssh_config(tmp_path, sshd, port_block(1))
     stop_everything(cfg)
-    n = cfg.nodes[0]
-    with connect(n) as node:
-        specs = plan_servers(cfg, n, [], model_path="/dev/shm/sim-model", python=sys.executable)
-        for spec in specs:
-            wait_ready(node, cfg, spec, launch(node, cfg, spec).pid)
+    specs = sim_servers_up(cfg)
     inp = prompts(tmp_path / "in.jsonl", 150)
     hub.files["train/prompts.jsonl"] = inp.read_bytes()
     want = [json.loads(ln)["id"] for ln in inp.read_text().splitlines()]
