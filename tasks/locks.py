@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -267,6 +268,74 @@ def _try_acquire(client: Any, names: list[str], run_id: str | None) -> str | Non
     return str(resp.json()["lease_id"])
 
 
+class _Taking:
+    """The slot being taken, until `_Held` owns it. The server grants the slot before its answer
+    reaches this process, and the holder record comes after: a SIGTERM landing in between
+    (`timeout` firing during a busy machine's first steps) made Prefect's handler raise in the
+    middle of the request, the lease id was never read, and the slot stayed taken with no record:
+    the next command waited ORPHAN_GRACE_S to reclaim it. So during the request a SIGINT/SIGTERM
+    is only noted (the main thread's handlers are swapped for a recorder), and delivered again
+    once the answer is in and its slot given back; and a cleanup registered before the request
+    gives the slot back when the command's shutdown runs first (it waits, within the shutdown's
+    deadline, for the answer in flight)."""
+
+    def __init__(self, names: list[str]) -> None:
+        from fleet.interrupt import CLEANUP_DEADLINE_S, on_interrupt
+
+        self.lease_id: str | None = None
+        self._answered = threading.Event()
+        self._answered.set()
+        self._given_back = threading.Lock()
+        self._wait_s = CLEANUP_DEADLINE_S * 0.75
+        self._unregister = on_interrupt(f"give back the slot being taken of {', '.join(names)}", self._give_back,
+                                        order=50)
+
+    def take(self, client: Any, names: list[str], run_id: str | None) -> str | None:
+        noted: list[int] = []
+        with _signals_noted(noted):
+            self._answered.clear()
+            try:
+                self.lease_id = _try_acquire(client, names, run_id)
+            finally:
+                self._answered.set()
+        if noted:   # the command is being stopped: give the slot back, then let the signal act
+            try:
+                self._give_back()
+            finally:
+                for signum in noted[:1]:
+                    signal.raise_signal(signum)
+        return self.lease_id
+
+    def _give_back(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        self._answered.wait(self._wait_s)
+        if self.lease_id is None or not self._given_back.acquire(blocking=False):
+            return
+        with get_client(sync_client=True) as client:   # its own: the main thread may be using its client
+            client.release_concurrency_slots_with_lease(UUID(self.lease_id))
+
+    def done(self) -> None:
+        """Taken and handed to `_Held`, or given up: this cleanup is no longer needed."""
+        self._unregister()
+
+
+@contextmanager
+def _signals_noted(noted: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM only noted (appended to `noted`) for the body, in the main thread, where
+    Python runs their handlers; elsewhere nothing changes (no handler runs there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if handler is not None:   # None: set outside Python, cannot be put back (nor was it Python's)
+                signal.signal(s, handler)
+
+
 class _Held:
     """A lease this process holds, its records, and the heartbeat that keeps both fresh."""
 
@@ -338,6 +407,49 @@ def _write_records(client: Any, names: list[str], holder: Holder) -> dict[str, A
     return ids
 
 
+def _wait_for_slot(client: Any, names: list[str], run_id: str | None, taking: _Taking, *, wait_s: float,
+                   purpose: str, logger: Any) -> str:
+    """Take a slot of every limit (all or nothing), waiting while another run holds one: its holder
+    named in the log, a dead holder's or an orphan slot reclaimed; NodeBusy after `wait_s`."""
+    t0 = time.monotonic()
+    orphan_since: dict[str, float] = {}
+    said, said_at = "", 0.0
+    while True:
+        lease_id = taking.take(client, names, run_id)
+        if lease_id is not None:
+            return lease_id
+        holders = []
+        for name in names:
+            var, h = _read_record(client, name)
+            if h is not None:
+                orphan_since.pop(name, None)
+                why = _why_gone(client, h, time.time() - var.updated.timestamp()) if var.updated else None
+                if why:
+                    _reclaim_dead(client, name, var, h, why, logger)
+                    continue
+                holders.append(f"{name} is held by {h.describe()} for {time.time() - h.since:.0f} s")
+            elif _active_slots(client, name) > 0:
+                seen = time.monotonic() - orphan_since.setdefault(name, time.monotonic())
+                if seen > ORPHAN_GRACE_S:
+                    _reclaim_orphan(client, name, seen, logger)
+                    continue
+                holders.append(f"{name} is taken by a run that left no holder record (reclaimed if still so "
+                               f"after {ORPHAN_GRACE_S:.0f} s)")
+        # Said before the give-up check: a run whose first look already took longer than wait_s
+        # (a busy machine, a short node_wait_s) still names the holder in its log once.
+        text = "; ".join(holders)
+        if holders and (text.split(" for ")[0] != said.split(" for ")[0] or time.monotonic() - said_at > 60):
+            logger.warning("%s: %s; waiting (up to %.0f s)", purpose, text, wait_s)
+            said, said_at = text, time.monotonic()
+        waited = time.monotonic() - t0
+        if waited > wait_s:
+            raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: "
+                           + ("; ".join(holders) or f"{', '.join(names)} refused a slot"),
+                           remedy="wait for that run to end (`fleet status`, the Prefect UI), or raise the "
+                                  "flow parameter node_wait_s")
+        time.sleep(POLL_S if holders else 0.05)
+
+
 @contextmanager
 def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[list[str]]:
     """Hold every node of `cfg` for the body (all limits at once: no deadlock between multi-node fleets)."""
@@ -353,53 +465,21 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
     run_name = ctx.flow_run.name if ctx and ctx.flow_run else f"pid {os.getpid()}"
-    t0 = time.monotonic()
-    orphan_since: dict[str, float] = {}
-    said, said_at = "", 0.0
-    with get_client(sync_client=True) as client:
-        while True:
-            lease_id = _try_acquire(client, names, run_id)
-            if lease_id is not None:
-                break
-            holders = []
-            for name in names:
-                var, h = _read_record(client, name)
-                if h is not None:
-                    orphan_since.pop(name, None)
-                    why = _why_gone(client, h, time.time() - var.updated.timestamp()) if var.updated else None
-                    if why:
-                        _reclaim_dead(client, name, var, h, why, logger)
-                        continue
-                    holders.append(f"{name} is held by {h.describe()} for {time.time() - h.since:.0f} s")
-                elif _active_slots(client, name) > 0:
-                    seen = time.monotonic() - orphan_since.setdefault(name, time.monotonic())
-                    if seen > ORPHAN_GRACE_S:
-                        _reclaim_orphan(client, name, seen, logger)
-                        continue
-                    holders.append(f"{name} is taken by a run that left no holder record (reclaimed if still so "
-                                   f"after {ORPHAN_GRACE_S:.0f} s)")
-            # Said before the give-up check: a run whose first look already took longer than wait_s
-            # (a busy machine, a short node_wait_s) still names the holder in its log once.
-            text = "; ".join(holders)
-            if holders and (text.split(" for ")[0] != said.split(" for ")[0] or time.monotonic() - said_at > 60):
-                logger.warning("%s: %s; waiting (up to %.0f s)", purpose, text, wait_s)
-                said, said_at = text, time.monotonic()
-            waited = time.monotonic() - t0
-            if waited > wait_s:
-                raise NodeBusy(f"{purpose}: node busy after waiting {wait_s:.0f} s: "
-                               + ("; ".join(holders) or f"{', '.join(names)} refused a slot"),
-                               remedy="wait for that run to end (`fleet status`, the Prefect UI), or raise the "
-                                      "flow parameter node_wait_s")
-            time.sleep(POLL_S if holders else 0.05)
-        holder = Holder(run_id=run_id, run_name=run_name, purpose=purpose, host=socket.gethostname(),
-                        machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
-                        lease_id=lease_id, since=time.time())
-        try:
-            records = _write_records(client, names, holder)
-        except BaseException:
-            client.release_concurrency_slots_with_lease(UUID(lease_id))
-            raise
-    held = _Held(names, holder, records, logger)
+    taking = _Taking(names)
+    try:
+        with get_client(sync_client=True) as client:
+            lease_id = _wait_for_slot(client, names, run_id, taking, wait_s=wait_s, purpose=purpose, logger=logger)
+            holder = Holder(run_id=run_id, run_name=run_name, purpose=purpose, host=socket.gethostname(),
+                            machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
+                            lease_id=lease_id, since=time.time())
+            try:
+                records = _write_records(client, names, holder)
+            except BaseException:
+                client.release_concurrency_slots_with_lease(UUID(lease_id))
+                raise
+        held = _Held(names, holder, records, logger)
+    finally:
+        taking.done()   # from here `held` gives the slot back (also on a Ctrl-C)
     try:
         if interrupted():  # Ctrl-C came while we waited: the process is on its way out
             raise KeyboardInterrupt

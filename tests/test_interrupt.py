@@ -476,6 +476,55 @@ def test_a_write_cut_short_never_replaces_the_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["f-1.json"]
 
 
+def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    """Fault: a SIGTERM (`timeout` firing during a busy machine's first steps) that landed after
+    the Prefect server granted the node lock's slot but before this process wrote its holder
+    record ended the command with the slot taken and no record; the next `fleet up` waited
+    ORPHAN_GRACE_S (150 s), "taken by a run that left no holder record", then reclaimed it (seen
+    on a fresh-clone CI run of test_timeout_stops_a_bringup_like_ctrl_c). Here the signal is sent
+    at exactly that moment, while the answer granting the slot is on its way: the slot is given
+    back, and the next `fleet up` neither waits nor reclaims."""
+    cfg = sim_cfg(tmp_path, "grant", startup_s=0.3)
+    script = (
+        "import signal, sys, time\n"
+        "import tasks.locks as locks\n"
+        "from fleet.interrupt import interrupted\n"
+        "take = locks._try_acquire\n"
+        "class Granting:\n"
+        "    def __init__(self, client):\n"
+        "        self.client = client\n"
+        "    def __getattr__(self, name):\n"
+        "        return getattr(self.client, name)\n"
+        "    def increment_concurrency_slots_with_lease(self, *args, **kwargs):\n"
+        "        answer = self.client.increment_concurrency_slots_with_lease(*args, **kwargs)   # granted\n"
+        "        signal.raise_signal(signal.SIGTERM)   # lands before this process has read the lease id\n"
+        "        while not interrupted():\n"
+        "            time.sleep(0.01)\n"
+        "        return answer\n"
+        "locks._try_acquire = lambda client, names, run_id: take(Granting(client), names, run_id)\n"
+        "from flows.cli import main\n"
+        f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"   # argv from sys.argv: the command's own signals
+        "sys.exit(main())\n")
+    second: Cmd | None = None
+    try:
+        first = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                               stdin=subprocess.DEVNULL, timeout=180)
+        out = (first.stdout + first.stderr).decode(errors="replace")
+        assert first.returncode == 143 and "fleet: stopped (SIGTERM)." in out, out[-3000:]
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
+        # the old code: this second command sat in its 150 s wait for the orphan slot; fail as soon as it says so
+        wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
+                   what="the next `fleet up` to end")
+        again = second.text()
+        assert "no holder record" not in again and "reclaimed" not in again, again[-3000:]
+        assert second.finish() == 0, again[-3000:]
+    finally:
+        if second is not None and second.proc.poll() is None:
+            os.killpg(second.proc.pid, signal.SIGKILL)
+        down(env, cfg)
+
+
 def test_timeout_stops_a_bringup_like_ctrl_c(env: dict[str, str], tmp_path: Path) -> None:
     """Fault (issue 23): `timeout 150 fleet generate …` had no effect — SIGTERM was left to
     Prefect's engine, which waited for every launch thread (a server wait lasts up to
