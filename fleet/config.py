@@ -388,6 +388,7 @@ class GenerationConfig(_Section):
     shard_rows: int = Field(10000, ge=1, description="Rows per committed Parquet shard.")
     chunk_rows: int | None = Field(None, ge=1, description="Several nodes: the largest chunk of input lines one node takes at a time (default: rows / (8 × nodes), 100 to 20,000; later chunks shrink to a quarter of it, then by the nodes' measured rates).")
     node_lost_s: float = Field(120.0, gt=0, description="Several nodes: a node that does not answer, or whose runner stops moving or has no server up, for this long is lost; its chunk goes to another node.")
+    runner_start_s: float = Field(300.0, gt=0, description="Several nodes: how long a chunk's runner may take to write its first progress (its start: Python's imports, reading its chunk, loading the ids done) before its node is lost; a start on a busy node can take longer than node_lost_s, which counts from then on. A node that does not answer is lost after node_lost_s all the same.")
     price_per_gpu_hour: float | None = Field(None, ge=0, description="GPU-hour price, to report measured $ per M tokens.")
 
 

@@ -347,3 +347,42 @@ def test_a_slow_node_asks_again_for_its_early_next_chunk_while_it_drains(tmp_pat
     for i in ctl.assign.pending():
         ctl.assign.start(i, "fast", f"/o/fast/{i}")
     assert ctl._prestart(LocalNode("slow"), "slow") is True
+
+
+def _progress(pid: int, t: float, rows: int, servers_up: int = 1) -> dict[str, object]:
+    return {"pid": pid, "updated_at": t, "rows_done": rows, "servers": [{}], "servers_up": servers_up}
+
+
+def test_a_runner_slow_to_start_is_not_a_lost_node_but_one_that_never_starts_is() -> None:
+    """Fault (a fresh-clone CI run): at the suite's busiest minute a chunk's runner took over 20 s
+    to write its first progress (Python's imports, its first reads), and the controller called its
+    node lost (node_lost_s 20) though the runner was alive and about to start. Before its own first
+    progress a runner gets runner_start_s; a file an earlier runner left (another pid) does not
+    count as a start; once started, node_lost_s without a change is a stall."""
+    from fleet.generation.multinode.controller import RunnerLiveness
+
+    live = RunnerLiveness(pid=7, lost_s=20.0, start_s=300.0, since=0.0)
+    live.saw(1.0, None)                              # nothing written yet
+    live.saw(5.0, _progress(6, 1234.0, 40))          # an earlier attempt's runner's file
+    assert live.lost(45.0) is None                   # 45 s without a word: still starting
+    assert "within 301 s of its start" in (live.lost(301.0) or "")
+    live.saw(60.0, _progress(7, 1300.0, 0))         # its first progress
+    assert live.lost(79.0) is None
+    live.saw(79.0, _progress(7, 1319.0, 0))          # rewritten (a tick, no row yet): moving
+    assert live.lost(98.0) is None
+    assert "did not change for 21 s" in (live.lost(100.0) or "")
+
+
+def test_a_started_runner_with_no_server_up_is_lost_after_node_lost_s() -> None:
+    """A runner that keeps writing progress while none of its servers is up is lost after
+    node_lost_s (its chunk is better off on another node), however lively its file."""
+    from fleet.generation.multinode.controller import RunnerLiveness
+
+    live = RunnerLiveness(pid=7, lost_s=20.0, start_s=300.0, since=0.0)
+    for t in range(0, 21, 2):
+        live.saw(float(t), _progress(7, 1000.0 + t, 10, servers_up=0))
+    assert live.lost(20.0) is None
+    live.saw(22.0, _progress(7, 1022.0, 10, servers_up=0))
+    assert "none of its servers was up for 22 s" in (live.lost(22.0) or "")
+    live.saw(23.0, _progress(7, 1023.0, 11, servers_up=1))
+    assert live.lost(23.0) is None

@@ -191,6 +191,48 @@ class _Asking:
     until: float = 0.0
 
 
+@dataclass
+class RunnerLiveness:
+    """When a chunk's runner counts as lost, from what each poll of its node saw (pure: the
+    caller passes the clock). Before the runner's own first progress (a file of this pid; an
+    earlier attempt's file does not count) it is starting and gets `start_s`: on a busy node
+    Python's imports and the chunk's first reads took over 20 s, and a node lost for a slow start
+    was a false loss. From its first progress on, `lost_s` without a change is a stall, as is
+    `lost_s` with none of its servers up."""
+
+    pid: int
+    lost_s: float
+    start_s: float
+    since: float
+    last_change: float = 0.0
+    last_stamp: Any = None
+    started: bool = False
+    servers_down_since: float | None = None
+
+    def saw(self, now: float, prog: dict[str, Any] | None) -> None:
+        if prog is None or prog.get("pid", self.pid) != self.pid:   # none yet, or an earlier runner's
+            return
+        stamp = (prog.get("updated_at"), prog.get("rows_done"))
+        if not self.started or stamp != self.last_stamp:
+            self.started, self.last_stamp, self.last_change = True, stamp, now
+        if not (prog.get("servers_up") == 0 and prog.get("servers")):
+            self.servers_down_since = None
+        elif self.servers_down_since is None:
+            self.servers_down_since = now
+
+    def lost(self, now: float) -> str | None:
+        """Why the runner is lost now, or None."""
+        if not self.started:
+            waited = now - self.since
+            return (f"its runner wrote no progress within {waited:.0f} s of its start (generation.runner_start_s)"
+                    if waited > self.start_s else None)
+        if now - self.last_change > self.lost_s:
+            return f"its runner's progress did not change for {now - self.last_change:.0f} s"
+        if self.servers_down_since is not None and now - self.servers_down_since > self.lost_s:
+            return f"none of its servers was up for {now - self.servers_down_since:.0f} s"
+        return None
+
+
 class Controller:
     def __init__(self, cfg: FleetConfig, plan_dir: str | Path, output: str, nodes: dict[str, NodeWork], *,
                  node_lost_s: float | None = None, probe_s: float = 10.0, poll_s: float = 1.0,
@@ -201,6 +243,7 @@ class Controller:
         self.output = output.rstrip("/")
         self.nodes = nodes
         self.node_lost_s = node_lost_s if node_lost_s is not None else cfg.generation.node_lost_s
+        self.runner_start_s = cfg.generation.runner_start_s
         self.probe_s, self.poll_s, self.rejoin_s = probe_s, poll_s, rejoin_s
         self.idle_max_s = max(poll_s, idle_max_s)
         self._asking: dict[str, _Asking] = {}
@@ -636,9 +679,8 @@ class Controller:
         from fleet.generation.job.remote import read_progress
 
         work = self.nodes[name]
-        last_contact = last_change = last_fetch = time.monotonic()
-        last_stamp: Any = None
-        servers_down_since: float | None = None
+        last_contact = last_fetch = time.monotonic()
+        live = RunnerLiveness(pid, self.node_lost_s, max(self.runner_start_s, self.node_lost_s), since=last_contact)
         prestarted = False
         while True:
             now = time.monotonic()
@@ -652,19 +694,13 @@ class Controller:
                 node.close()
                 self._stop.wait(self.poll_s)
                 continue
+            live.saw(now, prog)
             if prog is not None:
-                stamp = (prog.get("updated_at"), prog.get("rows_done"))
-                if stamp != last_stamp:
-                    last_stamp, last_change = stamp, now
                 work.progress = prog
-                up = prog.get("servers_up")
-                servers_down_since = (servers_down_since or now) if up == 0 and prog.get("servers") else None
             if not alive:
                 return True
-            stalled = now - last_change
-            if stalled > self.node_lost_s or (servers_down_since and now - servers_down_since > self.node_lost_s):
-                why = (f"its runner's progress did not change for {stalled:.0f} s" if stalled > self.node_lost_s
-                       else f"none of its servers was up for {now - servers_down_since:.0f} s")  # type: ignore[operator]
+            why = live.lost(now)
+            if why:
                 self._stop_runner(node, pid)
                 self._gather_partial(node, index, out, dest)
                 raise NodeLost(why)
