@@ -292,7 +292,7 @@ class _Taking:
 
     def take(self, client: Any, names: list[str], run_id: str | None) -> str | None:
         noted: list[int] = []
-        with _signals_noted(noted):
+        with _signals_noted(noted) as handlers:
             self._answered.clear()
             try:
                 self.lease_id = _try_acquire(client, names, run_id)
@@ -302,8 +302,7 @@ class _Taking:
             try:
                 self._give_back()
             finally:
-                for signum in noted[:1]:
-                    signal.raise_signal(signum)
+                _deliver(noted[0], handlers.get(noted[0]))
         return self.lease_id
 
     def _give_back(self) -> None:
@@ -321,19 +320,32 @@ class _Taking:
 
 
 @contextmanager
-def _signals_noted(noted: list[int]) -> Iterator[None]:
+def _signals_noted(noted: list[int]) -> Iterator[dict[int, Any]]:
     """SIGINT and SIGTERM only noted (appended to `noted`) for the body, in the main thread, where
-    Python runs their handlers; elsewhere nothing changes (no handler runs there)."""
+    Python runs their handlers; elsewhere nothing changes (no handler runs there). Yields the
+    handlers it put aside (what `_deliver` calls)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield {}
         return
-    before = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    before: dict[int, Any] = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
+                              for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield before
     finally:
         for s, handler in before.items():
             if handler is not None:   # None: set outside Python, cannot be put back (nor was it Python's)
                 signal.signal(s, handler)
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Act on a signal noted earlier as its handler would have: call a Python handler (Prefect's
+    raises TerminationSignal, Python's own KeyboardInterrupt). Not raised again at the process: the
+    command's watcher already saw it once (fleet/interrupt.py), and would count a SIGINT sent twice
+    as the second Ctrl-C that cuts the cleanups short."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
 
 
 class _Held:

@@ -476,16 +476,19 @@ def test_a_write_cut_short_never_replaces_the_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["f-1.json"]
 
 
-def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: dict[str, str],
-                                                                        tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig,rc,said", [(signal.SIGTERM, 143, "stopped (SIGTERM)"), (signal.SIGINT, 130, "interrupted")],
+                         ids=["SIGTERM", "SIGINT"])
+def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: dict[str, str], tmp_path: Path,
+                                                                        sig: int, rc: int, said: str) -> None:
     """Fault: a SIGTERM (`timeout` firing during a busy machine's first steps) that landed after
     the Prefect server granted the node lock's slot but before this process wrote its holder
     record ended the command with the slot taken and no record; the next `fleet up` waited
     ORPHAN_GRACE_S (150 s), "taken by a run that left no holder record", then reclaimed it (seen
     on a fresh-clone CI run of test_timeout_stops_a_bringup_like_ctrl_c). Here the signal is sent
     at exactly that moment, while the answer granting the slot is on its way: the slot is given
-    back, and the next `fleet up` neither waits nor reclaims."""
-    cfg = sim_cfg(tmp_path, "grant", startup_s=0.3)
+    back, and the next `fleet up` neither waits nor reclaims. A Ctrl-C there is one Ctrl-C (acted
+    on once the answer is in), not the second one that cuts the cleanups short."""
+    cfg = sim_cfg(tmp_path, f"grant{int(sig)}", startup_s=0.3)
     script = (
         "import signal, sys, time\n"
         "import tasks.locks as locks\n"
@@ -498,7 +501,7 @@ def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: di
         "        return getattr(self.client, name)\n"
         "    def increment_concurrency_slots_with_lease(self, *args, **kwargs):\n"
         "        answer = self.client.increment_concurrency_slots_with_lease(*args, **kwargs)   # granted\n"
-        "        signal.raise_signal(signal.SIGTERM)   # lands before this process has read the lease id\n"
+        f"        signal.raise_signal({int(sig)})   # lands before this process has read the lease id\n"
         "        while not interrupted():\n"
         "            time.sleep(0.01)\n"
         "        return answer\n"
@@ -511,7 +514,7 @@ def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: di
         first = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                                stdin=subprocess.DEVNULL, timeout=180)
         out = (first.stdout + first.stderr).decode(errors="replace")
-        assert first.returncode == 143 and "fleet: stopped (SIGTERM)." in out, out[-3000:]
+        assert first.returncode == rc and f"fleet: {said}." in out and "second Ctrl-C" not in out, out[-3000:]
         second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
         # the old code: this second command sat in its 150 s wait for the orphan slot; fail as soon as it says so
         wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
