@@ -46,12 +46,15 @@ def test_controller_twenty_fake_nodes_every_chunk_done_once_with_losses() -> Non
 def test_controller_scans_state_once_per_change_not_per_node_per_decision() -> None:
     """The first limit the scale bench found: every decision (next_size, min_rest) asked each
     node's rate, and each answer scanned every chunk's attempts — O(nodes × chunks) per decision,
-    seconds per decision at 1,000 nodes. Now the rates come from one scan per change of the state:
-    the scans are at most the state's writes, however many questions were asked."""
+    seconds per decision at 1,000 nodes. Then one scan of every chunk per change of the state (the
+    sixth limit once most decisions followed a change: 2.1 ms per decision at 300 nodes). Now a node's
+    rate comes from its own chunks, computed again only after a change that touched it: once per node
+    at its first question, then at most once per write (without losses each change touches one node),
+    however many questions were asked."""
     r = run(_args(losses=0.0, seed=3))
     assert r["errors"] == []
     assert r["rate_questions"] > 5 * r["rate_scans"]
-    assert r["rate_scans"] <= r["state_writes"] + 1
+    assert r["rate_scans"] <= r["state_writes"] + r["nodes"]
 
 
 def _rate_evaluations(nodes: int, tmp: Path, decisions: int = 30) -> int:
