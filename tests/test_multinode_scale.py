@@ -49,13 +49,13 @@ def test_controller_scans_state_once_per_change_not_per_node_per_decision() -> N
     seconds per decision at 1,000 nodes. Then one scan of every chunk per change of the state (the
     sixth limit once most decisions followed a change: 2.1 ms per decision at 300 nodes). Now a node's
     rate comes from its own chunks, computed again only after a change that touched it: once per node
-    at its first question, then at most once per write (without losses each change touches one node),
-    however many questions were asked (a computation per question: as many as the questions, ≈ 5 times
-    the writes here)."""
+    at its first question, then at most once per node a write touched (one; two for a chunk run again
+    after a node starved past node_lost_s on a loaded machine), however many questions were asked (a
+    computation per question: as many as the questions, ≈ 5 times the writes here)."""
     r = run(_args(losses=0.0, seed=3))
     assert r["errors"] == []
     assert r["rate_scans"] < r["rate_questions"]
-    assert r["rate_scans"] <= r["state_writes"] + r["nodes"]
+    assert r["rate_scans"] <= 2 * r["state_writes"] + r["nodes"]
 
 
 def _rate_evaluations(nodes: int, tmp: Path, decisions: int = 30) -> int:
