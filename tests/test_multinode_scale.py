@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -306,3 +308,31 @@ def test_the_faster_node_check_walks_only_faster_nodes_and_answers_as_finishes_f
     v.left = Left(v.left)
     assert v.sooner("n050", 51.0, 10, 0.0) is None
     assert sorted(looked) == [f"n{i:03d}" for i in range(51, 100)]
+
+
+def test_a_node_unreachable_while_its_chunk_starts_is_lost_not_the_jobs_end(tmp_path: Path) -> None:
+    """The 1,000-node device bench of main at 745b189: a node's outage began between its connect and its
+    runner's start; the transport's bare OSError passed `_start_chunk` (which made a NodeLost of a
+    FleetError only, though `_unreachable` counts an OSError as the node unreachable), left node_loop
+    and ended the whole job after 7 s. Now it is that node lost: node_loop takes it as such, and the
+    chunk stays in the queue for another node."""
+    from fleet.config import FleetConfig
+    from fleet.generation.multinode.controller import Controller, NodeLost, NodeWork
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"id": {i}, "prompt": "q"}}\n' for i in range(40)))
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")], generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {n: NodeWork(n, []) for n in ("a", "b")})
+    ctl.prepare(str(src))
+    assert ctl.assign is not None
+
+    def unreachable(*a: Any, **kw: Any) -> Any:
+        raise OSError("a: no route to host")
+
+    ctl._put_input = unreachable   # type: ignore[method-assign]
+    first = ctl.assign.first_pending()
+    assert first is not None
+    with pytest.raises(NodeLost, match="no route to host"):
+        ctl.run_chunk("a", first)
+    assert ctl.assign.first_pending() == first and not ctl.assign.running_on("a")

@@ -604,9 +604,10 @@ class Controller:
             return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
                              specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
                              **self.store_args(name, index, out))
-        except FleetError as exc:
+        except (FleetError, OSError) as exc:   # a bare OSError is the node unreachable too (`_unreachable`)
             if _unreachable(exc):
-                raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
+                why = exc.one_line() if isinstance(exc, FleetError) else str(exc) or type(exc).__name__
+                raise NodeLost(f"cannot start chunk {index}: {why}") from exc
             raise
 
     def _watch_runner(self, node: Node, name: str, index: int, pid: int, out: str, dest: Path) -> bool:
