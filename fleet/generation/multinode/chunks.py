@@ -562,15 +562,12 @@ class Assignments:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.started_at = time.time()
-        # Bumped by every change (each one ends in `_save`): what is derived from the whole state
-        # (each node's running chunks here, its measured rate in the controller) is computed once per
-        # change, not once per node per question. Asked per node, the scans cost O(nodes × chunks) per
-        # decision: 2.4 ms at 20 nodes, seconds at 1,000 (bench/bench_controller_scale.py).
-        self.version = 0
-        # Indexes each change brings up to date for the chunks it touched (`_index`, from `_save`): rebuilt
-        # from every chunk at the first question after a change, they made a decision O(chunks) once most
-        # decisions follow a change (after the tail rule's fix: 2.1 ms per decision at 300 nodes, ≈ 90 %
-        # of it the node rates' pass over every attempt — the scale bench's sixth limit).
+        # What is derived from the whole state (each node's running chunks and finished rows, the pending
+        # chunks in input order) is kept up to date by each change (every one ends in `_save`) for the
+        # chunks it touched (`_index`). Scanned per node per question, it cost O(nodes × chunks) per
+        # decision (seconds at 1,000 nodes); rebuilt from every chunk once per change, O(chunks) per
+        # decision once most decisions follow a change (after the tail rule's fix: 2.1 ms at 300 nodes,
+        # ≈ 90 % of it the node rates' pass over every attempt — the scale bench's sixth limit).
         self._on_node: dict[str, set[int]] = {}             # node -> the chunks it runs or ran (any attempt)
         self._pending_keys: list[tuple[int, int]] = []      # (first_line, index) of the pending chunks: input order
         self._pending_at: dict[int, tuple[tuple[int, int], int]] = {}   # index -> (its key, its lines counted)
@@ -626,7 +623,6 @@ class Assignments:
         """Record one change: the chunks and nodes it touched, as they are now, and its event (one line
         of the log, O(1) bytes; the snapshot is rewritten when the log has grown to its size), then wake
         the idle nodes it concerns (`freed`: a chunk went back to the queue)."""
-        self.version += 1
         touched = set(nodes)
         for i in chunks:
             c = self.chunks[i]
