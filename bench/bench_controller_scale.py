@@ -360,38 +360,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _uncached(ctl: Any) -> None:
-    """The code before the fix: each node's rate and running chunks from a fresh scan of the whole
-    state at every question (per node, per decision), instead of once per change of the state."""
+    """The code before the first fix: each node's rate and running chunks from a fresh scan of the whole
+    state at every question (per node, per decision), instead of from what changed."""
     assign = ctl.assign
-    real_rates = ctl._finished_by_node
-
-    def finished_by_node() -> Any:
-        try:
-            return real_rates()
-        finally:
-            ctl._finished = (-1, {})   # never kept: the next question scans again
 
     def running_on(node: str) -> list[int]:
         with assign._lock:
             return sorted(i for i, c in assign.chunks.items() if c.state == "running" and c.node == node)
 
-    ctl._finished_by_node = finished_by_node
     assign.running_on = running_on
+    if hasattr(ctl, "_finished_by_node"):   # a tree before the per-node index (one bench, both trees)
+        real_rates = ctl._finished_by_node
+
+        def finished_by_node() -> Any:
+            try:
+                return real_rates()
+            finally:
+                ctl._finished = (-1, {})   # never kept: the next question scans again
+
+        ctl._finished_by_node = finished_by_node
+        return
+    real = assign.finished_on
+
+    def finished_on(node: str) -> Any:
+        with assign._lock:
+            for i, c in assign.chunks.items():   # the whole state, as a scan per question did
+                assign._on_node.setdefault(node, set()).update(i for a in c.attempts if a.node == node)
+            assign._finished.pop(node, None)
+            return real(node)
+
+    assign.finished_on = finished_on
 
 
 def _instrument(ctl: Any, counters: Counters) -> None:
-    """next_size and claim count as decisions; their thread CPU is summed. A question for the nodes'
-    rates that finds the state changed since the last one counts as a scan of the whole state."""
-    real_rates = ctl._finished_by_node
+    """next_size and claim count as decisions; their thread CPU is summed. A question for a node's
+    finished rows that is not answered from what was kept counts as a scan: of the whole state in a tree
+    before the per-node index (`_finished_by_node`, once per change of the state), of that node's chunks
+    after it (`Assignments.finished_on`, once per change that touched the node)."""
+    if hasattr(ctl, "_finished_by_node"):
+        real_rates = ctl._finished_by_node
 
-    def rates() -> Any:
-        counters.add("rate_questions")
-        with ctl.assign._lock:   # the controller's own check is under it: two threads see one change once
-            if ctl._finished[0] != ctl.assign.version:
-                counters.add("rate_scans")
-            return real_rates()
+        def rates() -> Any:
+            counters.add("rate_questions")
+            with ctl.assign._lock:   # the controller's own check is under it: two threads see one change once
+                if ctl._finished[0] != ctl.assign.version:
+                    counters.add("rate_scans")
+                return real_rates()
 
-    ctl._finished_by_node = rates
+        ctl._finished_by_node = rates
+    else:
+        real_on = ctl.assign.finished_on
+
+        def finished_on(node: str) -> Any:
+            counters.add("rate_questions")
+            with ctl.assign._lock:
+                if node not in ctl.assign._finished:
+                    counters.add("rate_scans")
+                return real_on(node)
+
+        ctl.assign.finished_on = finished_on
     for obj, name in ((ctl, "next_size"), (ctl.assign, "claim")):
         real = getattr(obj, name)
 

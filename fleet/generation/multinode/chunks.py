@@ -47,6 +47,7 @@ So every id of the input appears exactly once, in exactly one of results / error
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import gzip
@@ -561,13 +562,17 @@ class Assignments:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.started_at = time.time()
-        # Bumped by every change (each one ends in `_save`): what is derived from the whole state
-        # (each node's running chunks here, its measured rate in the controller) is computed once per
-        # change, not once per node per question. Asked per node, the scans cost O(nodes × chunks) per
-        # decision: 2.4 ms at 20 nodes, seconds at 1,000 (bench/bench_controller_scale.py).
-        self.version = 0
-        self._running: tuple[int, dict[str, list[int]]] = (-1, {})
-        self._pending: tuple[int, list[int], int] = (-1, [], 0)
+        # What is derived from the whole state (each node's running chunks and finished rows, the pending
+        # chunks in input order) is kept up to date by each change (every one ends in `_save`) for the
+        # chunks it touched (`_index`). Scanned per node per question, it cost O(nodes × chunks) per
+        # decision (seconds at 1,000 nodes); rebuilt from every chunk once per change, O(chunks) per
+        # decision once most decisions follow a change (after the tail rule's fix: 2.1 ms at 300 nodes,
+        # ≈ 90 % of it the node rates' pass over every attempt — the scale bench's sixth limit).
+        self._on_node: dict[str, set[int]] = {}             # node -> the chunks it runs or ran (any attempt)
+        self._pending_keys: list[tuple[int, int]] = []      # (first_line, index) of the pending chunks: input order
+        self._pending_at: dict[int, tuple[tuple[int, int], int]] = {}   # index -> (its key, its lines counted)
+        self._pending_rows = 0
+        self._finished: dict[str, tuple[int, float]] = {}   # node -> `finished_on`, until a change touches it
         # the nodes each change touched (a chunk's node, its attempts' nodes, a node's own record), since
         # the controller last took them (`take_touched`): it evaluates only those nodes' rates again
         self.touched: set[str] = set()
@@ -586,6 +591,25 @@ class Assignments:
         self.events = d["events"]
         self.started_at = d.get("started_at") or self.started_at
         self._left = sum(1 for c in self.chunks.values() if c.state != "done")   # chunks not done
+        for i in self.chunks:
+            self._index(i)
+
+    def _index(self, i: int) -> None:
+        """Bring the indexes (`_on_node`, the pending chunks in input order and their lines) up to date
+        with chunk `i` as it is now: every change calls it for each chunk it touched (`_save`)."""
+        c = self.chunks[i]
+        for node in {a.node for a in c.attempts} | ({c.node} if c.node is not None else set()):
+            self._on_node.setdefault(node, set()).add(i)
+        was = self._pending_at.pop(i, None)
+        if was is not None:
+            del self._pending_keys[bisect.bisect_left(self._pending_keys, was[0])]
+            self._pending_rows -= was[1]
+        if c.state == "pending":
+            chunk = self.plan.chunks[i]
+            key = (chunk.first_line, i)
+            bisect.insort(self._pending_keys, key)
+            self._pending_at[i] = (key, chunk.lines)
+            self._pending_rows += chunk.lines
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as one JSON object (state.json's content; `read_state`)."""
@@ -599,14 +623,16 @@ class Assignments:
         """Record one change: the chunks and nodes it touched, as they are now, and its event (one line
         of the log, O(1) bytes; the snapshot is rewritten when the log has grown to its size), then wake
         the idle nodes it concerns (`freed`: a chunk went back to the queue)."""
-        self.version += 1
         touched = set(nodes)
         for i in chunks:
             c = self.chunks[i]
             touched.update(a.node for a in c.attempts)
             if c.node is not None:
                 touched.add(c.node)
+            self._index(i)
         self.touched |= touched
+        for node in touched:
+            self._finished.pop(node, None)
         rec: dict[str, Any] = {} if self.log.seq else {"started_at": self.started_at}   # the job's first change
         if chunks:
             rec["chunks"] = {str(i): asdict(self.chunks[i]) for i in chunks}
@@ -670,38 +696,39 @@ class Assignments:
             return out
 
     def running_on(self, node: str) -> list[int]:
+        """The chunks running on `node`, in index order: from the chunks it ever had (`_on_node`), not all."""
         with self._lock:
-            if self._running[0] != self.version:
-                by_node: dict[str, list[int]] = {}
-                for i, c in self.chunks.items():
-                    if c.state == "running" and c.node is not None:
-                        by_node.setdefault(c.node, []).append(i)
-                self._running = (self.version, {n: sorted(v) for n, v in by_node.items()})
-            return list(self._running[1].get(node, ()))
+            return sorted(i for i in self._on_node.get(node, ())
+                          if self.chunks[i].state == "running" and self.chunks[i].node == node)
+
+    def finished_on(self, node: str) -> tuple[int, float]:
+        """(lines of the chunks `node` finished, its busy seconds over them: the union of those attempts'
+        spans), from that node's chunks only, kept until a change touches the node. The controller's
+        measured rate of the node (`Controller.node_rate`)."""
+        with self._lock:
+            got = self._finished.get(node)
+            if got is None:
+                rows, done = 0, []
+                for i in self._on_node.get(node, ()):
+                    for a in self.chunks[i].attempts:
+                        if a.node == node and a.outcome == "done" and a.ended_at:
+                            rows += self.plan.chunks[i].lines
+                            done.append(a)
+                got = self._finished[node] = (rows, busy_seconds(attempt_spans(done)) if done else 0.0)
+            return got
 
     def pending(self) -> list[int]:
         """Pending chunks in input order (a chunk cut in two has its rest at the end of the list)."""
-        return list(self._pending_now()[0])
+        with self._lock:
+            return [i for _, i in self._pending_keys]
 
     def rows_pending(self) -> int:
-        return self._pending_now()[1]
+        return self._pending_rows
 
     def first_pending(self) -> int | None:
-        """The first pending chunk in input order, without copying the list (`pending` copies ≈ 10,000
-        indices at 1,000 nodes: O(chunks) per decision)."""
-        idx = self._pending_now()[0]
-        return idx[0] if idx else None
-
-    def _pending_now(self) -> tuple[list[int], int]:
-        """(pending chunks in input order, their lines), computed once per change of the state (`version`):
-        sorted afresh per question, each decision cost O(chunks) — 16 ms at 1,000 nodes (10,000 chunks),
-        the bench's third limit."""
+        """The first pending chunk in input order (kept in order change by change: `_index`)."""
         with self._lock:
-            if self._pending[0] != self.version:
-                idx = sorted((i for i, c in self.chunks.items() if c.state == "pending"),
-                             key=lambda i: self.plan.chunks[i].first_line)
-                self._pending = (self.version, idx, sum(self.plan.chunks[i].lines for i in idx))
-            return self._pending[1], self._pending[2]
+            return self._pending_keys[0][1] if self._pending_keys else None
 
     def claim(self, node: str, output_for: Callable[[int], str] | None = None, *, another: bool = False,
               rows: int | None = None, min_rest: int = 0) -> int | None:
@@ -717,15 +744,15 @@ class Assignments:
             mine = self.running_on(node)
             if mine and not another:
                 return mine[0]
-            for i in self._pending_now()[0]:   # not copied: the loop ends at its first chunk
-                c = self.chunks[i]
-                if rows is not None and not c.attempts and \
-                        self.plan.chunks[i].lines - rows > max(1, rows // 4, min_rest):
-                    split_chunk(self.path.parent, self.plan, i, rows, commit=self._cut)
-                if output_for is not None:
-                    self.start(i, node, output_for(i))
-                return i
-            return None
+            i = self.first_pending()
+            if i is None:
+                return None
+            if rows is not None and not self.chunks[i].attempts and \
+                    self.plan.chunks[i].lines - rows > max(1, rows // 4, min_rest):
+                split_chunk(self.path.parent, self.plan, i, rows, commit=self._cut)
+            if output_for is not None:
+                self.start(i, node, output_for(i))
+            return i
 
     def _cut(self, head: Chunk, rest: Chunk) -> None:
         """Record a cut (`split_chunk`'s commit): one line of the log with the head and the rest, O(1)

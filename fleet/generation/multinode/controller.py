@@ -49,7 +49,7 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, FleetError
 from fleet.generation.multinode.chunks import (
-    MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, busy_seconds, chunk_rows_for, chunks_before,
+    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
     merge,
     load_plan, split_input,
 )
@@ -259,7 +259,6 @@ class Controller:
         self.assign: Assignments | None = None
         self.started = time.monotonic()
         self._stop = threading.Event()
-        self._finished: tuple[int, dict[str, tuple[int, float]]] = (-1, {})   # see _finished_by_node
         self._view = RateView(list(nodes))
         for w in nodes.values():
             w.changed = self._view.dirty
@@ -454,31 +453,13 @@ class Controller:
         runner's own rate; None before either. Busy time is the union of the attempts' spans: a chunk
         started early overlaps the one draining, and summing spans counted that overlap twice (a fast
         node of 250-row chunks measured at half its rate, and the slow node then took the last chunk)."""
-        rows, secs = self._finished_by_node().get(name, (0, 0.0))
+        assert self.assign is not None
+        rows, secs = self.assign.finished_on(name)
         if rows and secs > 0:
             return rows / secs
         w = self.nodes.get(name)
         live = float((w.progress or {}).get("rows_per_s") or 0.0) if w is not None and w.chunk is not None else 0.0
         return live or None
-
-    def _finished_by_node(self) -> dict[str, tuple[int, float]]:
-        """Per node: (lines of the chunks it finished, its busy seconds over them), from one pass over
-        the state, kept until the state changes (`Assignments.version`). A pass per node per question
-        made each decision O(nodes × chunks): the first limit the scale bench found."""
-        assert self.assign is not None and self.plan is not None
-        with self.assign._lock:
-            if self._finished[0] == self.assign.version:
-                return self._finished[1]
-            rows: dict[str, int] = {}
-            done: dict[str, list[Attempt]] = {}
-            for i, c in self.assign.chunks.items():
-                for a in c.attempts:
-                    if a.outcome == "done" and a.ended_at:
-                        rows[a.node] = rows.get(a.node, 0) + self.plan.chunks[i].lines
-                        done.setdefault(a.node, []).append(a)
-            out = {n: (rows[n], busy_seconds(attempt_spans(done[n]))) for n in rows}
-            self._finished = (self.assign.version, out)
-            return out
 
     def _free_in(self, name: str, rate: float) -> float:
         """Seconds until node `name` has no chunk left to work, at `rate` (`_rows_left`)."""
@@ -666,9 +647,10 @@ class Controller:
             return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
                              specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
                              **self.store_args(name, index, out))
-        except FleetError as exc:
+        except (FleetError, OSError) as exc:   # a bare OSError is the node unreachable too (`_unreachable`)
             if _unreachable(exc):
-                raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
+                why = exc.one_line() if isinstance(exc, FleetError) else str(exc) or type(exc).__name__
+                raise NodeLost(f"cannot start chunk {index}: {why}") from exc
             raise
 
     def _watch_runner(self, node: Node, name: str, index: int, pid: int, out: str, dest: Path) -> bool:
