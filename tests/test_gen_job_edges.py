@@ -78,7 +78,10 @@ def test_a_wall_clock_step_mid_job_leaves_the_manifests_durations_right(tmp_path
     the monotonic clock left alone, as an NTP step or `date -s` leaves it). The data is exact and
     wall_s, dispatch_s and the throughput stay those of the job (a minute, not a day); the timestamps
     (started_at, finished_at) may show the step."""
-    a = sims("--tokens-per-s", "400", "--max-running-requests", "8")
+    # 50 tokens/s a stream: the job's ~270 rows after the step take ~18 s on an idle machine. At 400 the
+    # whole job took ~2 s, and on a loaded one it ended before this test saw 30 rows: no step (4 runs
+    # beside CPU burners: 1 failed "the step did happen")
+    a = sims("--tokens-per-s", "50", "--max-running-requests", "8")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out"
     rows = write_input(inp, 300)
     job = job_file(tmp_path, inp, out, [a])
@@ -93,6 +96,7 @@ def test_a_wall_clock_step_mid_job_leaves_the_manifests_durations_right(tmp_path
     try:
         wait_until(lambda: (p := progress(out)) and (p.get("rows_done") or 0) >= 30, timeout=120, what="30 rows done")
         stamp.write_text("+1d\n")
+        assert runner.poll() is None, "the job ended before the step: slow its server further"
         rc = runner.wait(timeout=300)
     finally:
         if runner.poll() is None:
