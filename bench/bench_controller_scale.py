@@ -15,7 +15,7 @@ seam — `connect` hands out a FakeNode, and `start_job` starts a FakeRunner on 
 detached runner. A runner reports progress.json at its node's drawn rate (7–8 servers per node,
 ≈ 1 row/s per server: the seed's job, 902,087 rows in 1.5 days on one node), after a runner start of
 8 s; two runners on one node (one started while the other drains) share its capacity, the older
-first. A node loss: every operation raises OSError for a drawn while and its runners die; it
+first. A node loss: every operation raises ConnectionLost (what the SSH seam raises) for a drawn while and its runners die; it
 answers again afterwards and rejoins. The job is on object storage (memory://): each runner
 "puts" its manifest there, as publish.py does, and the controller reads it.
 
@@ -200,7 +200,8 @@ class FakeHost:
 
 
 class FakeNode:
-    """The Node seam for one connection to a FakeHost: every call counted, OSError while it is down."""
+    """The Node seam for one connection to a FakeHost: every call counted, ConnectionLost while it is down
+    (the real SSH node wraps its socket errors so; a bare OSError is a local fault, not the node's)."""
 
     def __init__(self, host: FakeHost, counters: Counters) -> None:
         self.host, self.counters = host, counters
@@ -211,7 +212,9 @@ class FakeNode:
         self.counters.add(f"op:{what}")
         now = self.host.advance()
         if self.host.down(now):
-            raise OSError(f"{self.host.name}: no route to host")
+            from fleet.errors import ConnectionLost
+
+            raise ConnectionLost(f"{self.host.name}: no route to host", host=self.host.name)
         return now
 
     @FAKE_CPU.timed

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from typing import Any
 from uuid import UUID
@@ -274,10 +274,13 @@ class _Taking:
     (`timeout` firing during a busy machine's first steps) made Prefect's handler raise in the
     middle of the request, the lease id was never read, and the slot stayed taken with no record:
     the next command waited ORPHAN_GRACE_S to reclaim it. So during the request a SIGINT/SIGTERM
-    is only noted (the main thread's handlers are swapped for a recorder), and delivered again
-    once the answer is in and its slot given back; and a cleanup registered before the request
-    gives the slot back when the command's shutdown runs first (it waits, within the shutdown's
-    deadline, for the answer in flight)."""
+    is only noted (the main thread's handlers are swapped for a recorder), and acted on once the
+    answer is in and its slot given back — never returning that slot as held; a cleanup registered
+    before the request gives the slot back when the command's shutdown runs first (it waits,
+    within the shutdown's deadline, for the answer in flight); and whatever leaves `hold_nodes`
+    before `_Held` owns the slot gives it back (`give_back`). Every release of the lease, this
+    one's and `_Held`'s, goes through one latch: two releases at once each decremented the limit,
+    freeing another run's slot."""
 
     def __init__(self, names: list[str]) -> None:
         from fleet.interrupt import CLEANUP_DEADLINE_S, on_interrupt
@@ -285,9 +288,9 @@ class _Taking:
         self.lease_id: str | None = None
         self._answered = threading.Event()
         self._answered.set()
-        self._given_back = threading.Lock()
+        self.latch = threading.Lock()   # taken by the one release of the lease (here or `_Held`)
         self._wait_s = CLEANUP_DEADLINE_S * 0.75
-        self._unregister = on_interrupt(f"give back the slot being taken of {', '.join(names)}", self._give_back,
+        self._unregister = on_interrupt(f"give back the slot being taken of {', '.join(names)}", self.give_back,
                                         order=50)
 
     def take(self, client: Any, names: list[str], run_id: str | None) -> str | None:
@@ -298,18 +301,22 @@ class _Taking:
                 self.lease_id = _try_acquire(client, names, run_id)
             finally:
                 self._answered.set()
-        if noted:   # the command is being stopped: give the slot back, then let the signal act
+        handler = handlers.get(noted[0]) if noted else signal.SIG_IGN
+        if handler != signal.SIG_IGN:   # the command is being stopped: give the slot back, then let the signal act
             try:
-                self._give_back()
+                self.give_back()
             finally:
-                _deliver(noted[0], handlers.get(noted[0]))
+                _deliver(noted[0], handler)
+            # its handler did not raise (the command's own: its shutdown ends the process): go no further
+            raise KeyboardInterrupt
         return self.lease_id
 
-    def _give_back(self) -> None:
+    def give_back(self) -> None:
+        """Release the lease taken (or in flight), once; nothing when none was granted."""
         from prefect.client.orchestration import get_client
 
         self._answered.wait(self._wait_s)
-        if self.lease_id is None or not self._given_back.acquire(blocking=False):
+        if self.lease_id is None or not self.latch.acquire(blocking=False):
             return
         with get_client(sync_client=True) as client:   # its own: the main thread may be using its client
             client.release_concurrency_slots_with_lease(UUID(self.lease_id))
@@ -333,8 +340,8 @@ def _signals_noted(noted: list[int]) -> Iterator[dict[int, Any]]:
         yield before
     finally:
         for s, handler in before.items():
-            if handler is not None:   # None: set outside Python, cannot be put back (nor was it Python's)
-                signal.signal(s, handler)
+            # None: set outside Python, cannot be put back; the default then, never the recorder for good
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def _deliver(signum: int, handler: Any) -> None:
@@ -351,10 +358,12 @@ def _deliver(signum: int, handler: Any) -> None:
 class _Held:
     """A lease this process holds, its records, and the heartbeat that keeps both fresh."""
 
-    def __init__(self, names: list[str], holder: Holder, record_ids: dict[str, Any], logger: Any) -> None:
+    def __init__(self, names: list[str], holder: Holder, record_ids: dict[str, Any], logger: Any,
+                 latch: threading.Lock) -> None:
         from fleet.interrupt import on_interrupt
 
         self.names, self.holder, self.record_ids, self.logger = names, holder, record_ids, logger
+        self._latch = latch   # shared with `_Taking`: the lease is released once
         self._stop = threading.Event()
         self._released = threading.Lock()
         self._done = False
@@ -391,7 +400,8 @@ class _Held:
         self._unregister()
         with get_client(sync_client=True) as client:
             try:
-                client.release_concurrency_slots_with_lease(UUID(self.holder.lease_id))
+                if self._latch.acquire(blocking=False):
+                    client.release_concurrency_slots_with_lease(UUID(self.holder.lease_id))
             finally:
                 for var_id in self.record_ids.values():
                     try:
@@ -484,12 +494,14 @@ def hold_nodes(cfg: FleetConfig, *, wait_s: float, purpose: str) -> Iterator[lis
             holder = Holder(run_id=run_id, run_name=run_name, purpose=purpose, host=socket.gethostname(),
                             machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
                             lease_id=lease_id, since=time.time())
-            try:
-                records = _write_records(client, names, holder)
-            except BaseException:
-                client.release_concurrency_slots_with_lease(UUID(lease_id))
-                raise
-        held = _Held(names, holder, records, logger)
+            records = _write_records(client, names, holder)
+        held = _Held(names, holder, records, logger, taking.latch)
+    except BaseException:
+        # anything that leaves before `_Held` owns the slot (a failed record, a Cancel's TerminationSignal
+        # under a worker, where no shutdown cleanup runs) gives it back
+        with suppress(Exception):   # the error that brought us here is the one to report
+            taking.give_back()
+        raise
     finally:
         taking.done()   # from here `held` gives the slot back (also on a Ctrl-C)
     try:

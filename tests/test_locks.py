@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -261,3 +262,53 @@ def test_of_two_runs_reclaiming_one_dead_holder_only_one_frees_its_slot(logs: Lo
         locks._reclaim_dead(c, name, var, h, "its process is gone", log)  # the second, on its stale view
         assert locks._active_slots(c, name) == 1  # still held by the first
         c.release_concurrency_slots_with_lease(taken)
+
+
+class _SignalAsGranted:
+    """A Prefect client whose slot request is answered (the slot granted) and then `signum` lands
+    in this thread, before the caller has read the lease id."""
+
+    def __init__(self, c: Any, signum: int) -> None:
+        self.c, self.signum = c, signum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.c, name)
+
+    def increment_concurrency_slots_with_lease(self, *args: Any, **kwargs: Any) -> Any:
+        answer = self.c.increment_concurrency_slots_with_lease(*args, **kwargs)
+        signal.raise_signal(self.signum)
+        return answer
+
+
+@pytest.mark.parametrize("handler", ["command", "ignored"])
+def test_a_ctrl_c_during_the_slot_request_never_leaves_the_slot_held_by_a_run_going_on(handler: str) -> None:
+    """Fault (review): a Ctrl-C noted while the slot was being granted gave the slot back, then the
+    command's own SIGINT handler (it only starts the shutdown; it raises nothing) returned, and
+    `take` returned the given-back lease: the bring-up went on as the node's holder without the
+    slot, and a second run could take the node beside it. Now a noted signal whose handler does not
+    raise ends the taking with KeyboardInterrupt, the slot free. An ignored SIGINT (a worker started
+    with `nohup … &`) changes nothing: the slot is taken and kept."""
+    name = f"fleet-node-take-{handler}"
+    lease = take_slot(name)   # creates the limit; given back at once: the slot is free for the test
+    with client() as c:
+        c.release_concurrency_slots_with_lease(locks.UUID(lease))
+    def command_handler(signum: int, frame: Any) -> None:   # as fleet/interrupt.py's: starts the shutdown, raises nothing
+        pass
+
+    mine = command_handler if handler == "command" else signal.SIG_IGN
+    before = signal.signal(signal.SIGINT, mine)
+    taking = locks._Taking([name])
+    try:
+        with client() as c:
+            if handler == "command":
+                with pytest.raises(KeyboardInterrupt):
+                    taking.take(_SignalAsGranted(c, signal.SIGINT), [name], None)
+                assert locks._active_slots(c, name) == 0
+            else:
+                lease = taking.take(_SignalAsGranted(c, signal.SIGINT), [name], None)
+                assert lease is not None and locks._active_slots(c, name) == 1
+                c.release_concurrency_slots_with_lease(locks.UUID(lease))
+        assert signal.getsignal(signal.SIGINT) == mine   # put back after the request
+    finally:
+        taking.done()
+        signal.signal(signal.SIGINT, before)

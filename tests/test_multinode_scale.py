@@ -310,13 +310,17 @@ def test_the_faster_node_check_walks_only_faster_nodes_and_answers_as_finishes_f
     assert sorted(looked) == [f"n{i:03d}" for i in range(51, 100)]
 
 
-def test_a_node_unreachable_while_its_chunk_starts_is_lost_not_the_jobs_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["node-unreachable", "controller-disk"])
+def test_a_node_unreachable_while_its_chunk_starts_is_lost_not_the_jobs_end(tmp_path: Path, fault: str) -> None:
     """The 1,000-node device bench of main at 745b189: a node's outage began between its connect and its
-    runner's start; the transport's bare OSError passed `_start_chunk` (which made a NodeLost of a
-    FleetError only, though `_unreachable` counts an OSError as the node unreachable), left node_loop
-    and ended the whole job after 7 s. Now it is that node lost: node_loop takes it as such, and the
-    chunk stays in the queue for another node."""
+    runner's start, and the job ended after 7 s — the bench's fake node raised a bare OSError, which
+    the real SSH seam never does (it raises ConnectionLost). The fake now raises what the seam does;
+    this holds the contract: a node unreachable while its chunk starts is that node lost, and the
+    chunk stays in the queue for another node. A bare OSError there is the controller's own (its
+    disk full, the store refusing access): not a node lost (it would be lost again at each rejoin,
+    for ever) but the error itself, which ends the job with its cause."""
     from fleet.config import FleetConfig
+    from fleet.errors import ConnectionLost
     from fleet.generation.multinode.controller import Controller, NodeLost, NodeWork
 
     src = tmp_path / "in.jsonl"
@@ -326,13 +330,16 @@ def test_a_node_unreachable_while_its_chunk_starts_is_lost_not_the_jobs_end(tmp_
     ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {n: NodeWork(n, []) for n in ("a", "b")})
     ctl.prepare(str(src))
     assert ctl.assign is not None
+    exc: Exception = (ConnectionLost("a: no route to host", host="a") if fault == "node-unreachable"
+                      else OSError(28, "No space left on device"))
 
-    def unreachable(*a: Any, **kw: Any) -> Any:
-        raise OSError("a: no route to host")
+    def failing(*a: Any, **kw: Any) -> Any:
+        raise exc
 
-    ctl._put_input = unreachable   # type: ignore[method-assign]
+    ctl._put_input = failing   # type: ignore[method-assign]
     first = ctl.assign.first_pending()
     assert first is not None
-    with pytest.raises(NodeLost, match="no route to host"):
+    with pytest.raises(NodeLost if fault == "node-unreachable" else OSError) as info:
         ctl.run_chunk("a", first)
+    assert isinstance(info.value, NodeLost) == (fault == "node-unreachable")
     assert ctl.assign.first_pending() == first and not ctl.assign.running_on("a")

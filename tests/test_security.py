@@ -733,3 +733,20 @@ def test_store_credentials_reach_a_runner_only_through_its_env_file(tmp_path: Pa
     assert not {"HF_TOKEN", "FLEET_GCS_CREDENTIALS_JSON", "STORAGE_EMULATOR_HOST"} & set(env)   # an s3:// job
     assert env2["HF_TOKEN"] == hf_token and key_line in env2["FLEET_GCS_CREDENTIALS_JSON"]
     assert not {"AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"} & set(env2)   # hf:// in, gs:// out
+
+
+@pytest.mark.parametrize("content", ["export A='1'\nif then\n", "export A='1'\nexit 3\n"], ids=["syntax-error", "exits"])
+def test_an_env_file_the_launch_shell_fails_on_is_removed_all_the_same(tmp_path: Path, content: str) -> None:
+    """Fault: the launch shell removed its 0600 env file (API keys, store credentials) only after
+    sourcing it: a file it failed on (`. file || exit 96`; a POSIX shell also exits at once on an
+    error inside a dot script) stayed on the node with its secrets. Now it is unlinked as soon as
+    it is opened, before a line of it is read; the launch fails and starts nothing."""
+    from fleet.node.scripts import LAUNCH
+
+    envfile, pidfile, log = tmp_path / "p.pid.env", tmp_path / "p.pid", tmp_path / "p.log"
+    envfile.write_text(content + "export SECRET='sk-left-behind'\n")
+    envfile.chmod(0o600)
+    r = subprocess.run(["sh", "-c", LAUNCH, "fleet-launch", str(pidfile), str(log), str(tmp_path), str(envfile),
+                        "--", "sh", "-c", f"echo started > {tmp_path / 'ran'}"], capture_output=True, timeout=30)
+    assert r.returncode != 0
+    assert not envfile.exists() and not (tmp_path / "ran").exists() and not pidfile.exists()

@@ -126,8 +126,11 @@ def test_stopped_launch_shell_during_a_relaunch_is_retried_and_the_job_ends(tmp_
     from test_gen_runner import progress, result_ids, sim_fleet, wait_for, write_input
 
     bin_dir, arm, victim = _stopping_mkdir(tmp_path)
-    cfg = sim_fleet(tmp_path, port_block(2), 2, extra_args_by_index={0: ["--max-running-requests", "1",
-                                                                         "--tokens-per-s", "24"]})
+    # Server 1 slow enough that rows are left when it is killed: at the fleet's 600 tokens/s x 8 it
+    # served all 160 in ~2 s, and on a loaded machine the job had ended before the kill (no relaunch)
+    cfg = sim_fleet(tmp_path, port_block(2), 2, extra_args_by_index={
+        0: ["--max-running-requests", "1", "--tokens-per-s", "24"],
+        1: ["--max-running-requests", "4", "--tokens-per-s", "60"]})
     data = cfg.model_dump()
     data["engine"]["env"] = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     cfg = FleetConfig(**data)

@@ -174,6 +174,8 @@ class Node(abc.ABC):
                 # pid and start time), so that no late start races the retry of this launch.
                 if len(started) == 2 and all(p.isdigit() for p in started):
                     self.run(["sh", "-c", KILL_STARTED, "fleet-kill", *started], check=False, timeout=30)
+                if env_file:   # a shell stopped before it opened its env file: the secrets go with it
+                    self.run(["rm", "-f", "--", env_file], check=False, timeout=30)
                 raise CommandFailed(f"detached process wrote no pid file within {PID_FILE_TIMEOUT_S:g} s "
                                     f"(launch shell {started[0] if started else '?'} killed)", host=self.host,
                                     command=argv, stderr=self.read_text(log_path, tail_bytes=4000),

@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = ["ALIVE", "DETACH", "KILL_STARTED", "LAUNCH", "READ_PID", "STATE", "STOP", "WATCH", "WRITE"]
 
 # Started (by DETACH) as: setsid sh -c LAUNCH fleet-launch PIDFILE LOGFILE CWD ENVFILE -- ARGV...
-# The environment comes from ENVFILE (0600, written through stdin, removed once read), never
+# The environment comes from ENVFILE (0600, written through stdin, removed once opened), never
 # from argv: `setsid sh -c … K=V` put every value (API keys, HF tokens) in /proc/*/cmdline,
 # which every local user can read. The shell writes its own pid and start time (== the
 # session and process group, thanks to setsid) to the pid file, then execs the command with
@@ -21,8 +21,10 @@ pidfile=$1; log=$2; cwd=$3; envfile=$4; shift 4
 um=$(umask)
 umask 077
 if [ -n "$envfile" ]; then
-  set -a; . "$envfile" || exit 96; set +a
-  rm -f -- "$envfile"
+  exec 3<"$envfile" || exit 96
+  rm -f -- "$envfile"   # gone before it is read: a file the shell fails on is not left with its secrets
+  set -a; . /dev/fd/3 || exit 96; set +a
+  exec 3<&-
 fi
 mkdir -p -- "$(dirname -- "$pidfile")"
 cd -- "$cwd" || exit 97

@@ -647,10 +647,11 @@ class Controller:
             return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
                              specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
                              **self.store_args(name, index, out))
-        except (FleetError, OSError) as exc:   # a bare OSError is the node unreachable too (`_unreachable`)
+        except FleetError as exc:   # the seam's: a node that cannot be reached is lost. A bare OSError is
+            # the controller's own (its disk, the store's refusal): a node lost for it would be lost again
+            # at each rejoin, for ever; it ends the job with its cause instead.
             if _unreachable(exc):
-                why = exc.one_line() if isinstance(exc, FleetError) else str(exc) or type(exc).__name__
-                raise NodeLost(f"cannot start chunk {index}: {why}") from exc
+                raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
             raise
 
     def _watch_runner(self, node: Node, name: str, index: int, pid: int, out: str, dest: Path) -> bool:
