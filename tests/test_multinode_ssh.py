@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -94,13 +95,19 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
             before = sshd.session_pids()
             os.kill(sshd.pid, signal.SIGSTOP)        # new connections hang ...
             stopped = True
-            for pid in before:
+            # the sessions listed before and after the SIGSTOP: one forked in between would keep serving
+            for pid in before | sshd.session_pids():
                 try:
                     os.kill(pid, signal.SIGKILL)      # ... and the open ones drop
                 except ProcessLookupError:
                     pass
-            wait_until(lambda: ctl.assign.nodes.get("remote", {}).get("state") == "lost",  # type: ignore[union-attr]
-                       timeout=120, what="the controller to mark the node lost")
+            try:
+                wait_until(lambda: ctl.assign.nodes.get("remote", {}).get("state") == "lost",  # type: ignore[union-attr]
+                           timeout=120, what="the controller to mark the node lost")
+            except BaseException:   # where the node's thread is: the cause the next time (timed out at load 11-14)
+                frame = sys._current_frames().get(th.ident or -1)
+                print("node_loop thread:\n" + "".join(traceback.format_stack(frame)) if frame else "node_loop gone")
+                raise
             assert ctl.assign.chunks[chunk].state == "pending"
             os.kill(sshd.pid, signal.SIGCONT)        # SSH is back
             stopped = False
