@@ -36,6 +36,9 @@ pytestmark = pytest.mark.prefect
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# A wait on the Prefect server asks it every half second, not every 20 ms (wait_until's default): each
+# request costs the server and this process CPU (at 20 ms, up to 50 requests a second for minutes).
+API_POLL_S = 0.5
 
 
 
@@ -122,7 +125,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
             return False
 
     try:   # a server that never answers is stopped too (it outlived the failed test run before)
-        poll(healthy, timeout=300, what="prefect server /api/health")   # ≈ 5–10 s idle; 84 s seen at load 13
+        poll(healthy, timeout=300, interval=API_POLL_S, what="prefect server /api/health")   # ≈ 5–10 s idle; 84 s seen at load 13
         yield PrefectServer(api=api, home=home, env=env)
     finally:
         stop_group(proc)
@@ -187,7 +190,7 @@ def deployed(prefect_server: PrefectServer, hook: Hook) -> Iterator[PrefectServe
     worker = subprocess.Popen([PY, "-m", "prefect", "worker", "start", "--pool", "fleet-pool"], cwd=ROOT, env=s.env,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     poll(lambda: worker.poll() is None and s.post("/work_pools/fleet-pool/workers/filter", {}), timeout=60,
-         what="the worker to register with fleet-pool")
+         interval=API_POLL_S, what="the worker to register with fleet-pool")
     try:
         yield s
     finally:
@@ -231,7 +234,7 @@ def run_deployment(s: PrefectServer, name: str, *params: str, timeout: float = 1
     """`start_deployment`, then the flow run once it has ended (what `--watch` waits for)."""
     run_id = start_deployment(s, name, *params)["id"]
     return poll(lambda: (fr := s.get(f"/flow_runs/{run_id}"))["state"]["type"] in FINAL and fr,
-                timeout=timeout, interval=0.5, what=f"the {name} run to end")
+                timeout=timeout, interval=API_POLL_S, what=f"the {name} run to end")
 
 
 def cancel_flow_run(s: PrefectServer, run_id: str) -> None:
@@ -355,7 +358,8 @@ def test_failed_bringup_under_a_worker_logs_its_message_not_an_engine_traceback(
         msg = fr["state"]["message"]
         assert msg.startswith("1 server(s) up; 1 failed: local server 1") and "Not enough memory" in msg
         # The worker emits this once the run's process has ended and its output is in the log.
-        (done,) = poll(lambda: executed_events(s, fr["id"]), timeout=60, what="the worker's executed-flow-run event")
+        (done,) = poll(lambda: executed_events(s, fr["id"]), timeout=60, interval=API_POLL_S,
+                       what="the worker's executed-flow-run event")
         status = {r["prefect.resource.role"]: r for r in done["related"]}["flow-run"]
         assert status["prefect.infrastructure.status-code"] == "0", done
         out = worker_log.read_text()[seen:]
@@ -467,7 +471,8 @@ def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServ
             runs = s.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": ["revalidate-dep-late"]}}})
             return next((r for r in runs if r["state"]["type"] == "FAILED"), None)
 
-        run = poll(first_run_ended, timeout=180, what="the schedule's first revalidate run to end Failed")
+        run = poll(first_run_ended, timeout=180, interval=API_POLL_S,
+                   what="the schedule's first revalidate run to end Failed")
         assert run["auto_scheduled"]  # created by the schedule, not by hand
         events = s.post("/events/filter", {"filter": {"event": {"name": ["prefect.flow-run.Scheduled"]},
                                                       "resource": {"id": [f"prefect.flow-run.{run['id']}"]}}})

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import free_port, port_block, seed_prefect_home
+from conftest import compile_sources, free_port, port_block, seed_prefect_home
 from conftest import wait_until as poll
 from test_deployments import stop_group
 from test_generate_flow import prompts, shard_ids
@@ -49,6 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent   # the test run's venv (not resolved: a venv's python is a link)
 ACTIONS = ("bringup", "revalidate", "generate", "teardown")
 ROWS = 40
+# A wait on the Prefect server asks it every half second, not every 20 ms (wait_until's default): each
+# request costs the server and this process CPU that the suite's other tests are waiting for.
+API_POLL_S = 0.5
 
 
 def readme_block(heading: str) -> list[str]:
@@ -172,7 +175,7 @@ def start_server(c: Clone, line: str) -> None:
         except httpx.HTTPError:
             return False
 
-    poll(healthy, timeout=180, what="prefect server /api/health")   # ≈ 5–10 s idle; minutes at load 12
+    poll(healthy, timeout=180, interval=API_POLL_S, what="prefect server /api/health")   # ≈ 5–10 s idle; minutes at load 12
 
 
 @pytest.fixture
@@ -195,10 +198,14 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
                PREFECT_WORKER_QUERY_SECONDS="2", PREFECT_RUNNER_POLL_FREQUENCY="2")
     c = Clone(root, tmp, env)
     (tmp / "elsewhere").mkdir()
-    where = subprocess.run(["python", "-c", "import fleet, flows, tasks, blocks; "
-                            "print('\\n'.join(m.__file__ for m in (fleet, flows, tasks, blocks)))"],
+    # where the clone's environment finds each package (find_spec: the file `import` would run, without
+    # running it: importing `flows` imports Prefect, ≈ 2–3 s of CPU for a path)
+    where = subprocess.run(["python", "-c", "import importlib.util; print('\\n'.join("
+                            "importlib.util.find_spec(m).origin for m in ('fleet', 'flows', 'tasks', 'blocks')))"],
                            cwd=tmp / "elsewhere", env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(f).is_relative_to(root) for f in where), f"the clone's env imports {where}, not {root}"
+    assert len(where) == 4 and all(Path(f).is_relative_to(root) for f in where), \
+        f"the clone's env imports {where}, not {root}"
+    compile_sources(root)   # as the checkout's (conftest.compile_sources): each process would compile them again
     try:
         start_server(c, README_DEPLOY[1])
         yield c
@@ -211,7 +218,7 @@ def start_worker(c: Clone) -> None:
     """README's `prefect worker start --pool fleet-pool`, from an unrelated directory; registered."""
     worker = start(c, README_DEPLOY[4], cwd=c.tmp / "elsewhere", log="worker.log", sigints=2)
     poll(lambda: worker.poll() is None and c.api("/work_pools/fleet-pool/workers/filter", {}), timeout=90,
-         what="the worker to register with fleet-pool")
+         interval=API_POLL_S, what="the worker to register with fleet-pool")
 
 
 def teardown_all(c: Clone, *names: str) -> None:
@@ -309,7 +316,7 @@ def test_readme_serve_on_a_fresh_clone(clone: Clone) -> None:
             pytest.fail(f"flows.serve exited {serve.returncode}:\n{(c.tmp / 'serve.log').read_text()[-3000:]}")
         return len([d for d in c.api("/deployments/filter", {}) if d["name"] in ACTIONS]) == 4
 
-    poll(served, timeout=120, what="flows.serve to register its four deployments")
+    poll(served, timeout=120, interval=API_POLL_S, what="flows.serve to register its four deployments")
     try:
         walk_generic(c, "prefect deployment run fleet/bringup --watch", "serve-sim")
     except BaseException:
