@@ -294,3 +294,35 @@ def test_a_claim_left_by_a_killed_controller_does_not_refuse_its_successor(tmp_p
         assert not h.attached and json.loads((jdir / "job.json").read_text())["input"] == str(inp)
     finally:
         node.stop(h.pid, grace_s=2)
+
+
+def test_a_long_end_of_a_run_keeps_its_progress_moving_and_never_reverts_it(tmp_path: Path) -> None:
+    """Fault (fresh-clone CI): a chunk's runner, its rows done, spent over 20 s in its end (the data
+    checks, the upload of its shards to the store on a busy machine) with progress.json untouched —
+    the ticker had stopped — and the multi-node controller took it for a stalled runner: node lost,
+    the finished chunk run again elsewhere. During the end progress.json is rewritten with a fresh
+    updated_at; the final progress, once written, is the one rewritten (never an older state); after
+    the end nothing writes it any more."""
+    from fleet.generation.job.jobspec import JobSpec
+    from fleet.generation.job.progress import Progress
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = JobSpec(config={"name": "t"}, input=str(tmp_path / "in.jsonl"), output=str(out), servers=[])
+    prog = Progress(job, store=None, started_at=time.time())
+    path = out / "progress.json"
+
+    def stamp() -> float:
+        return float(json.loads(path.read_text())["updated_at"])
+
+    prog.put({"state": "running", "rows_done": 10, "updated_at": 1.0})
+    with prog.beating(0.05):
+        wait_until(lambda: stamp() > 1.0, timeout=60, what="a beat")   # no row moves, the file does
+        prog.put({"state": "done", "rows_done": 12, "updated_at": 2.0})   # the final progress
+        wait_until(lambda: stamp() > 2.0, timeout=60, what="a beat after the final write")
+        assert json.loads(path.read_text())["state"] == "done"
+    last = path.read_text()
+    assert json.loads(last)["state"] == "done" and json.loads(last)["rows_done"] == 12
+    import threading
+
+    assert not any(t.name == "fleet-progress-beat" for t in threading.enumerate())   # joined: nothing writes it now

@@ -166,18 +166,19 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
 
         idx = _wait(first, log1, frozen_mid_chunk, "the slow node to put shards in the store, caught mid-chunk")
 
-        def taken_over() -> bool:
-            st = acknowledged_state(out, tmp_path / "peek")   # the store's copy: what a next controller reads
-            c = (st or {}).get("chunks", {}).get(str(idx), {})
-            return c.get("state") == "running" and c.get("node") == "fast"
-
-        _wait(first, log1, taken_over, "the lost node's chunk to start on the other node")
-
-        def seeded_takeover() -> bool:   # its runner starts from the lost node's shards in the store
+        def seeded_takeover() -> bool:
+            """The chunk handed to the other node, whose runner starts from the lost node's shards in the
+            store. Read from this machine's copy of the state and the node's job files: cheap, so the
+            controller is killed mid-job — the store's copy, read after the kill, must say the same. Polling
+            the store's copy here (a dozen reads a look, on a loaded machine) let the takeover end, and the
+            job with it, before a look saw it running (seen here at load 10-14)."""
+            c = ((plan_state(state_home) or ({}, {}))[1]).get("chunks", {}).get(str(idx), {})
+            if c.get("node") != "fast" or c.get("state") not in ("running", "done"):
+                return False
             jobs = [json.loads(p.read_text()) for p in (tmp_path / "work-fast").glob("jobs/*/job.json")]
             return any(j["output"].endswith(f"chunk-{idx:05d}") and j["seed"] for j in jobs)
 
-        _wait(first, log1, seeded_takeover, "the takeover's runner, seeded from the store")
+        _wait(first, log1, seeded_takeover, "the lost node's chunk to start on the other node, seeded from the store")
     finally:
         try:
             os.killpg(first.pid, signal.SIGKILL)
@@ -189,6 +190,9 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+    # the store's copy (what a next controller reads) had the takeover before its runner started
+    c = (acknowledged_state(out, tmp_path / "peek") or {}).get("chunks", {}).get(str(idx), {})
+    assert c.get("node") == "fast" and c.get("state") in ("running", "done"), c
     log2 = tmp_path / "second.log"
     _run_to_end(_cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log2), log2)   # type: ignore[arg-type]
     pdir, st = plan_state(state_home)  # type: ignore[misc]

@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,8 @@ class Progress:
         self.rows_total: int | None = None
         self.started_at = started_at
         self.path = Path(job.output) / PROGRESS_FILE
+        self._lock = threading.Lock()   # the writes and the end's heartbeat
+        self._last: dict[str, Any] | None = None
 
     def build(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
         snap = disp.snapshot()
@@ -71,8 +76,44 @@ class Progress:
 
     def write(self, disp: Dispatcher, state: str | None = None) -> dict[str, Any]:
         data = self.build(disp, state)
-        write_json_atomic(self.path, data, sync=False)
+        self.put(data)
         return data
+
+    def put(self, data: dict[str, Any]) -> None:
+        """Write `data` as progress.json; the end's heartbeat rewrites this, never an older one."""
+        with self._lock:
+            write_json_atomic(self.path, data, sync=False)
+            self._last = data
+
+    @contextmanager
+    def beating(self, every_s: float) -> Iterator[None]:
+        """For the run's end (its data checks, the last commit, the upload of its shards to a store):
+        the last progress rewritten every `every_s` with a fresh updated_at. The ticker has stopped by
+        then, and a multi-node controller took an end longer than node_lost_s (a chunk's upload on a
+        busy machine, 21 s) for a stalled runner: its node lost, its finished chunk run again
+        elsewhere. A frozen runner (SIGSTOP) beats no more; each step of the end is bounded on its own
+        (the store client's timeouts)."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                with self._lock:
+                    if self._last is None:
+                        continue
+                    data = {**self._last, "updated_at": time.time()}
+                    try:
+                        write_json_atomic(self.path, data, sync=False)
+                    except OSError:   # a full disk, the output removed: the end reports those itself
+                        continue
+                    self._last = data
+
+        t = threading.Thread(target=beat, name="fleet-progress-beat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(timeout=every_s + 5)
 
     @staticmethod
     def line(p: dict[str, Any]) -> str:

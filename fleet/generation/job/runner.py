@@ -66,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig
 from fleet.generation.hotpath.dispatch import Dispatcher
-from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.job.failures import (
     Failure,
     GuardedStore,
@@ -453,7 +452,7 @@ class _Run:
             try:
                 write_manifest(self.out, manifest)
                 # last: a watcher that sees the final state finds the manifest already there
-                write_json_atomic(self.progress.path, final, sync=False)
+                self.progress.put(final)
                 break
             except OSError as exc:
                 if attempt == 0 and self.reserve is not None:
@@ -500,8 +499,9 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
     try:
         run.prepare()
         summary = await run.dispatch(install_signals=install_signals, console=console)
-        state, reason, counts = await run.finish(summary, console=console)
-        await run.publish(state)
+        with run.progress.beating(job.progress_interval_s):   # the end can outlast a watcher's patience
+            state, reason, counts = await run.finish(summary, console=console)
+            await run.publish(state)
     finally:
         run.close()
     return run.exit_code(state, reason, counts, exit_file, console=console)
