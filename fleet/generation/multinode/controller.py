@@ -15,7 +15,8 @@ node committed survives the node. A chunk ends:
 - failed: the runner exited without finishing (killed, crashed); the chunk goes back to the
   queue (resume on whichever node claims it next), at most `MAX_FAILED_ATTEMPTS` times;
 - lost: the node did not answer, or its runner's progress file stopped changing, or none of
-  its servers was up, for `node_lost_s`. The chunk goes back to the queue at once; the next
+  its servers was up, for `node_lost_s` (a runner that has not written its first progress yet
+  gets `runner_start_s`: `RunnerLiveness`). The chunk goes back to the queue at once; the next
   attempt on another node starts from the shards gathered from the lost one (copied into its
   output directory, so the runner's own resume skips those ids). The lost node is probed
   every `probe_s`; when it answers again it rejoins and claims chunks like the others.
@@ -658,7 +659,7 @@ class Controller:
         """Follow the chunk's runner until it exits (True) or the controller stops (False): its
         progress read every `poll_s`, shards gathered every `fetch_every_s`, the next chunk started
         while this one drains. NodeLost when the node, the runner or all its servers stop answering
-        for `node_lost_s`."""
+        for `node_lost_s`, or the runner writes no first progress within `runner_start_s`."""
         from fleet.generation.job.remote import read_progress
 
         work = self.nodes[name]
