@@ -46,6 +46,11 @@ The other formats keep every row (their consumers read the `flags` column, or no
 Side files that would be empty are not written (an older one is removed). The summary
 (`ExportSummary`) goes into the job's manifest under ``exports`` (keyed by the destination).
 
+**An export that would be empty fails** (`InputError`, `fleet export` exits 2) with the reason and
+what to do — every row without token ids for ``speculators-tokens``, every row flagged, refused by
+the format or none completed — instead of handing a trainer an empty file. The side files (where
+the reasons are) are written; DEST is not (an older one is removed: it described another export).
+
 The destination is written to DEST.tmp, fsync'd and renamed: a reader never sees half a
 file. A destination ending in ``.gz`` is gzip-compressed.
 """
@@ -60,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fleet.errors import InputError
 from fleet.generation.data.durable import fsync
 from fleet.generation.data.gates import GATES
 from fleet.generation.data.jsonl import dumps, loads
@@ -307,7 +313,7 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     # the side files this format has (only those: a jsonl export leaves a specforge one's alone)
     sides = {k: _Atomic(side_path(dest, k) if on else None, keep_empty=False)
              for k, on in (("flagged", trainer), ("skipped", trainer), ("error", spec))}
-    with _Atomic(dest) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
+    with _Atomic(dest, keep_empty=False) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
         for batch in iter_results(out_dir):
             for r in batch.to_pylist():
                 recs, ok = convert(r)
@@ -329,8 +335,43 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     if named is not None:
         summary.dest = named
         summary.files = {k: f"{named.rpartition('/')[0]}/{Path(v).name}" for k, v in summary.files.items()}
+    if summary.rows == 0:
+        raise _empty(out_dir, fmt, summary)
     _record(out_dir, summary)
     return summary
+
+
+def _empty(out_dir: str | Path, fmt: str, s: ExportSummary) -> InputError:
+    """Why this export would write nothing, and what to do about it (one line)."""
+    what = f"--format {fmt} of {out_dir} would write an empty file"
+    skipped = f" -> {s.files['skipped']}" if "skipped" in s.files else ""
+    if fmt == "speculators-tokens" and s.skipped:
+        try:
+            gen = ((read_manifest(out_dir) or {}).get("config") or {}).get("generation") or {}
+        except (OSError, ValueError):
+            gen = {}
+        if gen.get("return_token_ids"):
+            return InputError(f"{what}: the engine returned no token ids for any of its {s.skipped} row(s), although "
+                              f"generation.return_token_ids was set{skipped}",
+                              remedy="generate again with an engine that returns them (vLLM's return_token_ids), "
+                                     "into a new --output; or export --format speculators (conversations, no ids)")
+        # Completed rows are never sent again: --retry-errors re-sends only failed rows, and the same
+        # --output refuses a changed generation setting (validate.decide), so only a new job has the ids.
+        return InputError(f"{what}: its {s.skipped} row(s) have no token ids (the job ran without "
+                          f"generation.return_token_ids){skipped}",
+                          remedy="set generation.return_token_ids = true (an engine that honours it, e.g. vLLM) "
+                                 "and generate into a new --output: this one's rows are done and keep no ids "
+                                 "(--retry-errors re-sends failed rows only); or export --format speculators")
+    if s.flagged_left_out and not s.skipped:
+        return InputError(f"{what}: all {s.flagged_left_out} row(s) carry a quality flag "
+                          f"({', '.join(sorted(s.left_out_by_flag))}) -> {s.files.get('flagged')}",
+                          remedy="--keep-flagged [FLAG,...] keeps them, if they are fit to train on")
+    if s.skipped or s.flagged_left_out:
+        return InputError(f"{what}: {s.skipped} row(s) refused by the format{skipped}, "
+                          f"{s.flagged_left_out} flagged", remedy=f"read the reasons in the skipped file; "
+                          "--format jsonl keeps every field of every row")
+    return InputError(f"{what}: the job holds no completed row", remedy="run the job (fleet generate) until rows "
+                      "complete; errors.jsonl says why rows failed, and --retry-errors sends them again")
 
 
 def _trailers(out_dir: str | Path, fmt: str, f: Any, error: Any, skipped: Any, summary: ExportSummary) -> None:
