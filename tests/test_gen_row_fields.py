@@ -322,3 +322,68 @@ def test_tool_calls_of_role_content_conversations_survive_fleet_generate_and_fle
     spec = exported("speculators")
     assert spec["conversations"][:4] == sent and spec["conversations"][4]["role"] == "assistant"
     assert spec["tools"] == _TOOLS
+
+
+# ---------------------------------------------------------------------------- the pure parts
+
+
+def test_a_stored_message_gives_back_what_its_typed_columns_cannot_hold() -> None:
+    """A tool call with an integer id, arguments as an object or a key of its own, a non-text name,
+    a message key named like a column of the schema's own ("extra", "content_parts"): each comes back
+    as given (an integer id broke the shard's write; the others were trimmed)."""
+    from fleet.generation.data.schema import message_from_arrow, message_to_arrow
+
+    msgs = [
+        {"role": "assistant", "tool_calls": [{"id": 7, "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+                                             {"id": "c2", "function": {"name": "g", "arguments": "{}"}, "index": 0}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok", "name": {"tool": "g"}, "extra": {"x": 1},
+         "content_parts": [1]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "weight": 0},
+    ]
+    for m in msgs:
+        assert message_from_arrow(message_to_arrow(m)) == m
+    typed = message_to_arrow(msgs[0])["tool_calls"]
+    assert typed[0]["id"] == "7" and typed[0]["function"]["arguments"] == '{"a":1}', typed
+
+
+def test_a_turn_spelled_both_ways_with_two_values_is_refused_not_halved(tmp_path: Path) -> None:
+    """A turn with both "value" and "content" (or "from" and "role") that differ would lose one of them:
+    the row is a reject that says so; the same value twice is one turn."""
+    inp = tmp_path / "in.jsonl"
+    rows = [{"id": "two", "conversations": [{"from": "human", "value": "a", "content": "b"}]},
+            {"id": "same", "conversations": [{"from": "human", "role": "human", "value": "a", "content": "a"}]}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = {x.id: x for x in iter_input(inp, CFG)}
+    assert isinstance(got["two"], Reject) and "both 'value' and 'content', and they differ" in got["two"].reason
+    assert isinstance(got["same"], Request) and got["same"].messages == [{"role": "user", "content": "a"}]
+
+
+def test_sharegpt_refuses_a_message_field_named_like_its_own_keys(tmp_path: Path) -> None:
+    """A message with its own `value` field cannot sit in a ShareGPT turn (it would overwrite the text):
+    the row goes to DEST_skipped.jsonl naming the turn and the field; the others are written."""
+    with ResultStore(tmp_path / "out") as s:
+        for rid, extra in (("clash", {"value": 3}), ("fine", {"weight": 1})):
+            s.add_result({"id": rid, "messages": [{"role": "user", "content": "q", **extra}], "completion": "a",
+                          "finish_reason": "stop"})
+    dest = tmp_path / "s.jsonl"
+    assert export(tmp_path / "out", "sharegpt", dest).skipped == 1
+    assert [ln["conversations"][0] for ln in _lines(dest)] == [{"from": "human", "value": "q", "weight": 1}]
+    (skip,) = _lines(side_path(dest, "skipped"))
+    assert skip["id"] == "clash" and skip["error"].startswith("turn 1 (user): the message's own field 'value'")
+
+
+def test_an_export_of_only_flagged_rows_fails_and_names_keep_flagged(tmp_path: Path) -> None:
+    """issue 34 item 4, the other empty case: every row flagged leaves a trainer nothing; the export says
+    which flags and that --keep-flagged keeps them, and writes the flagged side file only."""
+    from fleet.cli import main
+
+    with ResultStore(tmp_path / "out") as s:
+        s.add_result({"id": "cut", "messages": [{"role": "user", "content": "q"}], "completion": "half",
+                      "finish_reason": "length", "flags": ["truncated"]})
+    dest = tmp_path / "train.jsonl"
+    with pytest.raises(InputError, match=r"all 1 row\(s\) carry a quality flag \(truncated\)") as err:
+        export(tmp_path / "out", "speculators", dest)
+    assert "--keep-flagged" in str(err.value.remedy) and not dest.exists()
+    assert [ln["id"] for ln in _lines(side_path(dest, "flagged"))] == ["cut"]
+    assert main(["export", str(tmp_path / "out"), "--format", "speculators", "-o", str(dest),
+                 "--keep-flagged"]) == 0 and [ln["id"] for ln in _lines(dest)] == ["cut"]
