@@ -313,7 +313,9 @@ def test_tool_calls_of_role_content_conversations_survive_fleet_generate_and_fle
         return lines[0]
 
     sent = _TOOL_TURNS[:-1]
-    assert exported("jsonl")["messages"] == sent
+    stored = exported("jsonl")["messages"]
+    assert stored[2].get("tool_calls") == _CALL and stored[3].get("tool_call_id") == "call_1", stored
+    assert stored == sent
     share = exported("sharegpt")
     assert share["conversations"][2:4] == [
         {"from": "gpt", "value": "", "tool_calls": _CALL},
