@@ -112,5 +112,5 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
 
 def _server_rows(p: dict[str, Any]) -> list[dict[str, Any]]:
     keys = ["name", "state", "requests", "completion_tokens", "tok_s", "errors", "in_flight", "accept_len",
-            "restarts", "down_reason"]
+            "restarts", "readmissions", "down_reason"]
     return [{k: s.get(k) for k in keys} for s in p.get("servers", [])]

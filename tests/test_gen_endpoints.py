@@ -175,7 +175,11 @@ def test_an_openai_only_endpoint_that_goes_away_and_comes_back_is_readmitted_row
     manifest = json.loads((out / "manifest.json").read_text())
     final = next(s for s in json.loads((out / "progress.json").read_text())["servers"]
                  if s["name"] == "endpoint/standin")
-    assert final["downs"] >= 1 and final["restarts"] >= 1 and final["requests"] > done_while_away, final
+    assert final["downs"] >= 1 and final["requests"] > done_while_away, final
+    # issue 34: fleet did not start it and restarted nothing: a re-admission, not a restart
+    assert final["restarts"] == 0 and final["readmissions"] >= 1, final
+    (recorded,) = manifest["servers"]
+    assert recorded["restarts"] == 0 and recorded["readmissions"] >= 1, recorded
     assert final["progress"] == "stream", final   # no /metrics: its streamed chunks are the progress
     assert final["concurrency"] == 8, final
     assert manifest["counts"]["completed"] == 240 and not manifest["counts"].get("errors"), manifest["counts"]

@@ -200,7 +200,7 @@ MALFORMED = [
     ({"id": "m11", "messages": [{"role": "assistant", "tool_calls": [{"function": {}}]},
                                 {"role": "user", "content": "q"}]}, "m11", "needs function.name"),
     ({"id": "m12", "conversations": [{"from": "alien", "value": "x"}]}, "m12", "bad role 'alien'"),
-    ({"id": "m13", "conversations": [{"from": "human", "value": ["x"]}]}, "m13", "value must be a string"),
+    ({"id": "m13", "conversations": [{"from": "human", "value": ["x"]}]}, "m13", "item 0 is not a content part"),
     ({"id": "m14", "conversations": [{"from": "gpt", "value": "only an answer"}]}, "m14", "empty conversations"),
 ]
 

@@ -341,7 +341,7 @@ def fleet_generate(capsys, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "empty", "csv", "blank", "output-is-a-file",
-                                  "output-not-empty", "relative-missing"])
+                                  "output-not-empty", "relative-missing", "output-cannot-be-created"])
 def test_generate_validates_input_and_output_before_any_server_starts(tmp_path: Path, capsys, monkeypatch,
                                                                       case: str) -> None:
     """Fault: a wrong --input was found only after the bring-up (exit 1), an empty file or a CSV "generated
@@ -373,6 +373,10 @@ def test_generate_validates_input_and_output_before_any_server_starts(tmp_path: 
         (tmp_path / "home").mkdir()
         (tmp_path / "home" / "notes.txt").write_text("mine")
         out, expect = str(tmp_path / "home"), "non-empty directory that holds no fleet job"
+    elif case == "output-cannot-be-created":   # issue 34: it said "no space left (0 KiB free)"
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc here")
+        out, expect = "/proc/nope/out", "/proc/nope/out on node local cannot be created"
     rc, text = fleet_generate(capsys, "-c", str(cfg), "--input", inp, "--output", out)
     assert rc == 2, text
     assert expect in text and " — " in text, text   # the reason, then the remedy, on one line

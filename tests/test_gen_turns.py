@@ -266,10 +266,33 @@ def test_token_ids_as_sampled_reach_speculators_pretokenized_rows(tmp_path: Path
         sent = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs[:slot[j]]]
         prompt = prompt_token_ids(sent)
         assert ln["input_ids"] == prompt + sampled and ln["loss_mask"] == [0] * len(prompt) + [1] * len(sampled)
-    # without the option nothing is stored, and the export says why instead of writing rows
-    out2 = tmp_path / "out2"
-    cfg2 = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 8})
-    assert run_local(cfg2, inp, out2, entry, flush_interval_s=0.5, progress_interval_s=0.2) == 0
-    s2 = export(out2, "speculators-tokens", tmp_path / "none.jsonl")
-    assert s2.rows == 0 and s2.skipped == 6
+
+def test_a_speculators_tokens_export_of_a_job_without_token_ids_fails_with_the_remedy(
+        tmp_path: Path, sims, capsys) -> None:  # noqa: F811
+    """issue 34: without generation.return_token_ids nothing is stored, and `fleet export --format
+    speculators-tokens` wrote an empty training file and exited 0. It must exit 2, write no DEST
+    (an older one goes: it described another export), keep the reasons in DEST_skipped.jsonl,
+    and say what works: the setting, and a new --output (completed rows are never sent again)."""
+    from fleet.cli import main
+    from test_gen_export import read_lines
+
+    s = sims()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    _write(inp, 6)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, generation={"max_tokens": 8})
+    entry = [ServerEntry(node="local", index=0, url=s.url, model="sim-model")]
+    assert run_local(cfg, inp, out, entry, flush_interval_s=0.5, progress_interval_s=0.2) == 0
+    dest = tmp_path / "none.jsonl"
+    dest.write_text('{"stale": true}\n')
+    capsys.readouterr()
+    assert main(["export", str(out), "--format", "speculators-tokens", "-o", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "would write an empty file" in err and "have no token ids" in err, err
+    assert "generation.return_token_ids = true" in err and "new --output" in err, err
+    assert "--retry-errors re-sends failed rows only" in err, err
+    assert not dest.exists()
     assert "return_token_ids" in read_lines(tmp_path / "none_skipped.jsonl")[0]["error"]
+    # the conversation export needs no ids: it goes through
+    assert main(["export", str(out), "--format", "speculators", "-o", str(dest)]) == 0
+    assert len(read_lines(dest)) == 6

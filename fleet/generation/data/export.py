@@ -13,14 +13,18 @@
 - ``jsonl``: one flat object per completed row, the result columns, with `messages` and
   `params` as the OpenAI request had them and `extra` (the input's other fields) decoded.
 - ``sharegpt``: ``{"id", "conversations": [{"from": "system"|"human"|"gpt"|"tool", "value"}, …,
-  the generated gpt turn]}``; an assistant turn keeps its `reasoning_content` and
-  `tool_calls`, a tool turn its `tool_call_id`, the generated turn its `reasoning_content`
-  and `tool_calls` when present;
-  `tools` (from the stored params) goes at the top level.
+  the generated gpt turn]}``; every other field of a message (`reasoning_content`, `tool_calls`,
+  `tool_call_id`, `name`, a dataset's own) stays in its turn, the generated turn keeps its
+  `reasoning_content` and `tool_calls` when present; `tools` (from the stored params) goes at the
+  top level. A row ShareGPT cannot carry whole — content parts (its value is one string), a
+  message field named `from` or `value` — goes to ``<dest>_skipped.jsonl`` with the turn and the
+  reason ("turn 3 (user): content parts are not supported by --format sharegpt …; use --format
+  jsonl or speculators"), never trimmed.
 - ``specforge``: what SpecForge's `scripts/regenerate_train_data.py` writes, so its training
   scripts take it as is: the input row (its other fields, in the input's key order) with
   ``"conversations"`` replaced by the regenerated ``role``/``content`` messages
-  (``reasoning_content`` on every assistant turn that has one) and ``"status": "success"``;
+  (``reasoning_content`` on every assistant turn that has one, and any other field a message
+  had: nothing is dropped) and ``"status": "success"``;
   ``tools`` at the top level when the row had them. Beside it, as SpecForge does
   (`fleet.generation.data.trainerfiles`): ``<dest>_error.jsonl`` (the input row of every failed or
   quality-rejected row, ``"status": "error"``, ``"error"``) and ``<dest>_skipped.jsonl`` (the
@@ -28,7 +32,8 @@
   refuse — tool turns, content parts, an empty answer — ``"status": "skipped"``, ``"error"``).
 - ``speculators``: the conversation file vLLM speculators reads (`speculators prepare-data
   --data`, `load_raw_dataset`): the input row's other fields, ``"id"``, ``"conversations":
-  [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?}, …]``, ``"tools"?``.
+  [{"role", "content", "reasoning_content"?, "tool_calls"?, "tool_call_id"?, …}, …]``, ``"tools"?``;
+  content as given (text or content parts), every field of every message kept.
 
 - ``speculators-tokens``: speculators' pre-tokenized rows, as its `regenerate-responses` writes
   them, from the token ids the engine returned (`generation.return_token_ids`, vLLM's
@@ -46,6 +51,11 @@ The other formats keep every row (their consumers read the `flags` column, or no
 Side files that would be empty are not written (an older one is removed). The summary
 (`ExportSummary`) goes into the job's manifest under ``exports`` (keyed by the destination).
 
+**An export that would be empty fails** (`InputError`, `fleet export` exits 2) with the reason and
+what to do — every row without token ids for ``speculators-tokens``, every row flagged, refused by
+the format or none completed — instead of handing a trainer an empty file. The side files (where
+the reasons are) are written; DEST is not (an older one is removed: it described another export).
+
 The destination is written to DEST.tmp, fsync'd and renamed: a reader never sees half a
 file. A destination ending in ``.gz`` is gzip-compressed.
 """
@@ -60,6 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fleet.errors import InputError
 from fleet.generation.data.durable import fsync
 from fleet.generation.data.gates import GATES
 from fleet.generation.data.jsonl import dumps, loads
@@ -143,28 +154,23 @@ def _flat_line(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
+_SHAREGPT_OWN = ("from", "value")
 
 
-def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
+def _sharegpt_line(row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """The row as ShareGPT turns, every field of every message kept beside from/value; a row
+    ShareGPT cannot carry whole (content parts, a field named like its own keys) is refused
+    with the turn and the reason, never trimmed."""
     turns: list[dict[str, Any]] = []
-    for m in _messages(row):
+    for i, m in enumerate(_messages(row), 1):
         role = m.get("role")
+        problem = _sharegpt_problem(m)
+        if problem is not None:
+            return [{"id": row["id"], "status": "skipped",
+                     "error": f"turn {i} ({role}): {problem}; use --format jsonl or speculators"}], False
         turn: dict[str, Any] = {"from": _SHAREGPT_FROM.get(role, role) if isinstance(role, str) else role,
-                                "value": _text(m.get("content"))}
-        if m.get("reasoning_content") is not None:   # earlier turns regenerated in all-turns mode
-            turn["reasoning_content"] = m["reasoning_content"]
-        if m.get("tool_calls"):
-            turn["tool_calls"] = m["tool_calls"]
-        if role == "tool" and m.get("tool_call_id"):
-            turn["tool_call_id"] = m["tool_call_id"]
+                                "value": m.get("content") or ""}
+        turn.update((k, v) for k, v in m.items() if k not in ("role", "content"))
         turns.append(turn)
     gen: dict[str, Any] = {"from": "gpt", "value": row["completion"] or ""}
     if row["reasoning_content"] is not None:
@@ -176,7 +182,16 @@ def _sharegpt_line(row: dict[str, Any]) -> dict[str, Any]:
     tools = _tools(row)
     if tools:
         out["tools"] = tools
-    return out
+    return [out], True
+
+
+def _sharegpt_problem(m: dict[str, Any]) -> str | None:
+    if isinstance(m.get("content"), list):
+        return "content parts are not supported by --format sharegpt (its value is one string)"
+    clash = [k for k in _SHAREGPT_OWN if k in m]
+    if clash:
+        return f"the message's own field {clash[0]!r} would collide with ShareGPT's {clash[0]!r}"
+    return None
 
 
 def _tools(row: dict[str, Any]) -> Any:
@@ -185,10 +200,11 @@ def _tools(row: dict[str, Any]) -> Any:
 
 
 def _role_content(m: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
-    for k in ("reasoning_content", "tool_calls", "tool_call_id"):
-        if m.get(k):
-            out[k] = m[k]
+    """A message as a role/content turn: content as given (text, or content parts), "" when it
+    has none (a tool-call turn), then every other field of it (nothing is dropped)."""
+    content = m.get("content")
+    out: dict[str, Any] = {"role": m["role"], "content": "" if content is None else content}
+    out.update((k, v) for k, v in m.items() if k not in ("role", "content") and v is not None)
     return out
 
 
@@ -297,7 +313,7 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     convert: Callable[[dict[str, Any]], tuple[list[dict[str, Any]], bool]] = {
         "openai-batch": lambda r: ([_openai_line(r, model)], True),
         "jsonl": lambda r: ([_flat_line(r)], True),
-        "sharegpt": lambda r: ([_sharegpt_line(r)], True),
+        "sharegpt": _sharegpt_line,
         "specforge": _specforge_line,
         "speculators": _speculators_line,
         "speculators-tokens": _speculators_token_lines,
@@ -306,8 +322,8 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     trainer, spec = fmt in TRAINER_FORMATS, fmt == "specforge"
     # the side files this format has (only those: a jsonl export leaves a specforge one's alone)
     sides = {k: _Atomic(side_path(dest, k) if on else None, keep_empty=False)
-             for k, on in (("flagged", trainer), ("skipped", trainer), ("error", spec))}
-    with _Atomic(dest) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
+             for k, on in (("flagged", trainer), ("skipped", trainer or fmt == "sharegpt"), ("error", spec))}
+    with _Atomic(dest, keep_empty=False) as f, sides["flagged"] as flagged, sides["skipped"] as skipped, sides["error"] as error:
         for batch in iter_results(out_dir):
             for r in batch.to_pylist():
                 recs, ok = convert(r)
@@ -329,8 +345,43 @@ def export(out_dir: str | Path, fmt: Format, dest: str | Path, *,
     if named is not None:
         summary.dest = named
         summary.files = {k: f"{named.rpartition('/')[0]}/{Path(v).name}" for k, v in summary.files.items()}
+    if summary.rows == 0:
+        raise _empty(out_dir, fmt, summary)
     _record(out_dir, summary)
     return summary
+
+
+def _empty(out_dir: str | Path, fmt: str, s: ExportSummary) -> InputError:
+    """Why this export would write nothing, and what to do about it (one line)."""
+    what = f"--format {fmt} of {out_dir} would write an empty file"
+    skipped = f" -> {s.files['skipped']}" if "skipped" in s.files else ""
+    if fmt == "speculators-tokens" and s.skipped:
+        try:
+            gen = ((read_manifest(out_dir) or {}).get("config") or {}).get("generation") or {}
+        except (OSError, ValueError):
+            gen = {}
+        if gen.get("return_token_ids"):
+            return InputError(f"{what}: the engine returned no token ids for any of its {s.skipped} row(s), although "
+                              f"generation.return_token_ids was set{skipped}",
+                              remedy="generate again with an engine that returns them (vLLM's return_token_ids), "
+                                     "into a new --output; or export --format speculators (conversations, no ids)")
+        # Completed rows are never sent again: --retry-errors re-sends only failed rows, and the same
+        # --output refuses a changed generation setting (validate.decide), so only a new job has the ids.
+        return InputError(f"{what}: its {s.skipped} row(s) have no token ids (the job ran without "
+                          f"generation.return_token_ids){skipped}",
+                          remedy="set generation.return_token_ids = true (an engine that honours it, e.g. vLLM) "
+                                 "and generate into a new --output: this one's rows are done and keep no ids "
+                                 "(--retry-errors re-sends failed rows only); or export --format speculators")
+    if s.flagged_left_out and not s.skipped:
+        return InputError(f"{what}: all {s.flagged_left_out} row(s) carry a quality flag "
+                          f"({', '.join(sorted(s.left_out_by_flag))}) -> {s.files.get('flagged')}",
+                          remedy="--keep-flagged [FLAG,...] keeps them, if they are fit to train on")
+    if s.skipped or s.flagged_left_out:
+        return InputError(f"{what}: {s.skipped} row(s) refused by the format{skipped}, "
+                          f"{s.flagged_left_out} flagged", remedy=f"read the reasons in the skipped file; "
+                          "--format jsonl keeps every field of every row")
+    return InputError(f"{what}: the job holds no completed row", remedy="run the job (fleet generate) until rows "
+                      "complete; errors.jsonl says why rows failed, and --retry-errors sends them again")
 
 
 def _trailers(out_dir: str | Path, fmt: str, f: Any, error: Any, skipped: Any, summary: ExportSummary) -> None:

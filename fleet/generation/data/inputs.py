@@ -20,9 +20,14 @@ Rules (each one documented here because it decides what ends up generated):
   (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `chat_template_kwargs`) fill what the
   row does not set; `chat_template_kwargs` merge key by key, the row winning;
   `max_completion_tokens` in a row replaces the default `max_tokens`.
-- **ShareGPT.** `from` maps human/user -> user, gpt/assistant/model/chatgpt -> assistant,
+- **ShareGPT.** A turn is `from`/`value` or `role`/`content` (both spellings in one turn must
+  agree). `from` maps human/user -> user, gpt/assistant/model/chatgpt -> assistant,
   system -> system, tool/observation/function_response -> tool, and function_call -> an
   assistant message with `tool_calls` (value: JSON `{"name", "arguments"}` or a list of them).
+  The text is a string or a list of content parts; every other key of a turn (`tool_calls`,
+  `tool_call_id`, `name`, `reasoning_content`, a dataset's own) goes into the message as it is,
+  as under `messages`: nothing of a turn is dropped. A tool turn without `tool_call_id` gets the
+  next pending call's id.
   A trailing assistant turn is dropped: it is the answer being regenerated (with
   `generation.regenerate = "all-turns"` it is kept: every assistant turn is regenerated,
   see `fleet.generation.hotpath.work`, and the turn order is checked: the conversation may not open

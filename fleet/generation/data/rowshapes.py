@@ -63,6 +63,10 @@ def _check_content(content: Any, where: str) -> None:
             if None in p.values():
                 content[j] = strip_none(p)
         return
+    if isinstance(content, list):
+        j = next(j for j, p in enumerate(content) if not (isinstance(p, dict) and isinstance(p.get("type"), str)))
+        raise Bad(f"{where}: content is a list but item {j} is not a content part (an object with a string "
+                  f"'type'; got {type_name(content[j])})")
     raise Bad(f"{where}: content must be a string or a list of content parts, got {type_name(content)}")
 
 
@@ -317,6 +321,45 @@ def _function_calls(value: Any, where: str, turn: int) -> list[dict[str, Any]]:
     return out
 
 
+# A turn's own keys in either ShareGPT spelling; every other key of a turn (tool_calls,
+# tool_call_id, name, reasoning_content, a dataset's own: weight, lang, ...) goes into the message
+# as it is, as it would under `messages`: nothing of a turn is dropped on the way in.
+_TURN_KEYS = frozenset({"from", "value", "role", "content"})
+
+
+def _sharegpt_turn(turn: dict[str, Any], where: str, i: int, pending: list[str]) -> dict[str, Any]:
+    """One ShareGPT turn (from/value or role/content) as an OpenAI message; `pending`: the ids of
+    the tool calls still waiting for their results, updated."""
+    for a, b in (("from", "role"), ("value", "content")):
+        if a in turn and b in turn and turn[a] != turn[b]:   # one of them would be lost
+            raise Bad(f"{where}: both {a!r} and {b!r}, and they differ (one turn, one spelling: from/value "
+                      f"or role/content)")
+    src = turn.get("from", turn.get("role"))
+    value = turn.get("value", turn.get("content"))
+    role = _SHAREGPT_ROLES.get(src.lower()) if isinstance(src, str) else None
+    if role is None:
+        raise Bad(f"{where}: bad role {src!r} (expected human, gpt, system, tool, function_call or observation)")
+    rest = {k: v for k, v in turn.items() if k not in _TURN_KEYS and v is not None}
+    if role == "function_call":
+        calls = _function_calls(value, where, i)
+        pending[:] = [c["id"] for c in calls]
+        return {**rest, "role": "assistant", "content": "", "tool_calls": calls}
+    if not (isinstance(value, str | list) or (value is None and role == "assistant" and rest.get("tool_calls"))):
+        raise Bad(f"{where} ({src}): the text must be a string or a list of content parts, got {type_name(value)}")
+    msg: dict[str, Any] = {"role": role} if value is None else {"role": role, "content": value}
+    msg.update(rest)
+    tcs = rest.get("tool_calls")
+    if role == "assistant" and isinstance(tcs, list) and tcs:
+        pending[:] = [tc["id"] for tc in tcs if isinstance(tc, dict) and isinstance(tc.get("id"), str)]
+    elif role == "tool":
+        if "tool_call_id" in msg:
+            if msg["tool_call_id"] in pending:
+                pending.remove(msg["tool_call_id"])
+        elif pending:
+            msg["tool_call_id"] = pending.pop(0)
+    return msg
+
+
 def _sharegpt_row(row: dict[str, Any], all_turns: bool) -> Shape:
     conv = _maybe_json(row["conversations"], "conversations")
     if not isinstance(conv, list):
@@ -334,22 +377,7 @@ def _sharegpt_row(row: dict[str, Any], all_turns: bool) -> Shape:
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
             raise Bad(f"{where} is not an object (got {type_name(turn)})")
-        src = turn.get("from", turn.get("role"))
-        value = turn.get("value", turn.get("content"))
-        role = _SHAREGPT_ROLES.get(src.lower()) if isinstance(src, str) else None
-        if role is None:
-            raise Bad(f"{where}: bad role {src!r} (expected human, gpt, system, tool, function_call or observation)")
-        if role == "function_call":
-            calls = _function_calls(value, where, i)
-            pending = [c["id"] for c in calls]
-            msgs.append({"role": "assistant", "content": "", "tool_calls": calls})
-            continue
-        if not isinstance(value, str):
-            raise Bad(f"{where} ({src}): value must be a string, got {type_name(value)}")
-        msg: dict[str, Any] = {"role": role, "content": value}
-        if role == "tool" and pending:
-            msg["tool_call_id"] = pending.pop(0)
-        msgs.append(msg)
+        msgs.append(_sharegpt_turn(turn, where, i, pending))
     if msgs and msgs[-1]["role"] == "assistant" and not all_turns:
         msgs.pop()  # the answer we regenerate
     if not msgs:

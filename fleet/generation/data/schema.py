@@ -106,8 +106,10 @@ def tool_call_to_arrow(tc: Any) -> dict[str, Any]:
     if not isinstance(tc, dict):
         raise TypeError(f"a tool call must be an object, got {type(tc).__name__}")
     fn = tc.get("function") or {}
-    return {"id": tc.get("id"), "type": tc.get("type") or "function",
-            "function": {"name": fn.get("name"), "arguments": _json_str(fn.get("arguments"))}}
+    # text columns: a value of another type (an integer id) as its JSON text; a message keeps the
+    # call as given in `extra` too (message_to_arrow), so nothing is lost
+    return {"id": _json_str(tc.get("id")), "type": _json_str(tc.get("type")) or "function",
+            "function": {"name": _json_str(fn.get("name")), "arguments": _json_str(fn.get("arguments"))}}
 
 
 def _tool_calls_to_arrow(tcs: Any) -> list[dict[str, Any]] | None:
@@ -117,26 +119,55 @@ def _tool_calls_to_arrow(tcs: Any) -> list[dict[str, Any]] | None:
 
 
 _MESSAGE_KEYS = frozenset(MESSAGE_TYPE.names) - {"content_parts", "extra"}
+_TEXT_KEYS = ("role", "reasoning_content", "tool_call_id", "name")
+
+
+def _exact(tcs: list[Any]) -> bool:
+    """Whether TOOL_CALL_TYPE gives these tool calls back as they are (no key beyond id, type,
+    function.name and .arguments, each a string)."""
+    for tc in tcs:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not (isinstance(fn, dict) and set(tc) == {"id", "type", "function"} and set(fn) == {"name", "arguments"}
+                and all(isinstance(v, str) for v in (tc["id"], tc["type"], fn["name"], fn["arguments"]))):
+            return False
+    return True
 
 
 def message_to_arrow(m: dict[str, Any]) -> dict[str, Any]:
-    """One chat message as MESSAGE_TYPE; `message_from_arrow` undoes it."""
+    """One chat message as MESSAGE_TYPE; `message_from_arrow` undoes it, every field kept: what
+    the typed columns cannot hold as given (a non-text name, a tool call with keys of its own)
+    goes into `extra`, as given."""
     content = m.get("content")
     other = {k: v for k, v in m.items() if k not in _MESSAGE_KEYS and v is not None}
+    text: dict[str, str | None] = {}
+    for k in _TEXT_KEYS:
+        v = m.get(k)
+        text[k] = v if isinstance(v, str) else None
+        if v is not None and not isinstance(v, str):
+            other[k] = v
+    # The typed column shows every tool call (arguments as text, `type` "function" when absent), for
+    # readers of the Parquet; one it does not give back as given is kept whole in `extra` too.
+    tcs = m.get("tool_calls")
+    if tcs is not None and (not isinstance(tcs, list) or not tcs or not _exact(tcs)):
+        other["tool_calls"] = tcs
+    if content is not None and not isinstance(content, str | list):
+        other["content"] = content
+    parts = isinstance(content, list)
     return {
-        "role": m.get("role"),
-        "content": content if isinstance(content, str) or content is None else None,
-        "content_parts": None if isinstance(content, str) or content is None else _json_str(content),
-        "reasoning_content": m.get("reasoning_content"),
-        "tool_calls": _tool_calls_to_arrow(m.get("tool_calls")),
-        "tool_call_id": m.get("tool_call_id"),
-        "name": m.get("name"),
+        "role": text["role"],
+        "content": content if isinstance(content, str) else None,
+        "content_parts": _json_str(content) if parts else None,
+        "reasoning_content": text["reasoning_content"],
+        "tool_calls": _tool_calls_to_arrow(tcs) if isinstance(tcs, list) else None,
+        "tool_call_id": text["tool_call_id"],
+        "name": text["name"],
         "extra": _json_str(other) if other else None,
     }
 
 
 def message_from_arrow(d: dict[str, Any]) -> dict[str, Any]:
-    """A stored message back as an OpenAI chat message (absent fields left out)."""
+    """A stored message back as an OpenAI chat message (absent fields left out; `extra` last: it
+    holds what the typed fields could not, as given)."""
     m: dict[str, Any] = {"role": d.get("role")}
     if d.get("content_parts") is not None:
         m["content"] = loads(d["content_parts"])

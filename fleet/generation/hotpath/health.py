@@ -11,7 +11,9 @@ failed answer probe): its workers are cancelled — and each checks its server's
 after every request (`ServerState.alive_in`), because a cancellation that races aiohttp's
 own timeout is lost — every row it held goes back to the queue uncharged, and
 `on_server_down(endpoint)` is awaited (the runner relaunches, waits and smokes it); True
-re-admits the server, False tries again after a growing delay. Without a callback the
+re-admits the server (a restart), READMITTED re-admits one found fine without a relaunch (an
+`[[endpoints]]` server fleet did not start, or one that recovered by itself: counted apart, as
+`readmissions`, since nothing was restarted), False tries again after a growing delay. Without a callback the
 server is re-admitted once /health_generate answers (it runs a generation, so a server
 whose /health answers while generation hangs stays out). With every server down the job
 is *paused* — the queue simply has no consumer, so no retries are burned — until one
@@ -47,7 +49,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -60,10 +62,11 @@ from fleet.generation.hotpath.serverstate import Endpoint, ServerState, median, 
 
 log = logging.getLogger("fleet.generation")
 
-__all__ = ["IsAlive", "OnServerDown", "ServerHealth"]
+__all__ = ["IsAlive", "OnServerDown", "READMITTED", "ServerHealth"]
 
 
-OnServerDown = Callable[[Endpoint], Awaitable[bool]]
+READMITTED: Literal["readmitted"] = "readmitted"   # on_server_down: fine again, and nothing was restarted
+OnServerDown = Callable[[Endpoint], Awaitable[bool | Literal["readmitted"]]]
 _SIGN = {"metrics": "no token progress", "stream": "no streamed token"}   # the stall, by progress source
 IsAlive = Callable[[Endpoint], bool | None]
 Spawn = Callable[[Awaitable[Any], str], "asyncio.Task[Any]"]
@@ -210,9 +213,11 @@ class ServerHealth:
         while not self.rows.stopping:
             srv.state = "recovering"
             try:
+                readmitted = True
                 if self.on_server_down is not None:
-                    ok = bool(await self.on_server_down(srv.ep))
-                    if ok:
+                    got = await self.on_server_down(srv.ep)
+                    ok, readmitted = bool(got), got == READMITTED
+                    if ok and not readmitted:
                         srv.restarts += 1
                 else:
                     # /health may answer while generation hangs; /health_generate runs one (SGLang)
@@ -221,6 +226,7 @@ class ServerHealth:
                     if ok and srv.garbled:   # out for invalid answers: back only with a valid one
                         ok, _ = await probes.answer_probe(srv.ep, self.stall_probe_timeout_s, self.max_bytes)
                 if ok and await self.admit(srv):
+                    srv.readmissions += readmitted
                     return
             except asyncio.CancelledError:
                 raise

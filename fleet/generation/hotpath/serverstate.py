@@ -114,7 +114,8 @@ class ServerState:
         self.suspects: list[Job] = []   # rows that failed to connect; charged only if the server is fine
         self.probe: asyncio.Task[None] | None = None
         self.recovery: asyncio.Task[None] | None = None
-        self.restarts = 0
+        self.restarts = 0                # relaunched by the runner (health.READMITTED is not one)
+        self.readmissions = 0            # taken back without a restart (one fleet did not start, or recovered)
         self.downs = 0
         self.info: dict[str, Any] = {}
         self.accept_len: float | None = None
@@ -186,6 +187,7 @@ class ServerState:
             "tok_s": round(self.tok_s, 1),
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
             "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
+            "readmissions": self.readmissions,
             "stalls": self.stalls, "sent": self.sent, "held_s": round(self.held_s, 1),
             "refreshes": self.refreshes, "lat_s": round(self.lat, 3) if self.lat is not None else None,
             "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,

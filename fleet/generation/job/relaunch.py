@@ -12,10 +12,11 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fleet.config import FleetConfig
 from fleet.generation.hotpath.serverstate import Endpoint
+from fleet.generation.hotpath.health import READMITTED
 from fleet.generation.job.jobspec import ServerEntry
 from fleet.net import tls_context
 
@@ -131,10 +132,11 @@ class JobServers:
         first = text.split()[0] if text else ""   # "PID STARTTIME" (older files: "PID")
         return _pid_alive(int(first)) if first.isdigit() else None
 
-    async def on_down(self, ep: Endpoint) -> bool:
+    async def on_down(self, ep: Endpoint) -> bool | Literal["readmitted"]:
+        """True: relaunched (a restart); READMITTED: fine again without one; False: not yet."""
         e = self.entries[ep.name]
         if not self.relaunch or not e.spec:
-            return await _in_daemon_thread(self._healthy_and_smoked, ep)
+            return READMITTED if await _in_daemon_thread(self._healthy_and_smoked, ep) else False
         return await _in_daemon_thread(self._relaunch, ep, e)
 
     def _healthy_and_smoked(self, ep: Endpoint) -> bool:
@@ -151,7 +153,7 @@ class JobServers:
             return False
         return True
 
-    def _relaunch(self, ep: Endpoint, e: ServerEntry) -> bool:
+    def _relaunch(self, ep: Endpoint, e: ServerEntry) -> bool | Literal["readmitted"]:
         """Same launch spec, same GPU: stop what is left, launch, wait ready, smoke."""
         from fleet.engines import ServerSpec
         from fleet.node import LocalNode
@@ -173,7 +175,7 @@ class JobServers:
             stopped = _pid_state(pid) == "T"
             if not stopped and _generation_answers(ep) and self._healthy_and_smoked(ep):
                 log.info("server %s is healthy again without a relaunch", ep.name)
-                return True
+                return READMITTED
             log.warning("server %s: process %d %s: stopping it", ep.name, pid,
                         "is stopped (SIGSTOP)" if stopped else "alive but not serving")
             try:

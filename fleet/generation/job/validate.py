@@ -11,7 +11,8 @@ after the bring-up:
   this machine but absolute is taken as a path on an SSH node and checked there (exists, file,
   readable, not empty; its rows are checked by the runner).
 - **output** (`check_output`): on the node; an existing directory or a path whose nearest
-  existing ancestor is a writable directory, with free space, and not a non-empty directory
+  existing ancestor is a writable directory (a directory made and removed in it proves that),
+  with free space, and not a non-empty directory
   that holds no fleet job (`--output ~` would scatter shards into a home directory).
 - **the job already there** (`decide`): one output directory is one job. A live runner is
   re-attached to only when the input (SHA-256), the generation parameters and the mode are the
@@ -201,6 +202,12 @@ d="$o"
 while [ ! -e "$d" ]; do d=$(dirname "$d"); done
 if [ ! -d "$d" ]; then echo "ancestor-notdir $d"; exit 0; fi
 if [ ! -w "$d" ] || [ ! -x "$d" ]; then echo "notwritable $d"; exit 0; fi
+# -w says yes to root on a filesystem that makes no directories (/proc, /sys): only trying tells
+if [ ! -d "$o" ]; then
+  t="$d/.fleet-output-probe-$$"
+  if ! err=$(mkdir "$t" 2>&1); then printf 'cannotcreate %s\n%s\n' "$d" "${err##*: }"; exit 0; fi
+  rmdir "$t"
+fi
 if [ -d "$o" ]; then echo "exists"; else echo "absent"; fi
 df -Pk "$d" 2>/dev/null | tail -n 1
 [ -d "$o" ] && ls -A "$o" 2>/dev/null | head -n 50
@@ -228,6 +235,10 @@ def check_output(node: Node, output: str) -> OutputCheck:
     if head[0] == "notwritable":
         raise InputError(f"--output {output} {where} cannot be created: {head[1]} is not writable",
                          remedy="pass an --output in a directory you can write to")
+    if head[0] == "cannotcreate":
+        why = lines[1] if len(lines) > 1 else "refused"
+        raise InputError(f"--output {output} {where} cannot be created: making a directory in {head[1]} fails "
+                         f"({why})", remedy="pass an --output on a filesystem you can write to")
     if head[0] not in ("exists", "absent"):
         raise InputError(f"--output {output} {where} could not be checked: {' '.join(lines)[:200]}",
                          remedy="check the path on the node")

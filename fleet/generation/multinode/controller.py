@@ -941,8 +941,9 @@ def _job_sources(plan_dir: Path, assign: Assignments,
             for s in m.get("servers") or []:
                 ps = per_server.setdefault(s["name"], {"name": s["name"], "node": a.node, "model": s.get("model"),
                                                         "gpus": s.get("gpus"), "requests": 0,
-                                                        "completion_tokens": 0, "errors": 0, "restarts": 0})
-                for k in ("requests", "completion_tokens", "errors", "restarts"):
+                                                        "completion_tokens": 0, "errors": 0, "restarts": 0,
+                                                        "readmissions": 0})
+                for k in ("requests", "completion_tokens", "errors", "restarts", "readmissions"):
                     ps[k] += int(s.get(k) or 0)
     return sources, missing, per_node, per_server
 
