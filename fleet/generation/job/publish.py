@@ -23,6 +23,7 @@ import json
 import logging
 import posixpath
 from pathlib import Path
+from typing import Any
 
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.data.objstore import Store, is_url
@@ -35,9 +36,12 @@ log = logging.getLogger("fleet.generation.job.publish")
 SEEDED_FILE = ".seeded.json"
 
 
-def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None) -> str:
+def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None,
+                pin: dict[str, Any] | None = None) -> str:
     """The local copy of input `url` (downloaded once, beside the output directory; `span`: only those
-    bytes of it, `rows`: only those rows of a Parquet input, see ranges.py); a path is itself."""
+    bytes of it, `rows`: only those rows of a Parquet input, see ranges.py); a path is itself. `pin`: the
+    version the job was planned on (fleet.generation.data.pin): a range is read from it, and InputChanged
+    is raised, with nothing staged, when it is not there any more."""
     if not is_url(url):
         return url[len("file://"):] if url.startswith("file://") else url
     name = posixpath.basename(url.rstrip("/"))
@@ -49,11 +53,11 @@ def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[i
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(local.name + ".tmp")
         if span is not None:
-            tmp.write_bytes(read_span(url, span))
+            tmp.write_bytes(read_span(url, span, pin))
         else:
             import pyarrow.parquet as pq
 
-            pq.write_table(read_rows(url, part[0], part[1] - part[0]), tmp)
+            pq.write_table(read_rows(url, part[0], part[1] - part[0], pin), tmp)
         tmp.replace(local)
     if not local.exists():
         parent, name = url.rstrip("/").rsplit("/", 1)

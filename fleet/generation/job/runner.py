@@ -36,6 +36,7 @@ JOB.json (`JobSpec`):
       "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"],  # optional: shards a fresh run starts from
       "input_span": [0, 81920]          # optional: the bytes of the input URL that are this job's
       "input_rows": [0, 5000]           # optional: the rows of the Parquet input URL that are this job's
+      "input_pin": {"etag": "…", …}     # optional: the input URL's version the job was planned on (data/pin.py)
     }
 
 The input may be an fsspec URL: it is downloaded beside the output first. With `store`, the
@@ -512,7 +513,7 @@ def _from_store(job: JobSpec, out: Path) -> None:
     shards (see fleet.generation.job.publish)."""
     from fleet.generation.job.publish import seed, stage_input
 
-    job.input = stage_input(job.input, out, job.input_span, job.input_rows)
+    job.input = stage_input(job.input, out, job.input_span, job.input_rows, job.input_pin)
     if job.store and job.seed:
         n = seed(out, job.seed)
         if n:
