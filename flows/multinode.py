@@ -19,7 +19,7 @@ from prefect import get_run_logger
 from prefect.states import Completed
 
 from fleet.config import FleetConfig
-from fleet.errors import ConfigError, FleetError, InputError
+from fleet.errors import ConfigError, FleetError, InputChanged, InputError, StoreError
 from fleet.engines import ServerSpec
 from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
@@ -101,7 +101,12 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                     errors.append(f"{name}: {exc.one_line() if isinstance(exc, FleetError) else str(exc).splitlines()[0][:300]}")
         # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
         dest: Path | str = output if ctl.store is not None else pdir / "output"
-        manifest = ctl.finalize(dest)
+        try:
+            manifest = ctl.finalize(dest)
+        except StoreError as exc:   # the output's store refused the merge: its cause and remedy, no traceback
+            ctl.fail_job(exc)
+            return failed(f"generation: {(ctl.failure or exc).one_line()}",
+                          {"plan_dir": str(pdir), "could_not_run": isinstance(ctl.failure, InputChanged)})
         cleaned = None
         if ctl.store is not None and manifest.get("complete") and ctl.assign.all_done():
             from fleet.generation.multinode.cleanup import clean_nodes, job_copies
@@ -119,8 +124,9 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
               "rejects": counts["rejects"], "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
               "checks": manifest.get("checks"), "nodes": manifest.get("nodes"), "shares": shares,
               "seconds": round(time.monotonic() - t0, 1), "node_copies": cleaned.to_dict() if cleaned else None}
-    if ctl.failure is not None:   # the input changed under the job, the store refused: one line, its remedy (exit 2)
-        return failed(f"generation: {ctl.failure.one_line()}", {**result, "could_not_run": True})
+    if ctl.failure is not None:   # the input changed under the job (exit 2), the store refused: one line, its remedy
+        return failed(f"generation: {ctl.failure.one_line()}",
+                      {**result, "could_not_run": isinstance(ctl.failure, InputChanged)})
     if not ctl.assign.all_done():
         left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
         return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "

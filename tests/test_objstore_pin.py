@@ -30,14 +30,14 @@ from test_objstore_hf import REPO, Hub, hub  # noqa: F401  (fixture)
 CHANGED = "the input changed since the job was planned"
 
 
-def one_node(tmp_path: Path, **gen: Any) -> FleetConfig:
+def one_node(tmp_path: Path, tokens_per_s: int = 20, **gen: Any) -> FleetConfig:
     """One local node, two sim servers slow enough that a 40-row chunk takes seconds."""
     from conftest import port_block
     from test_bringup import sim_config
 
     cfg = sim_config(tmp_path, port_block(2), n=2,
                      generation={"max_tokens": 16, "chunk_rows": 40, "shard_rows": 10, **gen},
-                     engine={"sim": {"startup_s": 0.3, "tokens_per_s": 20, "max_running_requests": 4}})
+                     engine={"sim": {"startup_s": 0.3, "tokens_per_s": tokens_per_s, "max_running_requests": 4}})
     data = cfg.model_dump(mode="json")
     data["venv"] = {"path": sys.prefix, "use_existing": True}   # the sim needs nothing but this interpreter
     (tmp_path / "shm").mkdir(exist_ok=True)
@@ -153,3 +153,39 @@ def test_hf_input_pushed_to_mid_job_stops_the_job(tmp_path: Path, state_home: Pa
     rc, text = _rewrite_after_first_part(cfg, tmp_path, state_home, f"hf://datasets/{REPO}/train/prompts.jsonl",
                                          out, push)
     _assert_stopped_unmixed(rc, text, out, [f"r{i}" for i in range(200)])
+
+
+@pytest.mark.timeout(600)
+def test_local_input_rewritten_in_place_mid_job_stops_the_job(tmp_path: Path, stop_everything) -> None:
+    """A local input rewritten in place (same inode) while its runner reads it: the rows after the
+    rewrite were the new file's, at the old offsets. The runner pins the file's size, mtime and inode as
+    it starts (before its SHA-256) and checks them for every row it reads: it stops, exit 2, and the
+    output holds only rows of the version it began with. 2,000 rows: the runner reads ahead at most its
+    queue (1,024 rows), so at the first commit most of the file is still unread."""
+    from test_generate_flow import shard_ids
+
+    cfg = one_node(tmp_path, tokens_per_s=100)
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 2000)
+    out = tmp_path / "out"
+    log = tmp_path / "gen.log"
+    proc = _cli(cfg, tmp_path, inp, out, log)
+    try:
+        _wait(proc, log, lambda: list((out / "shards").glob("part-*.parquet")), "the first committed shard",
+              timeout=300)
+        with inp.open("r+b") as f:   # in place: the runner's open file sees the new bytes
+            f.truncate(0)
+            f.write(other_rows(2000))
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert rc == 2, text[-4000:]
+    assert CHANGED in text and "Traceback" not in text, text[-4000:]
+    ids = shard_ids(out)
+    assert ids and set(ids) <= {f"r{i}" for i in range(2000)} and len(ids) == len(set(ids))

@@ -84,8 +84,10 @@ def store_error(exc: BaseException, url: str, doing: str) -> StoreError | None:
                           remedy=f"check the key and secret in the environment, and that they may {verb} {url}; "
                                  + _CREDENTIALS, path=url)
     if "nosuchbucket" in low or "bucket does not exist" in low or ("bucket" in low and "not found" in low):
+        again = "" if doing.startswith("read") else ", then run the same command again to resume"
         return StoreError(f"{where} failed: the bucket {_bucket(url)} does not exist",
-                          remedy=f"create the bucket {_bucket(url)}, or give a URL in a bucket that exists", path=url)
+                          remedy=f"create the bucket {_bucket(url)} (or give a URL in a bucket that exists){again}",
+                          path=url)
     if names & {"RepositoryNotFoundError", "RevisionNotFoundError"}:
         return StoreError(f"{where} failed: the Hub has no such repository or revision, or it is private ({first})",
                           remedy="check the repository's name; for a private one set HF_TOKEN", path=url)

@@ -102,7 +102,14 @@ class Publisher:
         self._there: set[str] | None = None
 
     def sync_shards(self) -> int:
-        """Put every committed shard that is not in the store yet; return how many were put."""
+        """Put every committed shard that is not in the store yet; return how many were put (StoreError
+        with its cause and remedy when the store refuses)."""
+        from fleet.generation.data.storeerrors import translated
+
+        with translated(self.store.root, "writing"):
+            return self._sync_shards()
+
+    def _sync_shards(self) -> int:
         if self._there is None:   # listed once per runner: after that, this runner is the only writer here
             self._there = set(self.store.names(SHARDS_DIR))
         n = 0
@@ -116,8 +123,11 @@ class Publisher:
 
     def finish(self) -> None:
         """Shards, then the record files, then the manifest (last: it says the rest is there)."""
+        from fleet.generation.data.storeerrors import translated
+
         self.sync_shards()
-        for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
-            path = self.out / name
-            if path.exists():
-                self.store.put_file(str(path), name)
+        with translated(self.store.root, "writing"):
+            for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
+                path = self.out / name
+                if path.exists():
+                    self.store.put_file(str(path), name)
