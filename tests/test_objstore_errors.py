@@ -193,3 +193,59 @@ def test_output_bucket_deleted_mid_job_is_a_failed_run_with_its_remedy(tmp_path:
     line = [ln for ln in text.splitlines() if ln.startswith("fleet generate: FAILED:")]
     assert line and "s3://outb" in line[-1] and "does not exist" in line[-1] and " — " in line[-1], text[-3000:]
     assert json.dumps(text).count("FileNotFoundError") == 0, text[-3000:]
+
+
+def test_store_error_names_the_cause_and_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The translation itself (pure): each store error of the three packages becomes its one line with a
+    remedy, a secret that an error's text happens to hold is masked, and a bug (a plain KeyError) or one of
+    fleet's own errors is left as it is."""
+    from botocore.exceptions import NoCredentialsError
+
+    from fleet.errors import InputChanged, StoreError
+    from fleet.generation.data.storeerrors import store_error, translated
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    url = "s3://b/in.jsonl"
+    cases = [(NoCredentialsError(), "no credentials"),
+             (PermissionError(f"SignatureDoesNotMatch: the signature of {SECRET} is wrong"), "refused the credentials"),
+             (PermissionError("AccessDenied"), "permission denied"),
+             (PermissionError("Forbidden"), "wrong credentials, or no permission"),
+             (FileNotFoundError("The specified bucket does not exist"), "the bucket s3://b does not exist"),
+             (FileNotFoundError("b/in.jsonl"), "not found"),
+             (OSError("connection reset"), "OSError: connection reset")]
+    for exc, want in cases:
+        err = store_error(exc, url, "reading")
+        assert isinstance(err, StoreError) and want in err.reason and err.remedy, (exc, err)
+        assert SECRET not in err.one_line() and "\n" not in err.one_line()
+    assert store_error(KeyError("x"), url, "reading") is None
+    changed = InputChanged("the input changed")
+    assert store_error(changed, url, "reading") is None
+    with pytest.raises(InputChanged):
+        with translated(url, "reading"):
+            raise changed
+    with pytest.raises(StoreError, match="bucket s3://b does not exist.*") as info:
+        with translated(url, "writing"):
+            raise FileNotFoundError("NoSuchBucket")
+    assert "run the same command again" in (info.value.remedy or "")
+
+
+def test_a_pin_is_compared_on_the_keys_both_sides_hold(tmp_path: Path) -> None:
+    """The pin of a local file is its size, mtime and inode; a rewrite in place changes it, a plan from
+    before the pin (size and mtime only) is compared on those, and the error is the one line with the remedy."""
+    from fleet.errors import InputChanged
+    from fleet.generation.data.pin import check, check_local, pin_of
+
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"id": "a"}\n')
+    pin = pin_of(str(f))
+    assert set(pin) == {"path", "size", "mtime_ns", "ino"}
+    check(str(f), pin)
+    check_local(str(f), {k: pin[k] for k in ("size", "mtime_ns")})   # an older plan's keys
+    os.utime(f, ns=(pin["mtime_ns"] + 10**9, pin["mtime_ns"] + 10**9))
+    with pytest.raises(InputChanged) as info:
+        check(str(f), pin)
+    assert info.value.one_line().startswith("the input changed since the job was planned: ") and \
+        "start a new job into a new --output" in info.value.one_line()
+    f.unlink()
+    with pytest.raises(InputChanged, match="now gone"):
+        check(str(f), pin)

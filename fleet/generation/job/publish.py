@@ -44,6 +44,13 @@ def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[i
     is raised, with nothing staged, when it is not there any more."""
     if not is_url(url):
         return url[len("file://"):] if url.startswith("file://") else url
+    from fleet.generation.data.storeerrors import translated
+
+    with translated(url, "reading"):   # the store's refusal in one line (InputChanged passes as it is)
+        return _stage(url, out, span, rows, pin)
+
+
+def _stage(url: str, out: Path, span: list[int] | None, rows: list[int] | None, pin: dict[str, Any] | None) -> str:
     name = posixpath.basename(url.rstrip("/"))
     part = span or rows
     local = out.parent / f".{out.name}.input" / (f"{part[0]}-{part[1]}-{name}" if part else name)

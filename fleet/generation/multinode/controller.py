@@ -282,9 +282,12 @@ class Controller:
             pulled = pull(mirror, self.plan_dir)
             if pulled:
                 self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
-        input_path = self._staged(input_path)
-        self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
-                                limit=self.cfg.generation.limit)
+        from fleet.generation.data.storeerrors import translated
+
+        with translated(input_path, "reading"):   # a store's refusal in one line (InputChanged as it is)
+            input_path = self._staged(input_path)
+            self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes),
+                                    chunk_rows=self.cfg.generation.chunk_rows, limit=self.cfg.generation.limit)
         self.assign = Assignments(self.plan_dir, self.plan, mirror)
         if mirror is not None and not pulled:
             # a new job, or one begun before the store's copy: the plan and the whole state go there
@@ -735,8 +738,11 @@ class Controller:
         manifest = json.loads(manifest_text) if manifest_text else {}
         final = _retry(lambda: read_progress(node, out)) or {}
         if self.store is not None:   # done means done in the store: its manifest is put there last
+            from fleet.generation.data.storeerrors import translated
+
             part = Store(self.part_url(name, self.chunk(index)))
-            stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
+            with translated(part.root, "reading"):
+                stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
             manifest = json.loads(stored) if stored else {}
         if manifest.get("complete") and manifest.get("state") == "done" and \
                 final.get("state") == "done":
