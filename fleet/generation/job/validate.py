@@ -491,6 +491,10 @@ def _check_store_input(url: str) -> None:
             raise InputError(f"input {url} does not exist (or these credentials cannot read it)",
                              remedy="check the URL, and the credentials in this shell's environment (AWS_*, "
                                     "GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN)") from None
+        except OSError as exc:   # an empty object has no first byte (416): it exists, the plan says it is empty
+            if "InvalidRange" not in str(exc) and "416" not in str(exc) and \
+                    "not satisfiable" not in str(exc).lower():
+                raise
 
 
 def _check_store_output(output: str, input: str) -> bytes | None:
