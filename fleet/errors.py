@@ -15,7 +15,9 @@
         ├── PreflightFailed         a node failed a hard check (GPUs, RAM disk, network FS)
         ├── ServerFailed            a server died or logged a fatal line
         ├── InputError              a generation input that cannot be read (missing, a directory,
-        │                           corrupt at a line/byte, no valid row) or an unusable --output
+        │   │                       corrupt at a line/byte, no valid row) or an unusable --output
+        │   ├── InputChanged        the input is not the version the job was planned on any more
+        │   └── StoreError          object storage refused or failed (credentials, permission, bucket)
         ├── JobConflict             a second job into one output dir, or a change under a live job
         └── Stopped                 a wait given up because the run was asked to stop (Prefect's
                                     Cancel, SIGTERM, Ctrl-C: fleet/interrupt.py)
@@ -154,6 +156,16 @@ class ServerFailed(FatalError):
 
 class InputError(FatalError):
     pass
+
+
+class InputChanged(InputError):
+    """The input's pinned version (fleet.generation.data.pin) is gone or another one is there: reading
+    on would mix two inputs in one output."""
+
+
+class StoreError(InputError):
+    """Object storage refused or failed an operation (fleet.generation.data.storeerrors): the cause in
+    one line, never the credentials."""
 
 
 class JobConflict(FatalError):

@@ -113,8 +113,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
                      retry_errors=args.retry_errors)
     data = run_data(state)  # a bug raises here, with its traceback
-    if isinstance(data, dict) and data.get("conflict"):
-        # another job took the directory between the check above and the start (README: exit 2)
+    if isinstance(data, dict) and (data.get("conflict") or data.get("could_not_run")):
+        # another job took the directory between the check above and the start, or the job's input changed
+        # since it was planned, or the store refused it (README: exit 2)
         print(f"fleet generate: {state.message or 'a second job into a job directory'}", file=sys.stderr)
         return EXIT_ERROR
     if isinstance(data, dict):

@@ -25,7 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FleetError, JobConflict
+from fleet.errors import FleetError, InputChanged, JobConflict
 from fleet.generation.data.objstore import is_url
 from fleet.interrupt import clear_stop, installed, interrupted, park, request_stop
 from fleet.servers import plan_servers
@@ -307,6 +307,8 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
             err = f"task ended {fut.state.name}"
         except JobConflict as exc:   # a second job into a job's directory: it could not run (exit 2)
             return failed(f"generation: {exc.one_line()}", {"conflict": True})
+        except InputChanged as exc:   # the input rewritten under the job: stopped, never mixed (exit 2)
+            return failed(f"generation: {exc.one_line()}", {"could_not_run": True})
         except FleetError as exc:   # cause and remedy on one line: the CLI prints this message
             err = exc.one_line()
         except Exception as exc:

@@ -19,7 +19,7 @@ from prefect import get_run_logger
 from prefect.states import Completed
 
 from fleet.config import FleetConfig
-from fleet.errors import ConfigError
+from fleet.errors import ConfigError, FleetError, InputChanged, InputError, StoreError
 from fleet.engines import ServerSpec
 from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
@@ -61,6 +61,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
             plan = ctl.prepare(input)
         except ConfigError as exc:   # the job is another input's, or staged elsewhere: said once, with its remedy
             return failed(f"generation: {exc.one_line()}")
+        except InputError as exc:   # the input changed since the plan, the store refused: it could not run (exit 2)
+            return failed(f"generation: {exc.one_line()}", {"could_not_run": True})
         assert ctl.assign is not None
         logger.info("job over %d node(s) (%s): %d input lines in %d chunks (%s), plan %s", len(nodes),
                     ", ".join(sorted(nodes)), plan.total_lines, len(plan.chunks),
@@ -95,10 +97,16 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                     # bounded: the future is done (waited for above)
                     fut.result(raise_on_failure=True)
                 except Exception as exc:
-                    errors.append(f"{name}: {str(exc).splitlines()[0][:300]}")
+                    # a FleetError's line whole (cause and remedy): a cut one lost the remedy mid-word
+                    errors.append(f"{name}: {exc.one_line() if isinstance(exc, FleetError) else str(exc).splitlines()[0][:300]}")
         # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
         dest: Path | str = output if ctl.store is not None else pdir / "output"
-        manifest = ctl.finalize(dest)
+        try:
+            manifest = ctl.finalize(dest)
+        except StoreError as exc:   # the output's store refused the merge: its cause and remedy, no traceback
+            ctl.fail_job(exc)
+            return failed(f"generation: {(ctl.failure or exc).one_line()}",
+                          {"plan_dir": str(pdir), "could_not_run": isinstance(ctl.failure, InputChanged)})
         cleaned = None
         if ctl.store is not None and manifest.get("complete") and ctl.assign.all_done():
             from fleet.generation.multinode.cleanup import clean_nodes, job_copies
@@ -116,6 +124,9 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
               "rejects": counts["rejects"], "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
               "checks": manifest.get("checks"), "nodes": manifest.get("nodes"), "shares": shares,
               "seconds": round(time.monotonic() - t0, 1), "node_copies": cleaned.to_dict() if cleaned else None}
+    if ctl.failure is not None:   # the input changed under the job (exit 2), the store refused: one line, its remedy
+        return failed(f"generation: {ctl.failure.one_line()}",
+                      {**result, "could_not_run": isinstance(ctl.failure, InputChanged)})
     if not ctl.assign.all_done():
         left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
         return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "

@@ -18,7 +18,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FatalError, JobConflict
+from fleet.errors import FatalError, InputChanged, JobConflict
 from fleet.generation.job.endpoints import endpoint_keys
 from fleet.jobs import job_dir
 from fleet.generation.job.remote import outcome, start_job, watch_job
@@ -105,7 +105,8 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
                      final.get("log_tail") or "")
         # a runner refused the directory (another runner holds it): a second job, not a failed one
         failure = (final.get("exit") or {}).get("failure") or final.get("error") or {}
-        err = JobConflict if failure.get("kind") == "conflict" else FatalError
+        err = JobConflict if failure.get("kind") == "conflict" else \
+            InputChanged if failure.get("kind") == "input_changed" else FatalError
         raise err(f"generation on {node_name} failed: {cause}", host=node.host, remedy=remedy)
     return result
 

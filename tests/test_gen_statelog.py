@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fleet.errors import StoreError
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.data.objstore import Store
 from fleet.generation.multinode import journal
@@ -181,7 +182,7 @@ def test_state_mirrored_to_the_store_resumes_on_another_machine(tmp_path: Path) 
     st2.log.mirror.write_bytes = no_store   # type: ignore[method-assign]
     journal.PUT_TRIES, tries = 1, journal.PUT_TRIES
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(StoreError):   # the store's OSError, in one line with its remedy (storeerrors.py)
             st2.finish(i, "n2", "done")
     finally:
         journal.PUT_TRIES = tries
@@ -225,7 +226,7 @@ def test_a_cut_whose_put_failed_leaves_every_line_in_one_chunk(tmp_path: Path) -
     st.log.mirror.write_bytes = no_store   # type: ignore[method-assign]
     journal.PUT_TRIES, tries = 1, journal.PUT_TRIES
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(StoreError):   # the store's OSError, in one line with its remedy (storeerrors.py)
             st.claim("b", rows=30)
     finally:
         journal.PUT_TRIES = tries
@@ -348,7 +349,7 @@ def test_a_failed_first_snapshot_put_does_not_forget_the_done_chunks(tmp_path: P
 
     monkeypatch.setattr(journal, "PUT_TRIES", 1)
     monkeypatch.setattr(Store, "write_bytes", no_snapshot)
-    with pytest.raises(OSError):
+    with pytest.raises(StoreError):   # the store's OSError, in one line with its remedy (storeerrors.py)
         ctl.prepare(f"{root}/in.jsonl")
     assert ctl.assign is not None
     ctl.assign.close()

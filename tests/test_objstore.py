@@ -226,7 +226,7 @@ def test_a_jsonl_input_on_the_store_is_cut_into_byte_ranges_never_copied(s3: str
     limit again): the plan's chunks are byte ranges of the input, written nowhere but plan.json; the
     ranges, a cut made at claim time included, hold every line once and in order (the last line has no
     newline), and a plan for another version of the input is refused."""
-    from fleet.errors import ConfigError
+    from fleet.errors import ConfigError, InputChanged
     from fleet.generation.multinode.chunks import split_chunk, split_input
     from fleet.generation.data.objstore import Store
     from fleet.generation.data.ranges import read_span
@@ -245,8 +245,10 @@ def test_a_jsonl_input_on_the_store_is_cut_into_byte_ranges_never_copied(s3: str
     again = split_input(url, pdir, ["a", "b"], chunk_rows=40)
     assert [c.span for c in again.chunks] == [c.span for c in plan.chunks]
     Store(s3).write_bytes("in/p.jsonl", ("\n".join(lines[:100])).encode())
-    with pytest.raises(ConfigError):
+    with pytest.raises(InputChanged, match="the input changed since the job was planned"):
         split_input(url, pdir, ["a", "b"], chunk_rows=40)
+    with pytest.raises(ConfigError, match="another --output"):   # another input into the same job
+        split_input(f"{s3}/in/other.jsonl", pdir, ["a", "b"], chunk_rows=40)
 
 
 def test_store_credentials_from_a_prefect_secret_block(prefect_api, monkeypatch: pytest.MonkeyPatch) -> None:

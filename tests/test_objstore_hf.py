@@ -228,7 +228,7 @@ def test_hf_jsonl_input_planned_in_byte_ranges_and_parquet_read_by_rows(hub: Hub
     """An hf://datasets/ input is read in place like one on S3: a JSONL file planned in byte ranges (read
     over HTTP Range requests, never downloaded whole per chunk) that hold every line once, its version
     known by the file's blob id (a changed file refuses the old plan), a Parquet file read by row ranges."""
-    from fleet.errors import ConfigError
+    from fleet.errors import InputChanged
     from fleet.generation.data.ranges import in_place, parquet_rows, read_rows, read_span, url_id
     from fleet.generation.multinode.chunks import split_input
 
@@ -244,9 +244,9 @@ def test_hf_jsonl_input_planned_in_byte_ranges_and_parquet_read_by_rows(hub: Hub
     before = hub.ranged
     got = b"".join(read_span(url, c.span) for c in plan.chunks)  # type: ignore[arg-type]
     assert got.decode().splitlines() == lines and hub.ranged > before
-    assert url_id(url)["mtime_ns"] == hub.oid("data/p.jsonl")
+    assert url_id(url)["blob_id"] == hub.oid("data/p.jsonl") and url_id(url)["revision"] == SHA
     hub.files["data/p.jsonl"] = ("\n".join(lines[:60]) + "\n").encode()   # another version of the input
-    with pytest.raises(ConfigError):
+    with pytest.raises(InputChanged):
         split_input(url, tmp_path / "plan", ["a", "b"], chunk_rows=25)
     purl = f"hf://datasets/{REPO}/data/p.parquet"
     assert parquet_rows(purl) == 300

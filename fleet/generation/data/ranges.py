@@ -60,14 +60,12 @@ def is_parquet(url: str) -> bool:
     return _head(url) == b"PAR1"
 
 
-def url_id(url: str) -> dict[str, object]:
-    """What identifies the input's version: its size and its ETag (or modification time)."""
-    store, name = _parent(url)
-    store.fs.invalidate_cache(store._p(name))
-    info = store.fs.info(store._p(name))
-    # hf:// has neither: its listing's blob id (the git object id) changes with the content
-    stamp = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("blob_id")
-    return {"path": url, "size": int(info.get("size") or 0), "mtime_ns": str(stamp)}
+def url_id(url: str) -> dict[str, Any]:
+    """What identifies the input's version: its pin (fleet.generation.data.pin: size, and the ETag / VersionId,
+    generation, or Hub commit and blob id)."""
+    from fleet.generation.data.pin import pin_of
+
+    return pin_of(url)
 
 
 @dataclass
@@ -84,7 +82,7 @@ class LineIndex:
 
 
 def scan(url: str, limit: int | None, *, first_line: int = 1, start: int = 0, rows: int = 0,
-         entries: int = INDEX_ENTRIES) -> LineIndex:
+         entries: int = INDEX_ENTRIES, pin: dict[str, Any] | None = None) -> LineIndex:
     """One pass over the input from byte `start` (line `first_line`, `rows` non-blank rows before it):
     the lines up to `limit` non-blank rows in all, and the index of their starts (as chunks._count
     counts: the lines taken under a larger limit start with those taken under a smaller).
@@ -93,10 +91,12 @@ def scan(url: str, limit: int | None, *, first_line: int = 1, start: int = 0, ro
     goes through fsspec's `readuntil`, which reads (and copies) a whole block, 50 MB on s3fs, per line."""
     import io
 
-    store, name = _parent(url)
+    from fleet.generation.data.pin import check, source
+
+    fs, path, kw = source(url, pin)
     ix = LineIndex(first_line=first_line, start=start, rows=rows, end=start)
     starts, step, pos = ix.starts, 1, start
-    with store.fs.open(store._p(name), "rb", cache_type="none") as raw:   # big sequential reads: no read-ahead
+    with fs.open(path, "rb", cache_type="none", **kw) as raw:   # big sequential reads: no read-ahead
         if start:
             raw.seek(start)
         for n, line in enumerate(io.BufferedReader(raw, BLOCK)):
@@ -111,6 +111,7 @@ def scan(url: str, limit: int | None, *, first_line: int = 1, start: int = 0, ro
             if not line.isspace():
                 ix.rows += 1
     ix.starts, ix.step, ix.end = starts, step, pos
+    check(url, pin)   # the offsets are the pinned version's
     return ix
 
 
@@ -134,16 +135,19 @@ def cut(ix: LineIndex, sizes: list[int]) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def read_span(url: str, span: list[int]) -> bytes:
-    """The bytes of one chunk, ending with a newline."""
-    store, name = _parent(url)
-    data: bytes = store.fs.cat_file(store._p(name), start=span[0], end=span[1])
+def read_span(url: str, span: list[int], pin: dict[str, Any] | None = None) -> bytes:
+    """The bytes of one chunk, ending with a newline: of the pinned version (InputChanged when it is not there)."""
+    from fleet.generation.data.pin import check, source
+
+    fs, path, kw = source(url, pin)
+    data: bytes = fs.cat_file(path, start=span[0], end=span[1], **kw)
+    check(url, pin)
     return data if data.endswith(b"\n") or not data else data + b"\n"
 
 
-def split_span(url: str, span: list[int], rows: int) -> tuple[list[int], list[int]]:
+def split_span(url: str, span: list[int], rows: int, pin: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """A chunk's range cut after its first `rows` lines: (head, rest)."""
-    data = read_span(url, span)
+    data = read_span(url, span, pin)
     at = 0
     for _ in range(rows):
         at = data.index(b"\n", at) + 1
@@ -153,31 +157,45 @@ def split_span(url: str, span: list[int], rows: int) -> tuple[list[int], list[in
 # ---------------------------------------------------------------------------- Parquet
 
 
-def _parquet(store: Store, name: str) -> Any:
-    """The file at `name` as a pyarrow ParquetFile over fsspec, fetching only what is read: no
-    read-ahead cache (s3fs would fetch 50 MB blocks), pyarrow's own coalesced range reads."""
+def _parquet(url: str, pin: dict[str, Any] | None) -> Any:
+    """The file at `url` (its pinned version) as a pyarrow ParquetFile over fsspec, fetching only what is
+    read: no read-ahead cache (s3fs would fetch 50 MB blocks), pyarrow's own coalesced range reads."""
     import pyarrow.parquet as pq
 
-    f = store.fs.open(store._p(name), "rb", cache_type="none")
+    from fleet.generation.data.pin import source
+
+    fs, path, kw = source(url, pin)
+    f = fs.open(path, "rb", cache_type="none", **kw)
     return pq.ParquetFile(f, pre_buffer=True)
 
 
-def parquet_rows(url: str) -> int:
+def parquet_rows(url: str, pin: dict[str, Any] | None = None) -> int:
     """The input's row count, from its footer."""
-    store, name = _parent(url)
-    pf = _parquet(store, name)
+    from fleet.generation.data.pin import check
+
+    pf = _parquet(url, pin)
     try:
-        return int(pf.metadata.num_rows)
+        n = int(pf.metadata.num_rows)
     finally:
         pf.close()
+    check(url, pin)
+    return n
 
 
-def read_rows(url: str, first: int, count: int) -> pa.Table:
-    """Rows [first, first + count) (0-based) of the Parquet input, reading only the row groups that hold them."""
-    import pyarrow as pa
+def read_rows(url: str, first: int, count: int, pin: dict[str, Any] | None = None) -> pa.Table:
+    """Rows [first, first + count) (0-based) of the Parquet input, reading only the row groups that hold
+    them, of the pinned version (InputChanged when it is not there)."""
+    from fleet.generation.data.pin import check
 
-    store, name = _parent(url)
-    pf = _parquet(store, name)
+    table = _read_rows(url, first, count, pin)
+    check(url, pin)
+    return table
+
+
+def _read_rows(url: str, first: int, count: int, pin: dict[str, Any] | None) -> pa.Table:
+    import pyarrow as pa  # noqa: F401  (the annotation's)
+
+    pf = _parquet(url, pin)
     try:
         md = pf.metadata
         groups: list[int] = []

@@ -58,6 +58,7 @@ class JobSpec:
     seed: list[str] = field(default_factory=list)   # store URLs of earlier attempts whose shards a fresh run starts from
     input_span: list[int] | None = None   # [start, end) bytes of `input` (a URL) that are this job's rows
     input_rows: list[int] | None = None   # [first, end) rows (0-based) of `input` (a Parquet URL) that are this job's
+    input_pin: dict[str, Any] | None = None   # the version of `input` (a URL) the job was planned on (data/pin.py)
 
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:

@@ -23,6 +23,7 @@ import json
 import logging
 import posixpath
 from pathlib import Path
+from typing import Any
 
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.data.objstore import Store, is_url
@@ -35,11 +36,21 @@ log = logging.getLogger("fleet.generation.job.publish")
 SEEDED_FILE = ".seeded.json"
 
 
-def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None) -> str:
+def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None,
+                pin: dict[str, Any] | None = None) -> str:
     """The local copy of input `url` (downloaded once, beside the output directory; `span`: only those
-    bytes of it, `rows`: only those rows of a Parquet input, see ranges.py); a path is itself."""
+    bytes of it, `rows`: only those rows of a Parquet input, see ranges.py); a path is itself. `pin`: the
+    version the job was planned on (fleet.generation.data.pin): a range is read from it, and InputChanged
+    is raised, with nothing staged, when it is not there any more."""
     if not is_url(url):
         return url[len("file://"):] if url.startswith("file://") else url
+    from fleet.generation.data.storeerrors import translated
+
+    with translated(url, "reading"):   # the store's refusal in one line (InputChanged passes as it is)
+        return _stage(url, out, span, rows, pin)
+
+
+def _stage(url: str, out: Path, span: list[int] | None, rows: list[int] | None, pin: dict[str, Any] | None) -> str:
     name = posixpath.basename(url.rstrip("/"))
     part = span or rows
     local = out.parent / f".{out.name}.input" / (f"{part[0]}-{part[1]}-{name}" if part else name)
@@ -49,11 +60,11 @@ def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[i
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(local.name + ".tmp")
         if span is not None:
-            tmp.write_bytes(read_span(url, span))
+            tmp.write_bytes(read_span(url, span, pin))
         else:
             import pyarrow.parquet as pq
 
-            pq.write_table(read_rows(url, part[0], part[1] - part[0]), tmp)
+            pq.write_table(read_rows(url, part[0], part[1] - part[0], pin), tmp)
         tmp.replace(local)
     if not local.exists():
         parent, name = url.rstrip("/").rsplit("/", 1)
@@ -98,7 +109,14 @@ class Publisher:
         self._there: set[str] | None = None
 
     def sync_shards(self) -> int:
-        """Put every committed shard that is not in the store yet; return how many were put."""
+        """Put every committed shard that is not in the store yet; return how many were put (StoreError
+        with its cause and remedy when the store refuses)."""
+        from fleet.generation.data.storeerrors import translated
+
+        with translated(self.store.root, "writing"):
+            return self._sync_shards()
+
+    def _sync_shards(self) -> int:
         if self._there is None:   # listed once per runner: after that, this runner is the only writer here
             self._there = set(self.store.names(SHARDS_DIR))
         n = 0
@@ -112,8 +130,11 @@ class Publisher:
 
     def finish(self) -> None:
         """Shards, then the record files, then the manifest (last: it says the rest is there)."""
+        from fleet.generation.data.storeerrors import translated
+
         self.sync_shards()
-        for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
-            path = self.out / name
-            if path.exists():
-                self.store.put_file(str(path), name)
+        with translated(self.store.root, "writing"):
+            for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
+                path = self.out / name
+                if path.exists():
+                    self.store.put_file(str(path), name)

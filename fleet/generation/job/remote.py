@@ -121,7 +121,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
               facts: dict[int, dict[str, Any]] | None = None,
               endpoint_keys: dict[str, str] | None = None, store: str | None = None,
               seed: list[str] | None = None, input_span: list[int] | None = None,
-              input_rows: list[int] | None = None, exclusive: bool = False) -> JobHandle:
+              input_rows: list[int] | None = None, input_pin: dict[str, Any] | None = None,
+              exclusive: bool = False) -> JobHandle:
     """Start the runner detached on the node, or re-attach to the one already running for `output`.
 
     Claim first, then write: two `fleet generate` into one directory at the same moment both
@@ -135,7 +136,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     runner reads it from there); `store`: the URL the runner puts its committed output under,
     `seed`: earlier attempts' store URLs (fleet.generation.job.publish), `input_span`: the [start, end)
     bytes of `input_path` that are this job's input, `input_rows` the [first, end) rows of a Parquet
-    `input_path` (ranges.py). The credentials of the URLs' protocols go to the runner in the
+    `input_path` (ranges.py), `input_pin` the version of `input_path` the job was planned on (data/pin.py).
+    The credentials of the URLs' protocols go to the runner in the
     environment (`store_env`: by name, a Google credentials file by content), never in job.json or argv.
 
     `exclusive`: the caller already holds the output's own lock (the multi-node controller's
@@ -166,7 +168,7 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
             "input": input_path, "output": output,
             "servers": server_entries(cfg, specs, facts) + endpoint_entries(cfg),
             "retry_errors": retry_errors, "relaunch": True, "store": store, "seed": list(seed or []),
-            "input_span": input_span, "input_rows": input_rows,
+            "input_span": input_span, "input_rows": input_rows, "input_pin": input_pin,
         }
         node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
         node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's

@@ -36,6 +36,7 @@ JOB.json (`JobSpec`):
       "seed": ["s3://bucket/job/_parts/gpu2/chunk-00003"],  # optional: shards a fresh run starts from
       "input_span": [0, 81920]          # optional: the bytes of the input URL that are this job's
       "input_rows": [0, 5000]           # optional: the rows of the Parquet input URL that are this job's
+      "input_pin": {"etag": "…", …}     # optional: the input URL's version the job was planned on (data/pin.py)
     }
 
 The input may be an fsspec URL: it is downloaded beside the output first. With `store`, the
@@ -144,6 +145,7 @@ class _Run:
         self.rows_in_input: int | None = None   # every row of the input, whatever the limit (`_count_rows`)
         self.publisher: Publisher | None = None   # the output's copy on object storage (job.store)
         self._publishing: asyncio.Future[None] | None = None
+        self.input_pin: dict[str, Any] | None = None   # the input file's size, mtime, inode (`_items` checks them)
 
     @classmethod
     async def open(cls, job: JobSpec) -> _Run:
@@ -165,10 +167,16 @@ class _Run:
         started_at = time.time()
         t0 = time.monotonic()
         await asyncio.to_thread(_from_store, job, out)
+        pin = await asyncio.to_thread(_pin_local, job.input)
         fingerprint = await asyncio.to_thread(input_fingerprint, job.input)
+        if pin is not None:   # the SHA-256 is of the version pinned: not one rewritten while it was hashed
+            from fleet.generation.data.pin import check_local
+
+            await asyncio.to_thread(check_local, job.input, pin)
         store = ResultStore(out, shard_rows=cfg.generation.shard_rows, input_fingerprint=fingerprint,
                             job_params=job_params(cfg))
         run = cls(job, cfg, out, out_ino, fingerprint, store, started_at, t0)
+        run.input_pin = pin
         if job.store:
             from fleet.generation.job.publish import Publisher
 
@@ -339,8 +347,14 @@ class _Run:
         """The input, stopping cleanly at a corrupt/unreadable point: the rows before it still run."""
         from fleet.generation.data.inputs import iter_input
 
+        from fleet.generation.data.pin import check_local
+
+        pin, path = self.input_pin, self.job.input
         try:
-            yield from iter_input(self.job.input, self.gen, skip_ids=self.done.__contains__, stats=self.stats)
+            for item in iter_input(path, self.gen, skip_ids=self.done.__contains__, stats=self.stats):
+                if pin is not None:   # a row read after the file was rewritten is never sent (~2 us a row)
+                    check_local(path, pin)
+                yield item
         except Exception as exc:
             self.fail(exc, stop=False)   # this runs in the feeder's thread: no dispatcher call from here
 
@@ -507,12 +521,23 @@ async def run_job(job: JobSpec, *, install_signals: bool = True, console: bool =
     return run.exit_code(state, reason, counts, exit_file, console=console)
 
 
+def _pin_local(path: str) -> dict[str, Any] | None:
+    """The input file's version (fleet.generation.data.pin) as the runner starts: rewritten in place while the
+    job runs, its later rows would be another input's."""
+    from fleet.generation.data.pin import pin_of
+
+    try:
+        return pin_of(path)
+    except OSError:   # missing: the fingerprint says so, with its remedy
+        return None
+
+
 def _from_store(job: JobSpec, out: Path) -> None:
     """An input on object storage read from a local copy; a fresh attempt seeded with earlier attempts'
     shards (see fleet.generation.job.publish)."""
     from fleet.generation.job.publish import seed, stage_input
 
-    job.input = stage_input(job.input, out, job.input_span, job.input_rows)
+    job.input = stage_input(job.input, out, job.input_span, job.input_rows, job.input_pin)
     if job.store and job.seed:
         n = seed(out, job.seed)
         if n:

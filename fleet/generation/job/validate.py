@@ -457,7 +457,7 @@ def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
     runners put their commits there; a plain --output path would be on each node's own disk)."""
     from urllib.parse import urlsplit
 
-    from fleet.generation.data.objstore import Store, is_url, store_env
+    from fleet.generation.data.objstore import is_url, store_env
 
     for url in (input, output):
         if is_url(url) and (urlsplit(url).username or urlsplit(url).password):
@@ -473,20 +473,69 @@ def _plan_store_job(input: str, output: str, cwd: str | None) -> JobPlan:
         raise InputError(f"--input {input} is on object storage but --output {output} is a local path",
                          remedy="give --output an object-storage URL too (s3://bucket/prefix): every node writes there")
     if is_url(input):
-        parent, _, name = input.rstrip("/").rpartition("/")
-        if not Store(parent).exists(name):
-            raise InputError(f"input {input} does not exist (or these credentials cannot read it)",
-                             remedy="check the URL, and the credentials in this shell's environment (AWS_*, "
-                                    "GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN)")
+        _check_store_input(input)
     else:
         input = str(_resolve(input, cwd))
         if not Path(input).is_file():
             raise InputError(f"input {input} is not a file", remedy="give --input a JSONL or Parquet file")
-    done = Store(output).read_bytes("manifest.json")
+    done = _check_store_output(output, input)
     if done and json.loads(done).get("complete"):
         return JobPlan(input, output, "done", f"{output} already holds this job's finished output", True)
     return JobPlan(input, output, "new", f"{input} → {output} (object storage: nodes read and write it directly)",
                    not is_url(input))
+
+
+def _check_store_input(url: str) -> None:
+    """The input on the store exists and these credentials can read it: one line with its remedy (StoreError
+    for credentials, permission, a missing bucket) before anything starts."""
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.data.storeerrors import translated
+
+    parent, _, name = url.rstrip("/").rpartition("/")
+    with translated(url, "reading"):
+        store = Store(parent)
+        try:   # a ranged GET, not a HEAD: a refusal then says why (S3's error code is in the body)
+            store.fs.cat_file(store._p(name), start=0, end=1)
+        except FileNotFoundError as exc:
+            if "bucket" in str(exc).lower():
+                raise
+            raise InputError(f"input {url} does not exist (or these credentials cannot read it)",
+                             remedy="check the URL, and the credentials in this shell's environment (AWS_*, "
+                                    "GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN)") from None
+        except OSError as exc:   # an empty object has no first byte (416): it exists, the plan says it is empty
+            if "InvalidRange" not in str(exc) and "416" not in str(exc) and \
+                    "not satisfiable" not in str(exc).lower():
+                raise
+
+
+def _check_store_output(output: str, input: str) -> bytes | None:
+    """The output URL can be written (a test object put and removed: a missing bucket, no permission, no
+    credentials are found now), and a job already planned there was planned on this input's version (its
+    plan's pin under `_control/`: InputChanged else). Returns its manifest, if any."""
+    import uuid
+
+    from fleet.generation.data.objstore import Store, is_url
+    from fleet.generation.data.storeerrors import translated
+
+    with translated(output, "reading"):
+        store = Store(output)
+        manifest = store.read_bytes("manifest.json")
+        planned = store.read_bytes("_control/plan.json")
+    probe = f"_fleet-write-test-{uuid.uuid4().hex[:12]}"
+    with translated(output, "writing a test object under"):
+        store.write_bytes(probe, b"fleet checks it can write here; removed at once\n")
+        store.fs.rm(store._p(probe))
+    if planned and is_url(input):
+        from fleet.generation.data.pin import check
+
+        try:
+            plan = json.loads(planned)
+        except ValueError:
+            return manifest
+        if str(plan.get("input", "")).rstrip("/") == input.rstrip("/"):
+            with translated(input, "reading"):
+                check(input, plan.get("input_id"))
+    return manifest
 
 
 def _memo(fn: Callable[[], str]) -> Callable[[], str]:

@@ -179,7 +179,7 @@ class Chunk:
 @dataclass
 class Plan:
     input: str
-    input_id: dict[str, Any]          # size and mtime of the input when it was cut
+    input_id: dict[str, Any]          # the input's version when it was cut: its pin (fleet.generation.data.pin)
     total_lines: int
     chunk_rows: int | None
     nodes: list[str]
@@ -215,7 +215,7 @@ def plan_dir_for(root: str | Path, fleet_name: str, output: str) -> Path:
 
 def input_id(path: str | Path) -> dict[str, Any]:
     st = Path(path).stat()
-    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
 
 
 def _is_parquet(path: Path) -> bool:
@@ -297,12 +297,14 @@ def split_input(input_path: str | Path, plan_dir: str | Path, nodes: list[str], 
     old = load_plan(pdir)
     ident = input_id(src)
     if old is not None:
-        if {k: old.input_id.get(k) for k in ("size", "mtime_ns")} != {k: ident[k] for k in ("size", "mtime_ns")} \
-                or old.input_id.get("path") != ident["path"]:
+        if old.input_id.get("path") != ident["path"]:
             raise ConfigError(f"this output already belongs to a multi-node job over {old.input} "
                               f"({old.input_id.get('size')} bytes); the input now is {ident['path']} "
                               f"({ident['size']} bytes)",
                               remedy="give another --output for another input, or run the same input again to resume")
+        from fleet.generation.data.pin import check_local
+
+        check_local(str(src), old.input_id)   # the same file, rewritten since the plan: InputChanged
         return grow_plan(old, src, pdir, limit)
     fmt, total, rows = _count(src, limit)
     chunks = _cut(src, pdir, fmt, first_line=1, index=0, lines=total, nodes=len(nodes), chunk_rows=chunk_rows)
@@ -318,17 +320,19 @@ def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int |
     input or row ranges of a Parquet one (ranges.py); no file is written but plan.json. The same rules:
     a plan is kept, grown, or refused for another input."""
     from fleet.errors import ConfigError
+    from fleet.generation.data.pin import check
     from fleet.generation.data.ranges import is_parquet, url_id
 
-    ident = url_id(url)
     old = load_plan(pdir)
     if old is not None:
-        if old.input_id != ident:
-            raise ConfigError(f"this output already belongs to a multi-node job over {old.input} "
-                              f"({old.input_id.get('size')} bytes); the input now is {url} ({ident['size']} bytes)",
+        if old.input.rstrip("/") != url.rstrip("/"):
+            raise ConfigError(f"this output already belongs to a multi-node job over {old.input}; the input now "
+                              f"is {url}",
                               remedy="give another --output for another input, or run the same input again to resume")
+        check(url, old.input_id)   # its pinned version still there (InputChanged else): the chunks are its ranges
         if old.whole_input or (limit is not None and old.limit is not None and limit <= old.limit):
             return old
+    ident = old.input_id if old is not None else url_id(url)
     fmt = old.fmt if old is not None else ("parquet" if is_parquet(url) else "jsonl")
     plan = old or Plan(input=url, input_id=ident, total_lines=0, chunk_rows=chunk_rows, nodes=list(nodes), chunks=[],
                        fmt=fmt, limit=limit, rows=0)
@@ -345,7 +349,7 @@ def _grow_jsonl_in_place(url: str, plan: Plan, limit: int | None) -> None:
     from fleet.generation.data.ranges import cut, scan
 
     start = max((c.span[1] for c in plan.chunks if c.span is not None), default=0)
-    ix = scan(url, limit, first_line=plan.total_lines + 1, start=start, rows=plan.rows or 0)
+    ix = scan(url, limit, first_line=plan.total_lines + 1, start=start, rows=plan.rows or 0, pin=plan.input_id)
     if ix.lines and ix.rows > (plan.rows or 0):   # not only blank lines after the plan's
         for first, lines, span in cut(ix, plan_sizes(ix.lines, len(plan.nodes), plan.chunk_rows)):
             plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=lines, file="", span=span))
@@ -358,7 +362,7 @@ def _grow_parquet_in_place(url: str, plan: Plan, limit: int | None) -> None:
     (`file` "" and no `span`: rows first_line … of the input, read by the runner with ranges.read_rows)."""
     from fleet.generation.data.ranges import parquet_rows
 
-    total = parquet_rows(url)
+    total = parquet_rows(url, plan.input_id)
     total = total if limit is None else min(total, limit)
     first = plan.total_lines + 1
     for n in plan_sizes(total - plan.total_lines, len(plan.nodes), plan.chunk_rows):
@@ -429,7 +433,7 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int,
     if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, the commit the only write
         from fleet.generation.data.ranges import split_span
 
-        head_span, rest_span = split_span(plan.input, c.span, rows) if c.span is not None else (None, None)
+        head_span, rest_span = split_span(plan.input, c.span, rows, plan.input_id) if c.span is not None else (None, None)
         new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
                     span=rest_span)
         record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span), new)

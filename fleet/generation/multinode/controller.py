@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FatalError, FleetError
+from fleet.errors import FatalError, FleetError, InputChanged, StoreError
 from fleet.generation.multinode.chunks import (
     MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
     merge,
@@ -260,6 +260,9 @@ class Controller:
         self.assign: Assignments | None = None
         self.started = time.monotonic()
         self._stop = threading.Event()
+        # what ended the job before its chunks were done, when it is not a chunk's own failure: the input
+        # changed under it, the store refused; one line with its remedy (flows/multinode.py says it)
+        self.failure: FleetError | None = None
         self._view = RateView(list(nodes))
         for w in nodes.values():
             w.changed = self._view.dirty
@@ -279,9 +282,12 @@ class Controller:
             pulled = pull(mirror, self.plan_dir)
             if pulled:
                 self.say(logging.INFO, f"the job's plan and state read from {mirror.root}")
-        input_path = self._staged(input_path)
-        self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes), chunk_rows=self.cfg.generation.chunk_rows,
-                                limit=self.cfg.generation.limit)
+        from fleet.generation.data.storeerrors import translated
+
+        with translated(input_path, "reading"):   # a store's refusal in one line (InputChanged as it is)
+            input_path = self._staged(input_path)
+            self.plan = split_input(input_path, self.plan_dir, sorted(self.nodes),
+                                    chunk_rows=self.cfg.generation.chunk_rows, limit=self.cfg.generation.limit)
         self.assign = Assignments(self.plan_dir, self.plan, mirror)
         if mirror is not None and not pulled:
             # a new job, or one begun before the store's copy: the plan and the whole state go there
@@ -341,10 +347,19 @@ class Controller:
         assert self.plan is not None
         rows = [chunk.first_line - 1, chunk.first_line - 1 + chunk.lines] \
             if not chunk.file and self.plan.fmt == "parquet" else None   # rows of a Parquet input, read in place
-        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span, "input_rows": rows}
+        pin = self.plan.input_id if not chunk.file else None   # read in place: the version the plan was cut from
+        return {"store": mine, "seed": sorted(set(earlier) - {mine}), "input_span": chunk.span, "input_rows": rows,
+                "input_pin": pin}
 
     def gathered(self, node: str, chunk: Chunk) -> Path:
         return self.plan_dir / "gathered" / node / chunk.name
+
+    def fail_job(self, exc: FleetError) -> None:
+        """End the job now with `exc` (the first such failure is kept): every node stops claiming."""
+        if self.failure is None:
+            self.failure = exc
+            self.say(logging.ERROR, f"the job stops: {exc.one_line()}")
+        self.stop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -407,46 +422,57 @@ class Controller:
                     continue
                 self.say(logging.WARNING, f"node {name} answers again: it rejoins the job")
                 lost_since = None
-            self.assign.node_ok(name)
-            rows: int | None = None
-            index: int | None = None
-            waiting: _Asking | None = None
-            with self.assign._lock:   # the answer and what to wait for at once (`_refused`)
-                go = True
-                if not self.assign.running_on(name):
-                    rows, go = self.next_size(name)
-                if not go:   # a faster node would end the next chunk sooner: leave it to that node
-                    waiting = self._refused(name, sooner=True)
-                else:
-                    index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
-                                              min_rest=self.min_rest())
-                    if index is None:   # nothing pending: others hold the last chunks; a loss may hand one back
-                        waiting = self._refused(name, sooner=False)
-            if waiting is not None or index is None:   # (index is None only when told to wait)
-                work.state = "idle"
-                if waiting is not None:
-                    self._idle(waiting)
-                continue
-            self._answered(name)
             try:
-                run(name, index)
-            except NodeLost as exc:
-                self.assign.node_lost(name, str(exc))
-                work.state, work.progress, work.chunk = "lost", None, None
-                lost_since = time.monotonic()
-                self.say(logging.WARNING, f"node {name} lost ({exc.one_line()}): chunk {index} goes back to the queue")
-            except ChunkFailed as exc:
-                self.say(logging.WARNING, f"chunk {index} failed on {name}: {exc.one_line()}")
-                if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
-                    self.stop()
-                    raise FatalError(f"chunk {index} failed {MAX_FAILED_ATTEMPTS} times (last on {name}: "
-                                     f"{exc.one_line()})",
-                                     remedy="read the runner logs under the nodes' workdir/jobs, fix the cause, "
-                                            "then run the same command again: finished chunks are kept") from exc
+                lost_since = self._turn(name, run, work, lost_since)
+            except (InputChanged, StoreError) as exc:   # no other node or attempt reads it better: the job ends
+                self.fail_job(exc)
+                break
         if work.state != "gone":
             work.state = "finished"
         return {"node": name, "rows": work.rows_done, "tokens": work.tokens, "busy_s": round(work.busy_s, 2),
                 "state": work.state}
+
+    def _turn(self, name: str, run: Callable[[str, int], dict[str, Any]], work: NodeWork,
+              lost_since: float | None) -> float | None:
+        """One turn of `node_loop`: claim a chunk (or wait), run it; the node's lost-since time after it."""
+        assert self.assign is not None
+        self.assign.node_ok(name)
+        rows: int | None = None
+        index: int | None = None
+        waiting: _Asking | None = None
+        with self.assign._lock:   # the answer and what to wait for at once (`_refused`)
+            go = True
+            if not self.assign.running_on(name):
+                rows, go = self.next_size(name)
+            if not go:   # a faster node would end the next chunk sooner: leave it to that node
+                waiting = self._refused(name, sooner=True)
+            else:
+                index = self.assign.claim(name, lambda i: self.chunk_output(name, self.chunk(i)), rows=rows,
+                                          min_rest=self.min_rest())
+                if index is None:   # nothing pending: others hold the last chunks; a loss may hand one back
+                    waiting = self._refused(name, sooner=False)
+        if waiting is not None or index is None:   # (index is None only when told to wait)
+            work.state = "idle"
+            if waiting is not None:
+                self._idle(waiting)
+            return lost_since
+        self._answered(name)
+        try:
+            run(name, index)
+        except NodeLost as exc:
+            self.assign.node_lost(name, str(exc))
+            work.state, work.progress, work.chunk = "lost", None, None
+            lost_since = time.monotonic()
+            self.say(logging.WARNING, f"node {name} lost ({exc.one_line()}): chunk {index} goes back to the queue")
+        except ChunkFailed as exc:
+            self.say(logging.WARNING, f"chunk {index} failed on {name}: {exc.one_line()}")
+            if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
+                self.stop()
+                raise FatalError(f"chunk {index} failed {MAX_FAILED_ATTEMPTS} times (last on {name}: "
+                                 f"{exc.one_line()})",
+                                 remedy="read the runner logs under the nodes' workdir/jobs, fix the cause, "
+                                        "then run the same command again: finished chunks are kept") from exc
+        return lost_since
 
     def node_rate(self, name: str) -> float | None:
         """The node's measured rate (input lines/s): the lines of the chunks it finished over the time it
@@ -704,7 +730,7 @@ class Controller:
         """The runner exited: fetch a done chunk's whole output and count it to the node, or gather
         what it committed and raise ChunkFailed with the runner's last words."""
         from fleet.generation.data.manifest import read_manifest
-        from fleet.generation.job.remote import fetch, read_progress
+        from fleet.generation.job.remote import fetch, read_exit, read_progress
 
         assert self.assign is not None
         work = self.nodes[name]
@@ -712,8 +738,11 @@ class Controller:
         manifest = json.loads(manifest_text) if manifest_text else {}
         final = _retry(lambda: read_progress(node, out)) or {}
         if self.store is not None:   # done means done in the store: its manifest is put there last
+            from fleet.generation.data.storeerrors import translated
+
             part = Store(self.part_url(name, self.chunk(index)))
-            stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
+            with translated(part.root, "reading"):
+                stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
             manifest = json.loads(stored) if stored else {}
         if manifest.get("complete") and manifest.get("state") == "done" and \
                 final.get("state") == "done":
@@ -734,11 +763,18 @@ class Controller:
             return {"chunk": index, "node": name, "state": "done", "rows": accounted,
                     "seconds": round(time.monotonic() - t0, 2)}
         self._gather_partial(node, index, out, dest)
-        detail = final.get("detail") or final.get("state") or "exited without a manifest"
+        failure = (_retry(lambda: read_exit(node, handle)) or {}).get("failure") or final.get("error") or {}
+        detail = final.get("detail") or final.get("state") or failure.get("cause") or "exited without a manifest"
         self.assign.finish(index, name, "failed", detail)
         work.progress, work.chunk = None, None
+        if failure.get("kind") in ("input_changed", "store"):   # the same on any node, at any attempt: the job ends
+            cls = InputChanged if failure["kind"] == "input_changed" else StoreError
+            err = cls(str(failure.get("cause")), remedy=failure.get("remedy"))
+            err.logged = True   # node_loop says it once (fail_job): no task traceback for it
+            raise err
         tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
-        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; log tail: {tail[-300:]!r}")
+        cause = f"{failure['cause']} — {failure.get('remedy')}" if failure.get("cause") else f"log tail: {tail[-300:]!r}"
+        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; {cause}")
 
     def _prestart(self, node: Node, name: str) -> bool:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in

@@ -221,9 +221,15 @@ class StateLog:
             try:
                 self.mirror.write_bytes(name, data)
                 break
-            except Exception:   # the store's errors have no common type (botocore, aiohttp, OSError)
+            except Exception as exc:   # the store's errors have no common type (botocore, aiohttp, OSError)
                 if i == PUT_TRIES - 1:
-                    raise
+                    from fleet.generation.data.storeerrors import store_error
+
+                    err = store_error(exc, self.mirror.url(name), "writing the job's state to")
+                    if err is None:
+                        raise
+                    err.logged = True   # the controller says it once, as the job's end (Controller.fail_job)
+                    raise err from None
                 time.sleep(0.5 * (i + 1))
         self.counters["puts"] += 1
         self.counters["put_bytes"] += len(data)
