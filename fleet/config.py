@@ -523,12 +523,14 @@ class FleetConfig(BaseSettings):
         lists: list[tuple[str, list[str]]] = [("engine.extra_args", self.engine.extra_args)]
         lists += [(f"servers.extra_args_by_index[{i}]", a) for i, a in sorted(self.servers.extra_args_by_index.items())]
         for where, args in lists:
-            hit = owned_flag(args, profile.owned_flags)
+            hit = owned_flag(args, profile.owned_flags, profile.flag_syntax)
             if hit:
                 arg, flag, field_name = hit
-                raise ValueError(f"{where} sets {flag} ({arg!r}), which fleet sets itself for {self.engine.kind}; "
+                # the name as written, never its value: `--api-key=sk-…` would put the key in the message
+                shown_arg = arg.split("=", 1)[0] + ("=…" if "=" in arg else "")
+                raise ValueError(f"{where} sets {flag} ({shown_arg!r}), which fleet sets itself for {self.engine.kind}; "
                                  f"use {field_name} instead")
-            hit = owned_flag(args, {f: "" for f in profile.settings_files})
+            hit = owned_flag(args, {f: "" for f in profile.settings_files}, profile.flag_syntax)
             if hit:
                 shown = hit[1] if hit[0] == hit[1] else f"{hit[1]} ({hit[0]!r})"
                 raise ValueError(f"{where} passes {shown}: {self.engine.kind} would read its settings "
