@@ -70,7 +70,7 @@ class ServerRow:
 
     @property
     def up(self) -> bool:
-        return self.state in ("up", "adopted")
+        return is_up(self.state)
 
     @property
     def label(self) -> str:
@@ -84,6 +84,12 @@ class ServerRow:
 
 
 SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
+
+
+def is_up(state: str | None) -> bool:
+    """A summary row's state for a server that serves: started, adopted, or started in place of the
+    slot's old server ("replaced (port 35600 → 35601)")."""
+    return state in ("up", "adopted") or (state or "").startswith("replaced")
 
 
 @dataclass
@@ -179,7 +185,7 @@ def _launch_and_smoke(cfg: FleetConfig, specs: list[ServerSpec], summary: _Summa
         if smoked is None:
             summary.server_failed(row, "smoke failed", err)
             continue
-        row.state = "adopted" if lr.adopted else "up"
+        row.state = "adopted" if lr.adopted else (lr.launch.replaced or "up")
         row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
         row.proof = smoked.proof
         row.max_running_requests = smoked.max_running_requests or row.max_running_requests
@@ -382,7 +388,9 @@ def _run(cfg: FleetConfig, action: Action, free_ramdisk: bool, node_wait_s: floa
     table = [r.as_dict() for r in rows]
     if failures:
         return failed(f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), table)
-    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=table)
+    replaced = [f"{r.node} server {r.server} {r.state}" for r in rows if (r.state or "").startswith("replaced")]
+    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s"
+                             + (f"; {', '.join(replaced)}" if replaced else ""), data=table)
 
 
 def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:
