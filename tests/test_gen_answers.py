@@ -527,6 +527,36 @@ class Liar(GarbageServer):
         return Reply("not found", status=404, body=b'{"detail":"Not Found"}')
 
 
+def test_a_stream_past_its_max_tokens_is_cut_and_a_whole_answer_names_its_model() -> None:
+    """The client alone: a stream that keeps sending past 2 * max_tokens + 32 chunks (and is held
+    open) ends at once as an invalid answer saying why; a whole (unstreamed) answer's `model` is
+    read and compared with the one asked for; usage of 2^40 tokens is dropped, with the reason."""
+    endless = _sse(*[{"choices": [{"index": 0, "delta": {"content": "and "}}]}] * 500, done=False)
+    srv = GarbageServer([Reply("runaway", body=endless, length=-1, hold_s=900)])
+    whole = GarbageServer([Reply("other", body=json.dumps({**GOOD, "model": "other",
+                                                             "usage": {"prompt_tokens": 5,
+                                                                       "completion_tokens": 1 << 40}}).encode())])
+
+    async def go(url: str, stream: bool) -> Any:
+        session = new_session(1)
+        try:
+            req = Request(id="a", line=1, messages=[{"role": "user", "content": "hi"}], params={"max_tokens": 8})
+            return await chat(session, url, "m", req, timeout=600, on_chunk=(lambda: None) if stream else None)
+        finally:
+            await session.close()
+    try:
+        out = asyncio.run(go(srv.url, True))
+        assert out.kind == "invalid" and out.latency_s < 300, (out.kind, out.error)
+        assert "chunks for max_tokens 8" in (out.error or "") and out.server_fault, out.error
+        out = asyncio.run(go(whole.url, False))
+        assert out.ok and out.model == "other" and out.model_mismatch, out
+        assert out.completion_tokens is None and out.prompt_tokens is None and "1,099,511,627,776" in (
+            out.usage_problem or ""), out
+    finally:
+        srv.close()
+        whole.close()
+
+
 @pytest.mark.usefixtures("prefect_api")
 def test_answers_that_lie_about_themselves_are_cut_or_flagged_through_fleet_generate(tmp_path: Path) -> None:
     """Faults (issue 33, item 6), each seen from an endpoint: a stream that never finished ran until
