@@ -168,6 +168,32 @@ def _record_port(rec: dict[str, Any]) -> int | None:
     return int(rec["port"]) if str(rec.get("port", "")).isdigit() else None
 
 
+def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned: set[int]) -> list[dict[str, Any]]:
+    """Stop the recorded servers of this fleet on the node whose slot the config no longer plans
+    (servers.count lowered, fewer GPUs): one server per slot the config names, none left running
+    on GPUs the remaining slots may now be given. Their pid file and record go with them, so
+    `fleet status` shows no ghost. A server a live generation job uses is refused (JobConflict)."""
+    out: list[dict[str, Any]] = []
+    for rec in records(node, node_cfg.workdir, cfg.name):
+        index = int(rec.get("index", -1))
+        if index in planned or rec.get("node") not in (None, node_cfg.name):
+            continue
+        pid = recorded_pid(node, node_cfg.workdir, cfg.name, rec)
+        if pid is not None:
+            for job in live_jobs(node, node_cfg.workdir, cfg.name):
+                if any(s.get("index") == index and s.get("node") in (None, node_cfg.name) for s in job.servers):
+                    raise JobConflict(
+                        f"server {index} (pid {pid}, port {rec.get('port')}) is no longer in the config "
+                        f"(servers.count) but the generation job writing {job.output} uses it; {job.stop_hint()}",
+                        host=node.host, remedy="once that job has ended, run this command again — or put "
+                                               "servers.count back as it was")
+            node.stop(pid, grace_s=cfg.servers.stop_grace_s)
+        paths = server_paths(node_cfg.workdir, cfg.name, index)
+        node.run(["rm", "-f", "--", paths.pid, paths.record], check=False, timeout=30)
+        out.append({"node": node_cfg.name, "index": index, "port": _record_port(rec), "pid": pid})
+    return out
+
+
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     """Start the server for `spec`, or adopt the live one already started with the same spec.
 
