@@ -21,12 +21,13 @@ test and the runner's client both use it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Answer", "parse_answer"]
+__all__ = ["Answer", "implausible_usage", "parse_answer", "same_model"]
 
 # A token count above this is no count (it would overflow the store's int64 sums, and no context is near it).
 _MAX_TOKENS = 1 << 40
@@ -71,6 +72,7 @@ class _Choice(_Strict):
 
 class _Completion(_Strict):
     choices: list[_Choice] = Field(min_length=1)
+    model: Any = None   # the model the server says answered: read (`same_model`), never trusted for its type
     usage: _Usage | None = None
     prompt_token_ids: _TokenIds | None = None   # vLLM puts them here: the prompt as it rendered it
 
@@ -87,6 +89,51 @@ class Answer:
     completion_tokens: int | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    model: str | None = None           # the answer's own `model` (None: it named none)
+
+
+# One request's tokens past these no engine produces (issue 33): a single stream decodes a few
+# thousand tokens a second at most (speculative decoding included), so 100,000 a second of the
+# row's time is a count made up; no model reads a prompt of 2^24 tokens. Such a row is flagged
+# (`implausible_usage`), and its counts are left out of throughput and cost.
+PLAUSIBLE_COMPLETION_TOK_S = 100_000
+PLAUSIBLE_PROMPT_TOKENS = 1 << 24
+
+
+def implausible_usage(prompt_tokens: int | None, completion_tokens: int | None, seconds: float,
+                      max_tokens: int | None) -> str | None:
+    """Why an answer's token counts are none an engine can give in `seconds` for a request of
+    `max_tokens` (None: they are plausible)."""
+    if prompt_tokens is not None and prompt_tokens > PLAUSIBLE_PROMPT_TOKENS:
+        return f"usage.prompt_tokens {prompt_tokens:,} (no model reads over {PLAUSIBLE_PROMPT_TOKENS:,})"
+    if completion_tokens is None:
+        return None
+    budget = PLAUSIBLE_COMPLETION_TOK_S * max(seconds, 1.0)
+    if completion_tokens > budget:
+        return (f"usage.completion_tokens {completion_tokens:,} in {seconds:.2f} s (over "
+                f"{PLAUSIBLE_COMPLETION_TOK_S:,} tokens a second)")
+    # an engine stops at max_tokens; a speculative step may pass it by a few draft tokens
+    if max_tokens is not None and completion_tokens > 2 * max_tokens + 16:
+        return f"usage.completion_tokens {completion_tokens:,} for max_tokens {max_tokens:,}"
+    return None
+
+
+def same_model(requested: str, answered: str | None) -> bool:
+    """Does an answer's `model` name the model that was asked for? None (no name) is no claim.
+    The spellings engines answer for the same model pass: `transformers serve` adds the Hub
+    revision ("org/m" → "org/m@main"), OpenAI-style APIs a dated snapshot ("gpt-4o" →
+    "gpt-4o-2024-08-06"); a path and its basename are one model."""
+    if answered is None or answered == requested:
+        return True
+    if answered.startswith(requested + "@") or requested.startswith(answered + "@"):
+        return True
+    if _SNAPSHOT.fullmatch(answered[len(requested):]) and answered.startswith(requested):
+        return True
+    base = requested.rstrip("/").rsplit("/", 1)[-1]
+    return bool(base) and answered.rstrip("/").rsplit("/", 1)[-1] == base and ("/" in requested or "/" in answered)
+
+
+_SNAPSHOT = re.compile(r"-\d{4}-?\d{2}-?\d{2}")
 
 
 def _why(exc: ValidationError) -> str:
@@ -130,4 +177,5 @@ def parse_answer(body: bytes | bytearray | str | dict[str, Any]) -> Answer:
         completion_tokens=usage.completion_tokens if usage is not None else None,
         prompt_token_ids=doc.prompt_token_ids if doc.prompt_token_ids is not None else choice.prompt_token_ids,
         token_ids=choice.token_ids,
+        model=doc.model if isinstance(doc.model, str) and len(doc.model) <= 1024 else None,
     )

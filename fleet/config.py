@@ -343,7 +343,9 @@ class QualityConfig(_Section):
     missing_reasoning: GateAction = Field("retry", description="No reasoning_content although reasoning is expected (see expect_reasoning).")
     think_markers: GateAction = Field("reject", description="'<think>' or '</think>' left in the content or the reasoning (reasoning parser missing or wrong).")
     truncated: GateAction = Field("flag", description="finish_reason 'length': the answer was cut at max_tokens.")
-    repetition: GateAction = Field("flag", description="Degenerate repetition: the answer's tail is one short span repeated (see repetition_min_repeats).")
+    repetition: GateAction = Field("flag", description="Degenerate repetition: the tail of the answer or of its reasoning is one short span repeated (see repetition_min_repeats).")
+    model_mismatch: GateAction = Field("flag", description="The answer's `model` names another model than the one asked for (a Hub revision such as '@main' or a dated snapshot such as '-2024-08-06' is the same model).")
+    implausible_usage: GateAction = Field("flag", description="Token counts no engine gives in the answer's time (over 100,000 completion tokens a second, over 2*max_tokens+16, a prompt over 2^24 tokens): the counts are dropped (left out of throughput and cost) whatever the action.")
     repetition_min_repeats: int = Field(8, ge=2, le=1000, description="Repeats of one span (1-64 words) at the end of the answer that count as degenerate.")
     retries: int = Field(2, ge=0, le=20, description="Extra tries (each with another seed) for a gate whose action is 'retry', before the row is rejected.")
     expect_reasoning: bool | None = Field(None, description="Whether rows should carry reasoning_content; unset: when chat_template_kwargs.enable_thinking is true.")
@@ -523,12 +525,14 @@ class FleetConfig(BaseSettings):
         lists: list[tuple[str, list[str]]] = [("engine.extra_args", self.engine.extra_args)]
         lists += [(f"servers.extra_args_by_index[{i}]", a) for i, a in sorted(self.servers.extra_args_by_index.items())]
         for where, args in lists:
-            hit = owned_flag(args, profile.owned_flags)
+            hit = owned_flag(args, profile.owned_flags, profile.flag_syntax)
             if hit:
                 arg, flag, field_name = hit
-                raise ValueError(f"{where} sets {flag} ({arg!r}), which fleet sets itself for {self.engine.kind}; "
+                # the name as written, never its value: `--api-key=sk-…` would put the key in the message
+                shown_arg = arg.split("=", 1)[0] + ("=…" if "=" in arg else "")
+                raise ValueError(f"{where} sets {flag} ({shown_arg!r}), which fleet sets itself for {self.engine.kind}; "
                                  f"use {field_name} instead")
-            hit = owned_flag(args, {f: "" for f in profile.settings_files})
+            hit = owned_flag(args, {f: "" for f in profile.settings_files}, profile.flag_syntax)
             if hit:
                 shown = hit[1] if hit[0] == hit[1] else f"{hit[1]} ({hit[0]!r})"
                 raise ValueError(f"{where} passes {shown}: {self.engine.kind} would read its settings "

@@ -98,9 +98,19 @@ class LaunchResult:
     command: str
     log_path: str
     seconds: float
+    replaced_port: int | None = None   # the port the replaced server listened on (its record's)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def replaced(self) -> str | None:
+        """The summary table's word for a replacement: "replaced (port 35600 → 35601)", None when none."""
+        if self.replaced_pid is None:
+            return None
+        if self.replaced_port is not None and self.replaced_port != self.port:
+            return f"replaced (port {self.replaced_port} → {self.port})"
+        return f"replaced (pid {self.replaced_pid} → {self.pid}: new launch spec)"
 
 
 def read_record(node: Node, paths: ServerPaths) -> dict[str, Any]:
@@ -116,12 +126,14 @@ def listening_ports(node: Node) -> set[int]:
     return parse_listening_ports(res.stdout)
 
 
-def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int) -> None:
+def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, index: int | None = None,
+                      port: int | None = None) -> None:
+    index = spec.index if index is None else index
     for job in live_jobs(node, spec.workdir, cfg.name):
-        if any(s.get("index") == spec.index and s.get("node") in (None, spec.node) for s in job.servers):
+        if any(s.get("index") == index and s.get("node") in (None, spec.node) for s in job.servers):
             raise JobConflict(
-                f"server {spec.index} (pid {pid}, port {spec.port}) runs with another launch spec and is in use by "
-                f"the generation job writing {job.output} (runner pid {job.pid} on node {job.node}): replacing it "
+                f"server {index} (pid {pid}, port {port or spec.port}) runs with another launch spec and is in use "
+                f"by the generation job writing {job.output} (runner pid {job.pid} on node {job.node}): replacing it "
                 f"would pull it from under that job; {job.stop_hint()}",
                 host=node.host,
                 remedy="once that job has ended, run this command again to apply the new spec — or put the config "
@@ -129,8 +141,65 @@ def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int) 
             )
 
 
+def recorded_pid(node: Node, workdir: str, fleet: str, rec: dict[str, Any]) -> int | None:
+    """The live process a launch record names, found by its pid file (pid and start time) and the
+    port the record says it was started with — never the port the config asks for now: after a
+    changed servers.base_port the old server, looked for on the new port, was taken for a reused
+    pid and left running, unrecorded, beside its replacement (issue 33)."""
+    paths = server_paths(workdir, fleet, int(rec.get("index", 0)))
+    pid = node.read_pid(paths.pid, expect=_expect(rec))
+    return pid if pid is not None and node.is_alive(pid) else None
+
+
+def _free_port_of_peer(node: Node, cfg: FleetConfig, spec: ServerSpec) -> None:
+    """The port this server needs is held by another server this fleet recorded on the node (the
+    ports moved: base_port 35600 → 35601 puts server 0 on server 1's old port): that server's own
+    spec changed with it, so it is stopped here, not taken for another program's."""
+    for rec in records(node, spec.workdir, cfg.name):
+        if int(rec.get("index", -1)) == spec.index or _record_port(rec) != spec.port:
+            continue
+        pid = recorded_pid(node, spec.workdir, cfg.name, rec)
+        if pid is not None:
+            _refuse_if_in_use(node, cfg, spec, pid, index=int(rec["index"]), port=spec.port)
+            node.stop(pid, grace_s=cfg.servers.stop_grace_s)
+
+
+def _record_port(rec: dict[str, Any]) -> int | None:
+    return int(rec["port"]) if str(rec.get("port", "")).isdigit() else None
+
+
+def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned: set[int]) -> list[dict[str, Any]]:
+    """Stop the recorded servers of this fleet on the node whose slot the config no longer plans
+    (servers.count lowered, fewer GPUs): one server per slot the config names, none left running
+    on GPUs the remaining slots may now be given. Their pid file and record go with them, so
+    `fleet status` shows no ghost. A server a live generation job uses is refused (JobConflict)."""
+    out: list[dict[str, Any]] = []
+    for rec in records(node, node_cfg.workdir, cfg.name):
+        index = int(rec.get("index", -1))
+        if index in planned or rec.get("node") not in (None, node_cfg.name):
+            continue
+        pid = recorded_pid(node, node_cfg.workdir, cfg.name, rec)
+        if pid is not None:
+            for job in live_jobs(node, node_cfg.workdir, cfg.name):
+                if any(s.get("index") == index and s.get("node") in (None, node_cfg.name) for s in job.servers):
+                    raise JobConflict(
+                        f"server {index} (pid {pid}, port {rec.get('port')}) is no longer in the config "
+                        f"(servers.count) but the generation job writing {job.output} uses it; {job.stop_hint()}",
+                        host=node.host, remedy="once that job has ended, run this command again — or put "
+                                               "servers.count back as it was")
+            node.stop(pid, grace_s=cfg.servers.stop_grace_s)
+        paths = server_paths(node_cfg.workdir, cfg.name, index)
+        node.run(["rm", "-f", "--", paths.pid, paths.record], check=False, timeout=30)
+        out.append({"node": node_cfg.name, "index": index, "port": _record_port(rec), "pid": pid})
+    return out
+
+
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
-    """Start the server for `spec`, or adopt the live one already started with the same spec."""
+    """Start the server for `spec`, or adopt the live one already started with the same spec.
+
+    One server per slot: a live server of this slot started with any other spec (port, flags,
+    model, GPUs) is found by its record, stopped and replaced; a server of another slot of this
+    fleet on the port this one needs is stopped too (its spec moved with the ports)."""
     t0 = time.monotonic()
     ensure_workdir(node, spec.workdir)
     profile = get_profile(cfg.engine.kind)
@@ -142,25 +211,28 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     shown = describe(redact(argv, secrets))
 
     record = read_record(node, paths)
-    pid = node.read_pid(paths.pid, expect=f"--port {spec.port}")
-    replaced = None
-    if pid is not None and node.is_alive(pid):
-        if record.get("hash") == key:
+    pid = recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index})
+    replaced = replaced_port = None
+    if pid is not None:
+        if record.get("hash") == key and _record_port(record) == spec.port:
             return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), pid, True, None, shown,
                                 paths.log, time.monotonic() - t0)
         # Same slot, different spec (config changed): replace it rather than run two on one GPU —
         # unless a generation job is using it: pulling a server from under a live runner makes the
         # two fight over the slot (the runner relaunches its own spec).
-        _refuse_if_in_use(node, cfg, spec, pid)
+        _refuse_if_in_use(node, cfg, spec, pid, port=_record_port(record))
         node.stop(pid, grace_s=cfg.servers.stop_grace_s)
-        replaced = pid
+        replaced, replaced_port = pid, _record_port(record)
 
     listening = listening_ports(node)
     if spec.port in listening:
+        _free_port_of_peer(node, cfg, spec)
+        listening = listening_ports(node)
+    if spec.port in listening:
         from fleet.preflight import port_remedy
 
-        # Not a server this fleet recorded in its workdir (that one was adopted above): another
-        # user's fleet on a shared machine, or another program. Never take it over.
+        # Not a server this fleet recorded in its workdir (that one was adopted or stopped above):
+        # another user's fleet on a shared machine, or another program. Never take it over.
         raise ServerFailed(
             f"server {spec.index}: port {spec.port} is already in use by another process (not a server of "
             f"fleet {cfg.name!r} recorded in {spec.workdir}: another user's fleet, or another program)",
@@ -172,15 +244,20 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     # Keep the previous log for the post-mortem; the new one starts with the exact command.
     node.run(["sh", "-c", 'umask 077; mkdir -p -- "$(dirname -- "$1")"; [ -f "$1" ] && mv -f -- "$1" "$1.prev"; '
               'printf "%s\\n" "$2" > "$1"', "fleet-log", paths.log, f"# fleet launch: {shown}"], timeout=30)
-    det = node.start_detached(argv, log_path=paths.log, pid_path=paths.pid, env=env, cwd=spec.workdir)
-    node.write_text(paths.record, json.dumps({
+    rec: dict[str, Any] = {
         "fleet": cfg.name, "node": spec.node, "index": spec.index, "port": spec.port, "host": spec.host,
-        "gpus": list(spec.gpus), "pid": det.pid, "hash": key, "engine": cfg.engine.kind,
+        "gpus": list(spec.gpus), "pid": None, "hash": key, "engine": cfg.engine.kind,
         "command": redact(argv, secrets), "env": profile.shown_env(cfg, env), "started_at": time.time(),
         "log": paths.log, "model": spec.served_name, "model_path": spec.model_path,
-    }, indent=2))
+    }
+    # The record names the new port before the process starts: were fleet killed between the start
+    # and the record, the pid file would name a process that the old record (old port) disowns —
+    # a live server that `fleet down` and the next `fleet up` never see.
+    node.write_text(paths.record, json.dumps(rec, indent=2))
+    det = node.start_detached(argv, log_path=paths.log, pid_path=paths.pid, env=env, cwd=spec.workdir)
+    node.write_text(paths.record, json.dumps(rec | {"pid": det.pid, "started_at": time.time()}, indent=2))
     return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), det.pid, False, replaced, shown,
-                        paths.log, time.monotonic() - t0)
+                        paths.log, time.monotonic() - t0, replaced_port)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from flows.cancel import end_cancelled
 from flows.outcome import quiet_expected_failures
 from flows.params import for_deployment, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
-from tasks.bringup import launch_server, provision, smoke_server, stage, venv
+from tasks.bringup import launch_server, provision, retire, smoke_server, stage, venv
 from tasks.locks import hold_nodes
 from tasks.nodes import close_all
 from tasks.states import failed, outcome
@@ -70,7 +70,7 @@ class ServerRow:
 
     @property
     def up(self) -> bool:
-        return self.state in ("up", "adopted")
+        return is_up(self.state)
 
     @property
     def label(self) -> str:
@@ -84,6 +84,12 @@ class ServerRow:
 
 
 SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
+
+
+def is_up(state: str | None) -> bool:
+    """A summary row's state for a server that serves: started, adopted, or started in place of the
+    slot's old server ("replaced (port 35600 → 35601)")."""
+    return state in ("up", "adopted") or (state or "").startswith("replaced")
 
 
 @dataclass
@@ -112,6 +118,7 @@ def bringup(cfg: FleetConfig) -> tuple[list[ServerRow], list[str], list[ServerSp
     for name, (v, s) in prepared.items():
         specs += plan_servers(cfg, cfg.node(name), provisioned[name].gpu_ids, model_path=s.model_path,
                               python=v.python)
+    _retire(cfg, list(prepared), specs, summary)
     get_run_logger().info("launching %d server(s) on %d node(s)", len(specs), len(prepared))
     _launch_and_smoke(cfg, specs, summary)
     _flag_small_kv_caches(cfg, summary.rows)
@@ -154,6 +161,23 @@ def _prepare(cfg: FleetConfig, provisioned: dict[str, Provisioned],
     return prepared
 
 
+def _retire(cfg: FleetConfig, nodes: list[str], specs: list[ServerSpec], summary: _Summary) -> None:
+    """3b. One server per slot: each node's recorded servers whose slot is no longer planned are
+    stopped before the launches (a row "retired" each); one a live job uses is a failure."""
+    # a node that plans no server at all is left alone: that is a teardown's job, not a bring-up's
+    futs = {name: retire.submit(cfg, name, [s.index for s in specs if s.node == name]) for name in nodes
+            if any(s.node == name for s in specs)}
+    for name, fut in futs.items():
+        retired, err = outcome(fut)
+        if retired is None:
+            summary.failures.append(f"{name}: retire: {err}")
+            summary.rows.append(ServerRow(name, "-", state="retire failed", error=err))
+            continue
+        for r in retired:
+            summary.rows.append(ServerRow(name, r["index"], port=r["port"], pid=r["pid"],
+                                          state="retired (no longer in the config)"))
+
+
 def _launch_and_smoke(cfg: FleetConfig, specs: list[ServerSpec], summary: _Summary) -> None:
     """4. Launch every server of every ready node at once; 5. smoke each as soon as it is ready."""
     launches = {launch_server.submit(cfg, spec): spec for spec in specs}
@@ -179,7 +203,7 @@ def _launch_and_smoke(cfg: FleetConfig, specs: list[ServerSpec], summary: _Summa
         if smoked is None:
             summary.server_failed(row, "smoke failed", err)
             continue
-        row.state = "adopted" if lr.adopted else "up"
+        row.state = "adopted" if lr.adopted else (lr.launch.replaced or "up")
         row.smoke_latency_s = round(smoked.latency_s, 3) if smoked.latency_s is not None else None
         row.proof = smoked.proof
         row.max_running_requests = smoked.max_running_requests or row.max_running_requests
@@ -384,7 +408,10 @@ def _run(cfg: FleetConfig, action: Action, free_ramdisk: bool, node_wait_s: floa
     table = [r.as_dict() for r in rows]
     if failures:
         return failed(f"{up} server(s) up; {len(failures)} failed: " + " | ".join(failures), table)
-    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s", data=table)
+    replaced = [f"{r.node} server {r.server} {r.state}" for r in rows
+                if (r.state or "").startswith(("replaced", "retired"))]
+    return Completed(message=f"{up} server(s) up in {time.monotonic() - t0:.1f} s"
+                             + (f"; {', '.join(replaced)}" if replaced else ""), data=table)
 
 
 def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:

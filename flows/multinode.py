@@ -29,6 +29,7 @@ from tasks.states import failed
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
                    retry_errors: bool, failures: list[str] | None = None) -> Any:
+    from flows.fleet import is_up
     from tasks.multinode import node_worker, say, watch_progress
 
     logger = get_run_logger()
@@ -51,7 +52,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     nodes = {}
     for name, node_specs in by_node.items():
         facts = {r["server"]: {"max_running_requests": r.get("max_running_requests")}
-                 for r in rows if r["node"] == name and r["state"] in ("up", "adopted")}
+                 for r in rows if r["node"] == name and is_up(r["state"])}
         nodes[name] = NodeWork(name, node_specs, facts)
     pdir = plan_dir_for(plan_root(), cfg.name, output)
     ctl = Controller(cfg, pdir, output, nodes, say=say)

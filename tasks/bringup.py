@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prefect import get_run_logger, task
 
@@ -17,7 +17,7 @@ from fleet.engines import ServerSpec, get_profile
 from fleet.errors import FleetError, PreflightFailed
 from fleet.node import Node
 from fleet.preflight import gather
-from fleet.servers import excerpt, launch, read_record, record_smoke, server_paths, wait_ready
+from fleet.servers import excerpt, launch, read_record, record_smoke, retire_unplanned, server_paths, wait_ready
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet import torndown
 from fleet.jobs import JobProof, job_proof
@@ -97,6 +97,17 @@ def stage(cfg: FleetConfig, node_name: str, provisioned: Provisioned) -> ModelPl
                           margin_bytes=int(cfg.model.stage_margin_gb * 1e9))
         return ModelPlace(res.dst, res), None
     return _audited(cfg, (node_name, "stage"), f"stage {node_name}", body)
+
+
+@task(name="retire", task_run_name="retire-{node_name}", **TASK_OPTS)
+def retire(cfg: FleetConfig, node_name: str, planned: list[int]) -> list[dict[str, Any]]:
+    """Stop the node's recorded servers whose slot the config no longer plans (before any launch:
+    their GPUs and ports may be the new slots')."""
+    retired = retire_unplanned(node_for(cfg, node_name), cfg, cfg.node(node_name), set(planned))
+    for r in retired:
+        get_run_logger().info("%s server %s (port %s, pid %s): no longer in the config: stopped", r["node"],
+                              r["index"], r["port"], r["pid"] if r["pid"] is not None else "none alive")
+    return retired
 
 
 @task(name="launch", task_run_name="launch-{spec.node}-{spec.index}", **TASK_OPTS)

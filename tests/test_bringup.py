@@ -477,3 +477,84 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     assert not any(same_process_alive(pid) for pid in started)
     st = fleet_cli("status", "--json")
     assert [s["state"] for s in json.loads(st.stdout)["servers"]] == ["stopped", "stopped"] and st.returncode == 1
+
+
+@pytest.mark.timeout(900)   # four `fleet` commands, each a Prefect flow, on a shared 2-core machine
+def test_a_changed_port_replaces_the_running_servers_and_down_stops_what_was_recorded(tmp_path: Path) -> None:
+    """Fault (issue 33, item 4): `FLEET_SERVERS__BASE_PORT=P fleet up`, then `…=P+1 fleet up`: exit 0,
+    "up", nothing said "replaced", and the server on P kept running unrecorded (launch looked for
+    the recorded pid on the *new* port, so the live old server read as a reused pid); `fleet status`
+    and `fleet down` never saw it. Now every slot's old server is found by its record, stopped and
+    replaced — also when the new port of server 0 is the old port of server 1 — the table says
+    "replaced (port P → P+1)", and `fleet down` stops what the workdir recorded whatever port the
+    config names by then. The port changes through the environment, then in the file; a slot the
+    config drops (servers.count 2 → 1) has its server stopped ("retired"), not left running."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from fleet.demo import to_toml
+    from fleet.node import LocalNode
+    from fleet.servers import states
+
+    base = port_block(3)
+    cfg = sim_config(tmp_path, base, n=2)
+    path = tmp_path / "rep.toml"
+
+    def write(port: int, count: int = 2) -> None:
+        c = cfg.model_copy(update={"servers": cfg.servers.model_copy(update={"base_port": port, "count": count})})
+        path.write_text(to_toml(c.model_dump(mode="json", exclude_none=True)))
+
+    def fleet_cli(*args: str, port: int | None = None) -> subprocess.CompletedProcess:
+        env = os.environ.copy()
+        env.pop("FLEET_SERVERS__BASE_PORT", None)
+        if port is not None:
+            env["FLEET_SERVERS__BASE_PORT"] = str(port)
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args, "-c", str(path)], capture_output=True,
+                              text=True, timeout=240, env=env)
+
+    started: dict[int, float] = {}
+
+    def servers() -> dict[int, tuple[int, int]]:
+        """index -> (port, pid) of the servers the workdir records as running (what `fleet status` reads)."""
+        got = {s.index: (s.port, s.pid) for s in states(LocalNode(), cfg, cfg.nodes[0]) if s.state == "running"}
+        for _, pid in got.values():
+            started.setdefault(pid or 0, psutil.Process(pid).create_time())
+        return got
+
+    def alive(pid: int) -> bool:   # by pid and start time: a pid may be reused at once on a busy box
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == started[pid] and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    write(base)
+    try:
+        up = fleet_cli("up", port=base)
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        first = servers()
+        assert {i: p for i, (p, _) in first.items()} == {0: base, 1: base + 1}, first
+        up = fleet_cli("up", port=base + 1)   # the environment moves the ports: server 0 onto server 1's old one
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        assert f"replaced (port {base} → {base + 1})" in up.stdout, up.stdout[-3000:]
+        assert f"replaced (port {base + 1} → {base + 2})" in up.stdout, up.stdout[-3000:]
+        second = servers()
+        assert {i: p for i, (p, _) in second.items()} == {0: base + 1, 1: base + 2}, second
+        assert not any(alive(pid) for _, pid in first.values() if pid), "an old server still runs, unrecorded"
+        # now the file moves them, and drops a slot (servers.count 2 → 1): server 0 is replaced,
+        # server 1 stopped ("retired"), not left running on a GPU the remaining slots may be given
+        write(base + 2, count=1)
+        up = fleet_cli("up")
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        assert f"replaced (port {base + 1} → {base + 2})" in up.stdout, up.stdout[-3000:]
+        assert "retired (no longer in the config)" in up.stdout and "1 server(s) up" in up.stdout, up.stdout[-3000:]
+        third = servers()
+        assert {i: p for i, (p, _) in third.items()} == {0: base + 2}, third
+        assert not any(alive(pid) for _, pid in second.values() if pid), "an old server still runs, unrecorded"
+    finally:
+        down = fleet_cli("down", port=base)   # the config names other ports than the servers': all the same
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stdout
+    assert not [pid for pid in started if pid and alive(pid)], "a server fleet started outlived `fleet down`"

@@ -606,3 +606,18 @@ def test_transformers_profile_runs_real_transformers_serve(tmp_path: Path) -> No
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm", "transformers", "sim"])
+def test_every_engine_names_its_port_as_the_launch_record_looks_for_it(kind: str) -> None:
+    """One server per slot (issue 33, item 4): the old server of a slot is found by its pid file and
+    by the port its record names (`fleet.servers.recorded_pid`: "--port N" in its command line), so
+    every engine's argv must carry the port as `--port N`, whatever port the config asks for now."""
+    from fleet.servers import _expect
+
+    cfg = cfg_of(engine={"kind": kind})
+    argv = get_profile(kind).argv(cfg, spec_of(port=35601, gpus=()))
+    cmdline = " " + " ".join(argv) + " "
+    expect = _expect({"port": 35601})
+    assert expect is not None and f" {expect} " in cmdline, argv
+    assert f" {_expect({'port': 35600})} " not in cmdline

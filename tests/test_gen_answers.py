@@ -475,3 +475,141 @@ def test_an_answer_with_a_lone_surrogate_is_invalid_not_a_commit_that_fails(monk
         server.close()
     assert out.kind == "invalid", (out.kind, out.error, out.completion)
     assert out.completion == ""
+
+
+# ----------------------------------------------------------------------------- answers that lie about themselves
+
+def _sse(*events: dict[str, Any], done: bool = True) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _streamed(model: str, content: str = "fine", reasoning: str | None = None,
+              usage: tuple[int, int] = (5, 3)) -> bytes:
+    delta: dict[str, Any] = {"content": content}
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
+    return _sse({"model": model, "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+                {"model": model, "choices": [{"index": 0, "delta": delta}]},
+                {"model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                {"model": model, "choices": [], "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]}})
+
+
+class Liar(GarbageServer):
+    """A streaming OpenAI server whose answers are good, except for the rows that name a fault:
+    RUNAWAY (first request only: a stream that never ends), OTHERMODEL (the answer names another
+    model), HUGEUSAGE (usage of 2^40 completion tokens), LOOPTHINK (a reasoning of one sentence
+    repeated). The rest answer well, naming the model asked for."""
+
+    MODEL = "their-model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runaways = 0
+
+    def _route(self, method: str, path: str, body: bytes) -> Reply:
+        if method == "POST" and path == "/v1/chat/completions":
+            if b'"stream":true' not in body.replace(b" ", b""):   # a probe: a whole answer
+                return Reply("valid", body=json.dumps({**GOOD, "model": self.MODEL}).encode())
+            if b"RUNAWAY" in body and not self.runaways:
+                self.runaways += 1
+                tokens = [{"model": self.MODEL, "choices": [{"index": 0, "delta": {"content": "and "}}]}] * 2000
+                return Reply("runaway", body=_sse(*tokens, done=False), length=-1, hold_s=900)
+            if b"OTHERMODEL" in body:
+                return Reply("other model", body=_streamed("somebody-elses-model"), length=-1)
+            if b"HUGEUSAGE" in body:
+                return Reply("huge usage", body=_streamed(self.MODEL, usage=(5, 1 << 40)), length=-1)
+            if b"LOOPTHINK" in body:
+                return Reply("looping reasoning", body=_streamed(self.MODEL, reasoning="I must check again. " * 400),
+                             length=-1)
+            return Reply("valid", body=_streamed(self.MODEL), length=-1)
+        if path == "/v1/models":
+            return Reply("ok", body=json.dumps({"object": "list", "data": [{"id": self.MODEL}]}).encode())
+        return Reply("not found", status=404, body=b'{"detail":"Not Found"}')
+
+
+def test_a_stream_past_its_max_tokens_is_cut_and_a_whole_answer_names_its_model() -> None:
+    """The client alone: a stream that keeps sending past 2 * max_tokens + 32 chunks (and is held
+    open) ends at once as an invalid answer saying why; a whole (unstreamed) answer's `model` is
+    read and compared with the one asked for; usage of 2^40 tokens is dropped, with the reason."""
+    endless = _sse(*[{"choices": [{"index": 0, "delta": {"content": "and "}}]}] * 500, done=False)
+    srv = GarbageServer([Reply("runaway", body=endless, length=-1, hold_s=900)])
+    whole = GarbageServer([Reply("other", body=json.dumps({**GOOD, "model": "other",
+                                                             "usage": {"prompt_tokens": 5,
+                                                                       "completion_tokens": 1 << 40}}).encode())])
+
+    async def go(url: str, stream: bool) -> Any:
+        session = new_session(1)
+        try:
+            req = Request(id="a", line=1, messages=[{"role": "user", "content": "hi"}], params={"max_tokens": 8})
+            return await chat(session, url, "m", req, timeout=600, on_chunk=(lambda: None) if stream else None)
+        finally:
+            await session.close()
+    try:
+        out = asyncio.run(go(srv.url, True))
+        assert out.kind == "invalid" and out.latency_s < 300, (out.kind, out.error)
+        assert "chunks for max_tokens 8" in (out.error or "") and out.server_fault, out.error
+        out = asyncio.run(go(whole.url, False))
+        assert out.ok and out.model == "other" and out.model_mismatch, out
+        assert out.completion_tokens is None and out.prompt_tokens is None and "1,099,511,627,776" in (
+            out.usage_problem or ""), out
+    finally:
+        srv.close()
+        whole.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_answers_that_lie_about_themselves_are_cut_or_flagged_through_fleet_generate(tmp_path: Path) -> None:
+    """Faults (issue 33, item 6), each seen from an endpoint: a stream that never finished ran until
+    request_timeout_s (1,800 s by default; 1,727 chunks for max_tokens 24); an answer naming another
+    model was stored as a success; usage of 2^40 tokens was taken as told (progress in the 10^13
+    tok/s, cost 0.0 $/M); a reasoning of one sentence repeated was stored unflagged (the repetition
+    gate read the content only). Now, through `fleet generate` against one stand-in endpoint: the
+    runaway stream is cut once it has sent clearly more than max_tokens chunks (an invalid answer,
+    the server's fault; the row is done on its next try), and the three rows are stored flagged
+    `model_mismatch`, `implausible_usage` (its counts dropped: the job's throughput holds only real
+    tokens) and `repetition`; the export leaves them out unless --keep-flagged."""
+    import subprocess
+    import time
+
+    import pyarrow.parquet as pq
+
+    from fleet.demo import to_toml
+
+    liar = Liar()
+    marks = {0: "RUNAWAY", 1: "OTHERMODEL", 2: "HUGEUSAGE", 3: "LOOPTHINK"}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "messages": [
+        {"role": "user", "content": f"question {i} {marks.get(i, '')}"}]}) + "\n" for i in range(10)))
+    cfg = {"name": "liar", "nodes": [{"name": "local", "workdir": str(tmp_path / "work")}],
+           "servers": {"count": 0},
+           "endpoints": [{"name": "liar", "url": liar.url, "model": Liar.MODEL, "max_in_flight": 2}],
+           # far past any test's wait: a stream cut only by the request timeout fails this test
+           "generation": {"max_tokens": 8, "request_timeout_s": 1800}}
+    path = tmp_path / "liar.toml"
+    path.write_text(to_toml(cfg))
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp),
+                            "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        liar.close()
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    assert liar.runaways == 1 and time.monotonic() - t0 < 240
+    rows = {row["id"]: row for p in sorted((out / "shards").glob("*.parquet"))
+            for row in pq.read_table(p, columns=["id", "flags", "attempts", "completion_tokens",
+                                                 "prompt_tokens"]).to_pylist()}
+    assert sorted(rows) == sorted(f"r{i}" for i in range(10)), sorted(rows)
+    assert rows["r0"]["attempts"] == 2 and not rows["r0"]["flags"], rows["r0"]   # cut, then answered
+    assert rows["r1"]["flags"] == ["model_mismatch"], rows["r1"]
+    assert rows["r2"]["flags"] == ["implausible_usage"], rows["r2"]
+    assert not rows["r2"]["completion_tokens"] and not rows["r2"]["prompt_tokens"], rows["r2"]
+    assert rows["r3"]["flags"] == ["repetition"], rows["r3"]
+    assert not any(rows[f"r{i}"]["flags"] for i in range(4, 10))
+    manifest = json.loads((out / "manifest.json").read_text())
+    server = manifest["servers"][0]
+    assert server["invalid"] == 1, server   # the runaway stream: the server's fault, not the row's
+    assert manifest["throughput"]["completion_tokens"] <= 10 * 3, manifest["throughput"]
+    assert manifest["quality"]["flagged"] == {"implausible_usage": 1, "model_mismatch": 1, "repetition": 1}, \
+        manifest["quality"]

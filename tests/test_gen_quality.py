@@ -43,6 +43,30 @@ def test_each_gate_fires_on_its_fault_and_only_there() -> None:
     assert fired(answer("so " + "the end " * 8), QualityConfig(repetition="keep"), False) == []
 
 
+def test_the_gates_of_issue_33_fire_on_a_looping_reasoning_another_model_and_made_up_counts() -> None:
+    """A 5 MB reasoning of one sentence repeated was stored unflagged (the repetition gate read the
+    content only); an answer naming another model, and usage of 2^40 tokens, passed every gate."""
+    q = QualityConfig()
+    assert fired(answer("a fine answer", reasoning="I must check again. " * 250_000), q, False) == ["repetition"]
+    assert fired(answer("a fine answer", reasoning="I must check again. " * 3), q, False) == []
+    assert fired(Outcome("ok", completion="fine", model="x", model_mismatch=True), q, False) == ["model_mismatch"]
+    assert fired(Outcome("ok", completion="fine", usage_problem="2^40"), q, False) == ["implausible_usage"]
+
+
+def test_same_model_and_implausible_usage_read_what_engines_really_answer() -> None:
+    from fleet.answer import implausible_usage, same_model
+
+    for asked, answered in [("m", "m"), ("m", None), ("org/m", "org/m@main"), ("gpt-4o", "gpt-4o-2024-08-06"),
+                            ("/dev/shm/fleet-0/t/tiny-chat", "tiny-chat")]:
+        assert same_model(asked, answered), (asked, answered)
+    for asked, answered in [("m", "other"), ("llama-8b", "llama-70b"), ("org/m", "org/n@main"), ("m", "")]:
+        assert not same_model(asked, answered), (asked, answered)
+    assert implausible_usage(5, 1 << 40, 30.0, 24) and implausible_usage(1 << 25, 3, 1.0, 24)
+    assert implausible_usage(5, 100, 10.0, 24) and implausible_usage(5, 64, 10.0, 24) is None   # 2*24+16 = 64
+    assert implausible_usage(5, 90_000, 0.01, None) is None   # within a second: at most 100,000
+    assert implausible_usage(None, None, 0.0, 24) is None
+
+
 def test_repeated_tail_needs_enough_repeats_of_one_span() -> None:
     """Degenerate repetition = one span of 1-64 words repeated at the end; ordinary text,
     a few repeats, or a repeat in the middle do not count."""

@@ -88,6 +88,120 @@ def test_extra_args_may_not_set_what_fleet_owns(kind: str, args: list[str], flag
     assert "servers.extra_args_by_index[1]" in text and field in text
 
 
+# Every spelling of a flag fleet owns that each engine's own parser reads as that flag (issue 33,
+# item 5), with the config field the refusal names. vLLM: FlexibleArgumentParser folds `_` into `-`
+# in a `--name` (up to its first `.`, a dotted name is the flag with a JSON value), then argparse
+# (unique prefixes, `=`). SGLang and the sim: plain argparse. transformers serve: click (exact names
+# and `=` only).
+OWNED_SPELLINGS: dict[str, list[tuple[list[str], str, str]]] = {
+    "vllm": [
+        (["--api_key", "sk-in-argv"], "--api-key", "servers.api_key"),
+        (["--api-key=sk-in-argv"], "--api-key", "servers.api_key"),
+        (["--api_k", "sk-in-argv"], "--api-key", "servers.api_key"),
+        (["--api-key.x", "sk-in-argv"], "--api-key", "servers.api_key"),
+        (["--served_model_name", "other"], "--served-model-name", "model.served_name"),
+        (["--served-model_name=x"], "--served-model-name", "model.served_name"),
+        (["--served_model", "other"], "--served-model-name", "model.served_name"),
+        (["--tensor_parallel_size", "8"], "--tensor-parallel-size", "servers.tensor_parallel"),
+        (["--tensor_parallel_size=8"], "--tensor-parallel-size", "servers.tensor_parallel"),
+        (["--tensor-par", "8"], "--tensor-parallel-size", "servers.tensor_parallel"),
+        (["-tp", "8"], "-tp", "servers.tensor_parallel"),
+        (["-tp=8"], "-tp", "servers.tensor_parallel"),
+        (["-t", "8"], "-tp", "servers.tensor_parallel"),
+        (["--ho", "0.0.0.0"], "--host", "servers.host"),
+        (["--po=1"], "--port", "servers.base_port"),
+        (["--model=/x"], "--model", "model.source"),
+    ],
+    "sglang": [
+        (["--host=0.0.0.0"], "--host", "servers.host"),
+        (["--ho", "0.0.0.0"], "--host", "servers.host"),
+        (["--por", "1"], "--port", "servers.base_port"),
+        (["--api-k=x"], "--api-key", "servers.api_key"),
+        (["--admin-api", "x"], "--admin-api-key", "servers.api_key"),
+        (["--model-p", "/x"], "--model-path", "model.source"),
+        (["--served-model", "x"], "--served-model-name", "model.served_name"),
+        (["--tp-s=2"], "--tp-size", "servers.tensor_parallel"),
+        (["--tensor-parallel=2"], "--tensor-parallel-size", "servers.tensor_parallel"),
+    ],
+    "sim": [
+        (["--host=0.0.0.0"], "--host", "servers.host"),
+        (["--hos", "0.0.0.0"], "--host", "servers.host"),
+        (["--port=1"], "--port", "servers.base_port"),
+        (["--api-k", "x"], "--api-key", "servers.api_key"),
+        (["--model-n=x"], "--model-name", "model.served_name"),
+        (["--model-pa", "/x"], "--model-path", "model.source"),
+    ],
+    "transformers": [
+        (["--host", "0.0.0.0"], "--host", "servers.host"),
+        (["--host=0.0.0.0"], "--host", "servers.host"),
+        (["--port", "1"], "--port", "servers.base_port"),
+        (["--port=1"], "--port", "servers.base_port"),
+    ],
+}
+
+
+@pytest.mark.parametrize(("kind", "args", "flag", "field"),
+                         [(k, *row) for k, rows in OWNED_SPELLINGS.items() for row in rows])
+def test_every_spelling_of_an_owned_flag_each_engine_parses_is_refused(kind: str, args: list[str], flag: str,
+                                                                       field: str) -> None:
+    """`engine.extra_args = ["--api_key", "sk-in-argv"]` was accepted for vLLM: its parser folds `_`
+    into `-`, so the key sat in argv and, coming last, won; `--served_model_name other` gave a model
+    name the runner does not send. Every spelling the engine parses is refused, naming the flag and
+    the setting to use, and never the value (a key)."""
+    text = _config_error(engine={"kind": kind, "extra_args": ["--log-level", "info", *args]})
+    assert "engine.extra_args" in text and flag in text and field in text, text
+    assert "sk-in-argv" not in text and "\n" not in text
+
+
+@pytest.mark.parametrize(("kind", "args"), [
+    ("vllm", ["--max_num_seqs", "8", "--enable_prefix_caching", "--compilation-config.level", "3"]),
+    ("sglang", ["--hostname-x", "--tokenizer-path", "/t", "--h", "x"]),
+    ("transformers", ["--po", "1", "--port_x", "1", "--log-level", "info"]),   # click: no prefixes, no folding
+    ("sim", ["--fail-rate", "0.1"]),
+])
+def test_spellings_no_engine_reads_as_an_owned_flag_pass(kind: str, args: list[str]) -> None:
+    assert FleetConfig(engine={"kind": kind, "extra_args": args}).engine.extra_args == args
+
+
+def test_the_spelling_tables_are_what_the_real_parsers_read() -> None:
+    """The sim's own argparse parser and `transformers serve`'s click command (both installed) read
+    every spelling of the table above as the flag it names (so the table is the parsers' rules,
+    not a guess), and the click command refuses the prefixes fleet lets through for it."""
+    from fleet.sim.options import build_parser
+
+    dest = {"--host": "host", "--port": "port", "--api-key": "api_key", "--model-name": "model_name",
+            "--model-path": "model_path"}
+    for args, flag, _ in OWNED_SPELLINGS["sim"]:
+        value = "7" if flag == "--port" else "x"
+        argv = [a if "=" not in a else a.split("=")[0] + "=" + value for a in args]
+        argv = argv if "=" in args[0] else [argv[0], value]
+        ns = build_parser().parse_args(argv if flag == "--port" else [*argv, "--port", "1"])
+        assert str(getattr(ns, dest[flag])) == value, (args, ns)
+    pytest.importorskip("transformers.cli.serve")
+    import click
+    import typer
+
+    from transformers.cli.transformers import app
+
+    group = app if isinstance(app, click.Group) else typer.main.get_command(app)
+    serve = group.commands["serve"]   # type: ignore[attr-defined]
+    for args, flag, _ in OWNED_SPELLINGS["transformers"]:
+        value = "7" if flag == "--port" else "127.0.0.9"
+        argv = [f"{args[0].split('=')[0]}={value}"] if "=" in args[0] else [args[0], value]
+        assert str(serve.make_context("serve", ["/m", *argv]).params[flag[2:]]) == value
+    for bad in (["--po", "1"], ["--port_x", "1"]):
+        with pytest.raises(click.NoSuchOption):
+            serve.make_context("serve", ["/m", *bad])
+
+
+def test_an_underscore_api_key_for_vllm_is_one_config_line_from_the_cli(tmp_path: Path) -> None:
+    r = _fleet("status", "-c", _minimal(tmp_path),
+               env={"FLEET_ENGINE__KIND": "vllm", "FLEET_ENGINE__EXTRA_ARGS": '["--api_key","sk-in-argv"]'})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "servers.api_key" in r.stderr and "sk-in-argv" not in r.stderr + r.stdout
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1, r.stderr
+
+
 def test_extra_args_that_fleet_does_not_own_pass() -> None:
     cfg = FleetConfig(engine={"kind": "sglang", "extra_args": [
         "--mem-fraction-static", "0.8", "--model-loader-extra-config={}", "--tokenizer-path", "/t", "--hostname-x"]})

@@ -120,6 +120,45 @@ class LogVerdict:
         }
 
 
+@dataclass(frozen=True)
+class FlagSyntax:
+    """How an engine's command-line parser reads an option's name, so that `owned_flag` sees every
+    spelling the engine takes for a flag fleet sets.
+
+    argparse (SGLang, the sim, vLLM): `--flag value`, `--flag=value`, and any unambiguous prefix
+    (`allow_abbrev`, the default), for `--long` names and for single-dash ones (`-t` is `-tp` when
+    no other option starts with `-t`). vLLM's FlexibleArgumentParser first turns every `_` of a
+    `--name` (up to its first `.`) into `-`, so `--api_key` and `--served-model_name=x` are
+    `--api-key` and `--served-model-name`; and it reads `--name.key value` as `--name` with a JSON
+    value (`dotted`). click (`transformers serve`, through typer): exact
+    names and `--flag=value` only, no prefixes, no underscore folding."""
+
+    abbrev: bool = True
+    underscores: bool = False
+    dotted: bool = False
+
+    def name(self, arg: str) -> str:
+        """The option name the parser looks up for `arg` (its value cut off, underscores folded)."""
+        name = arg.split("=", 1)[0]
+        if self.underscores and name.startswith("--"):
+            head, dot, tail = name[2:].partition(".")
+            name = "--" + head.replace("_", "-") + ("" if self.dotted else dot + tail)
+        return name
+
+    def names(self, name: str, flag: str) -> bool:
+        """Does the option name `name` set `flag`?"""
+        if name == flag:
+            return True
+        if not self.abbrev or not flag.startswith(name):
+            return False
+        # "--h" and "-" alone are no abbreviation argparse resolves to a flag fleet owns ("--h"
+        # is ambiguous with --help in every argparse engine); a single-dash prefix needs one letter.
+        return len(name) > 3 if name.startswith("--") else (len(name) >= 2 and not flag.startswith("--"))
+
+
+ARGPARSE = FlagSyntax()
+
+
 @runtime_checkable
 class EngineProfile(Protocol):
     """One inference engine: how to start it, how to know it is ready, how to read its log."""
@@ -139,6 +178,7 @@ class EngineProfile(Protocol):
     def request_model(self, spec: ServerSpec) -> str: ...
 
     owned_flags: dict[str, str]
+    flag_syntax: FlagSyntax
     settings_files: tuple[str, ...]
     # The runner streams answers to see token progress (the engine counts none at /metrics).
     stream_progress: bool
@@ -153,8 +193,9 @@ class BaseProfile:
     default_import: str
     rules: LogRules
     # Flags fleet sets itself, each with the config field that sets it: extra_args may not
-    # name them (see `owned_flag`). Every spelling the engine's parser accepts.
+    # name them (see `owned_flag`). Every spelling the engine's parser accepts (`flag_syntax`).
     owned_flags: dict[str, str] = {}
+    flag_syntax: FlagSyntax = ARGPARSE
     # Flags that read a file of settings (SGLang's and vLLM's `--config FILE.yaml`): such a file can
     # set the host, the port or the key behind fleet's back, and fleet cannot check what it holds.
     settings_files: tuple[str, ...] = ()
@@ -340,20 +381,22 @@ def extras(cfg: FleetConfig, spec: ServerSpec) -> list[str]:
     return [str(a) for a in cfg.engine.extra_args] + [str(a) for a in spec.extra_args]
 
 
-def owned_flag(args: list[str] | tuple[str, ...], owned: dict[str, str]) -> tuple[str, str, str] | None:
+def owned_flag(args: list[str] | tuple[str, ...], owned: dict[str, str],
+               syntax: FlagSyntax = ARGPARSE) -> tuple[str, str, str] | None:
     """(the argument, the flag it sets, the config field to use instead) for the first extra
     argument that sets a flag fleet owns, else None.
 
-    Catches `--flag value`, `--flag=value` and argparse's unambiguous abbreviations
-    (`--ho 0.0.0.0` is `--host` to argparse, which allows prefixes by default): a later flag
-    wins in argparse, so an extra `--host 0.0.0.0` would silently replace fleet's bind."""
+    Every spelling `syntax` (the engine's parser) reads as that flag: `--flag value`,
+    `--flag=value`, argparse's unambiguous abbreviations (`--ho 0.0.0.0` is `--host`), vLLM's
+    underscores (`--tensor_parallel_size 8`): a later flag wins in argparse and click, so an extra
+    `--host 0.0.0.0` would silently replace fleet's bind."""
     for arg in args:
         text = str(arg)
         if not text.startswith("-") or text in ("-", "--"):
             continue
-        name = text.split("=", 1)[0]
+        name = syntax.name(text)
         for flag, field_name in owned.items():
-            if name == flag or (name.startswith("--") and len(name) > 3 and flag.startswith(name)):
+            if syntax.names(name, flag):
                 return text, flag, field_name
     return None
 

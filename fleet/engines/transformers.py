@@ -38,6 +38,7 @@ from fleet.engines.base import (
     COMMON_FATAL,
     Fatal,
     LogRules,
+    FlagSyntax,
     ServerSpec,
     extras,
     opt,
@@ -84,6 +85,9 @@ class TransformersProfile(BaseProfile):
     rules: LogRules = TRANSFORMERS_RULES
     # The model is the positional FORCE_MODEL (fleet passes the path); no key, no TP flags.
     owned_flags = {"--host": "servers.host", "--port": "servers.base_port / servers.ports"}
+    # A typer (click) command: exact option names and `--port=N`, no prefixes, no `_` folding
+    # (`--po 1` and `--port_x 1` are "No such option" errors at start, not a second --port).
+    flag_syntax = FlagSyntax(abbrev=False)
     # No /metrics: the runner streams its answers, each chunk a sign of token progress.
     stream_progress = True
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from fleet.engines.base import (
     BaseProfile,
     COMMON_FATAL,
+    FlagSyntax,
     Fact,
     Fatal,
     LogRules,
@@ -155,6 +156,9 @@ class VLLMProfile(BaseProfile):
         "--served-model-name": "model.served_name",
         "--tensor-parallel-size": "servers.tensor_parallel", "-tp": "servers.tensor_parallel",
     }
+    # FlexibleArgumentParser (vllm/utils): `_` in a `--name` reads as `-` before argparse (whose
+    # allow_abbrev it keeps), so `--api_key sk-…` is `--api-key`; `--api-key.x v` sets --api-key too.
+    flag_syntax = FlagSyntax(abbrev=True, underscores=True, dotted=True)
     settings_files: tuple[str, ...] = ("--config",)   # a YAML file of server arguments (launch_server / serve --config)
 
     def argv(self, cfg: FleetConfig, spec: ServerSpec) -> list[str]:

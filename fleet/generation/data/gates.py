@@ -9,8 +9,12 @@ do when it fires (keep / flag / reject / retry, see `fleet.config.QualityConfig`
     think_markers       "<think>" or "</think>" (any case) left in the content or the reasoning:
                         the server's reasoning parser did not separate them
     truncated           finish_reason "length": cut at max_tokens
-    repetition          the answer ends in one span of 1-64 words repeated at least
-                        `repetition_min_repeats` times (a model stuck in a loop)
+    repetition          the answer, or its reasoning, ends in one span of 1-64 words repeated
+                        at least `repetition_min_repeats` times (a model stuck in a loop)
+    model_mismatch      the answer names another model than the one asked for (`answer.same_model`):
+                        a router or a colleague's server serving something else under the name
+    implausible_usage   token counts no engine gives in the answer's time (`answer.implausible_usage`):
+                        the counts are dropped (never in throughput or cost), the row is marked
 
 `verdict()` turns the gates that fired into one decision: retry when a gate asks for it and
 tries are left (a new seed may fix every gate at once), else reject when any gate rejects
@@ -27,7 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["GATES", "Verdict", "fired", "repeated_tail", "reasoning_expected", "verdict"]
 
-GATES = ("empty_content", "missing_reasoning", "think_markers", "truncated", "repetition")
+GATES = ("empty_content", "missing_reasoning", "think_markers", "truncated", "repetition", "model_mismatch",
+         "implausible_usage")
 _MAX_SPAN = 64  # words
 _CHARS_PER_WORD = 24  # generous: the tail looked at holds every word a loop could span
 
@@ -76,8 +81,13 @@ def fired(out: Any, cfg: QualityConfig, expect_reasoning: bool) -> list[str]:
         hits.append("think_markers")
     if out.finish_reason == "length":
         hits.append("truncated")
-    if cfg.repetition != "keep" and content and repeated_tail(content, cfg.repetition_min_repeats):
+    if cfg.repetition != "keep" and ((content and repeated_tail(content, cfg.repetition_min_repeats))
+                                     or (reasoning and repeated_tail(reasoning, cfg.repetition_min_repeats))):
         hits.append("repetition")
+    if getattr(out, "model_mismatch", False):
+        hits.append("model_mismatch")
+    if getattr(out, "usage_problem", None):
+        hits.append("implausible_usage")
     return hits
 
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from fleet.answer import parse_answer
+from fleet.answer import implausible_usage, parse_answer, same_model
 from fleet.generation.data.jsonl import dumps, loads
 
 if TYPE_CHECKING:
@@ -75,6 +75,10 @@ class Outcome:
     latency_s: float = 0.0
     started_at: float = 0.0                # wall clock (time.time()) when the request was sent
     finished_at: float = 0.0
+    model: str | None = None               # the model the answer names (None: none)
+    model_mismatch: bool = False           # ... and it is not the one asked for (the `model_mismatch` gate)
+    usage_problem: str | None = None       # token counts no engine gives in this time (`implausible_usage` gate):
+                                           # then prompt_tokens and completion_tokens are None, never counted
 
     @property
     def ok(self) -> bool:
@@ -154,6 +158,7 @@ def parse_completion(body: bytes | bytearray | str | dict[str, Any], out: Outcom
     out.completion, out.reasoning_content, out.tool_calls = a.content, a.reasoning_content, a.tool_calls
     out.finish_reason, out.prompt_tokens, out.completion_tokens = a.finish_reason, a.prompt_tokens, a.completion_tokens
     out.prompt_token_ids, out.token_ids = a.prompt_token_ids, a.token_ids
+    out.model = a.model
 
 
 class TooLarge(ValueError):
@@ -243,7 +248,7 @@ class _Text:
 class _Stream:
     """A streamed chat completion put back together, chunk by chunk (`chat(..., on_chunk=…)`)."""
 
-    __slots__ = ("content", "reasoning", "calls", "finish", "usage")
+    __slots__ = ("content", "reasoning", "calls", "finish", "usage", "model")
 
     def __init__(self) -> None:
         self.content = _Text()
@@ -251,10 +256,13 @@ class _Stream:
         self.calls: dict[int, dict[str, Any]] = {}
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
+        self.model: Any = None
 
     def add(self, doc: Any) -> None:
         if not isinstance(doc, dict):
             raise ValueError(f"not a chat completion chunk: {str(doc)[:200]}")
+        if self.model is None and doc.get("model") is not None:
+            self.model = doc["model"]
         if isinstance(doc.get("usage"), dict):
             self.usage = doc["usage"]
         for choice in doc.get("choices") or ():
@@ -286,20 +294,35 @@ class _Stream:
         message = {"role": "assistant", "content": self.content.text(),
                    "reasoning_content": self.reasoning.text() or None,
                    "tool_calls": [self.calls[i] for i in sorted(self.calls)] or None}
-        return {"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None}
+        return {"choices": [{"message": message, "finish_reason": self.finish}], "usage": self.usage or None,
+                "model": self.model}
 
 
 class BadStream(ValueError):
     """A streamed answer whose chunks do not make a chat completion."""
 
 
+def event_cap(max_tokens: int | None) -> int | None:
+    """Events past which a stream for `max_tokens` is cut: an engine sends a token or more per
+    event and stops at max_tokens, so twice that (and a few for the role, finish and usage
+    events) is clearly more; a stream that goes on past it would run to request_timeout_s."""
+    return None if max_tokens is None else 2 * max_tokens + 32
+
+
+def _max_tokens(params: dict[str, Any] | None) -> int | None:
+    value = (params or {}).get("max_completion_tokens") or (params or {}).get("max_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None],
-                       max_bytes: int) -> dict[str, Any]:
+                       max_bytes: int, max_tokens: int | None = None) -> dict[str, Any]:
     """Server-sent events of a streamed chat completion, put back together as one completion document
     (judged by `_judge` like an unstreamed one; a chunk that cannot be read makes it invalid);
-    `on_chunk()` at each event; TooLarge past `max_bytes` of stream."""
+    `on_chunk()` at each event; TooLarge past `max_bytes` of stream; BadStream past `event_cap`
+    events (a server that does not stop at max_tokens: its fault, not the row's)."""
     acc = _Stream()
-    done, size = False, 0
+    done, size, events = False, 0, 0
+    cap = event_cap(max_tokens)
     try:
         async for line in resp.content:
             size += len(line)
@@ -312,14 +335,22 @@ async def _read_stream(resp: aiohttp.ClientResponse, on_chunk: Callable[[], None
             if data == b"[DONE]":
                 done = True
                 break
+            events += 1
+            if cap is not None and events > cap:
+                raise _Runaway(f"the stream sent {events:,} chunks for max_tokens {max_tokens:,} and had not "
+                               "ended: cut (a server that does not stop at max_tokens)")
             acc.add(loads(data))
         if not done and acc.finish is None:
             raise aiohttp.ClientPayloadError("the stream ended before the completion did")
         return acc.completion()
-    except TooLarge:
+    except (TooLarge, _Runaway):
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BadStream(f"a stream chunk is not a chat completion chunk: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+class _Runaway(BadStream):
+    """A stream that went on clearly past its max_tokens."""
 
 
 async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Request,
@@ -351,7 +382,7 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
                                 timeout=_timeout(timeout), allow_redirects=False) as resp:
             out.status = resp.status
             if on_chunk is not None and resp.status == 200:
-                raw = await _read_stream(resp, on_chunk, max_bytes)
+                raw = await _read_stream(resp, on_chunk, max_bytes, _max_tokens(request.params))
             else:
                 raw = await read_capped(resp, max_bytes)
     except asyncio.TimeoutError:
@@ -367,7 +398,20 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
         _judge(raw, out)
     out.latency_s = time.perf_counter() - t0
     out.finished_at = started + out.latency_s
+    if out.kind == "ok":
+        _check_claims(out, model, _max_tokens(request.params))
     return out
+
+
+def _check_claims(out: Outcome, model: str, max_tokens: int | None) -> None:
+    """What a good answer says of itself, checked: the model it names, and token counts an engine
+    can give in its time. Neither fails the row (the text may be fine); each is a quality gate's
+    (`model_mismatch`, `implausible_usage`: flagged by default), and counts that are no counts are
+    dropped here, so throughput, cost and the row's own columns never add them up."""
+    out.model_mismatch = not same_model(model, out.model)
+    out.usage_problem = implausible_usage(out.prompt_tokens, out.completion_tokens, out.latency_s, max_tokens)
+    if out.usage_problem is not None:
+        out.prompt_tokens = out.completion_tokens = None
 
 
 def _judge(raw: bytes | bytearray | dict[str, Any], out: Outcome) -> None:

@@ -28,7 +28,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fleet.generation.data.gates import fired, reasoning_expected, verdict
+from fleet.generation.data.gates import GATES, fired, reasoning_expected, verdict
 from fleet.generation.data.rowshapes import KEY_ORDER
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ class RowPlan:
         self.quality = gen.quality
         self.all_turns = gen.regenerate == "all-turns"
         self.stats = GateStats()
-        self._gates_on = any(getattr(gen.quality, g) != "keep" for g in
-                             ("empty_content", "missing_reasoning", "think_markers", "truncated", "repetition"))
+        self._gates_on = any(getattr(gen.quality, g) != "keep" for g in GATES)
         efforts = gen.reasoning_effort or {}
         total = float(sum(efforts.values()))
         self._efforts: list[tuple[float, str]] = []
