@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from fleet.generation.data.rows import Request
 
 __all__ = ["DEFAULT_MAX_BYTES", "Outcome", "TRANSIENT_STATUS", "TooLarge", "chat", "classify_status", "new_session",
-           "parse_completion", "read_capped"]
+           "parse_completion", "parse_retry_after", "read_capped"]
 
 # Retried statuses, as the OpenAI SDK and speculators' scripts do: request timeout,
 # conflict, too early, rate limited, and every server-side error.
@@ -75,10 +75,17 @@ class Outcome:
     latency_s: float = 0.0
     started_at: float = 0.0                # wall clock (time.time()) when the request was sent
     finished_at: float = 0.0
+    retry_after_s: float | None = None     # a 429/503's Retry-After, in seconds from now (parse_retry_after)
 
     @property
     def ok(self) -> bool:
         return self.kind == "ok"
+
+    @property
+    def rate_limited(self) -> bool:
+        """The server says it is busy, not broken: a 429, or a 503 that says when to come back
+        (RFC 9110 §15.6.4: a 503 without Retry-After is an outage, handled as a 5xx)."""
+        return self.status == 429 or (self.status == 503 and self.retry_after_s is not None)
 
     @property
     def server_fault(self) -> bool:
@@ -99,6 +106,23 @@ def classify_status(status: int) -> str:
     if 400 <= status <= 499:
         return "permanent"
     return "invalid"
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header in seconds from `now` (wall clock): delay-seconds or an HTTP-date
+    (RFC 9110 §10.2.3); None when absent or unreadable; a date in the past is 0."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
 
 
 def new_session(concurrency: int, *, api_key: str | None = None) -> aiohttp.ClientSession:
@@ -350,6 +374,8 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
         async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
                                 timeout=_timeout(timeout), allow_redirects=False) as resp:
             out.status = resp.status
+            if resp.status in (429, 503):
+                out.retry_after_s = parse_retry_after(resp.headers.get("Retry-After"))
             if on_chunk is not None and resp.status == 200:
                 raw = await _read_stream(resp, on_chunk, max_bytes)
             else:
