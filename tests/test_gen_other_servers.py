@@ -19,7 +19,6 @@ import pytest
 
 from conftest import wait_until
 from fleet.config import FleetConfig
-from fleet.generation.hotpath.client import parse_retry_after
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +137,8 @@ def test_the_same_error_stop_fires_when_every_server_gives_it(tmp_path: Path) ->
 # ---------------------------------------------------------------------------- 2. rate limits
 
 def test_retry_after_parses_seconds_and_http_dates() -> None:
+    from fleet.generation.hotpath.client import parse_retry_after
+
     assert parse_retry_after("5") == 5.0 and parse_retry_after(" 0 ") == 0.0
     assert parse_retry_after(formatdate(1_000_030.0, usegmt=True), now=1_000_000.0) == pytest.approx(30.0)
     assert parse_retry_after(formatdate(1_000_000.0, usegmt=True), now=1_000_100.0) == 0.0   # in the past
@@ -244,3 +245,32 @@ def test_a_pause_of_servers_that_were_up_is_bounded_too(tmp_path: Path) -> None:
     assert res["rc"] == 1 and res["manifest"]["error"]["kind"] == "servers", res["manifest"]["error"]
     assert "every server has been down" in res["manifest"]["reason"] and "endpoint/gone" in res["manifest"]["reason"]
     assert res["counts"]["completed"] >= 1   # what was done before is kept
+
+
+def test_a_row_a_server_refused_waits_for_another_server_in_the_queue() -> None:
+    """The queue's part (pure): a row refused by server "a" is not handed to a's waiting getter while
+    another could take it; b's getter gets it; once no other can (skip says so), a takes it again."""
+    import asyncio
+
+    from fleet.generation.hotpath.rowqueue import Job, WorkQueue
+
+    others_up = {"yes": True}
+
+    async def main() -> None:
+        q = WorkQueue(8)
+        q.skip = lambda item, name: isinstance(item, Job) and bool(item.refused) and name in item.refused \
+            and others_up["yes"]
+        job = Job(req=None, refused={"a": "HTTP 400"})
+        get_a = asyncio.ensure_future(q.get("a"))
+        await asyncio.sleep(0)
+        q.put_again(job)
+        assert not get_a.done() and len(q) == 1
+        assert await q.get("b") is job
+        q.put_again(job)
+        others_up["yes"] = False   # b went down: a is the only one left to ask
+        q.rehand()
+        assert await asyncio.wait_for(get_a, 5) is job
+        q.put_again(Job(req=None))   # a row nobody refused: the first getter, as before
+        assert (await q.get("a")).refused is None
+
+    asyncio.run(main())

@@ -12,8 +12,8 @@ importable: Prefect depends on it), answer parsed and validated in one pass (`an
 | kind | when | dispatcher |
 | --- | --- | --- |
 | ok | HTTP 200 with a completion that passed `parse_completion` | store the result |
-| permanent | other 4xx (400: prompt longer than the context, bad parameter) | errors file at once |
-| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff |
+| permanent | other 4xx (400: prompt longer than the context, bad parameter) | another server first; errors file when a second one agrees (or none other can be asked) |
+| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff, elsewhere when it can; a 429 (or 503 with Retry-After: `Outcome.rate_limited`) is uncharged and pauses the server |
 | invalid | a 200 body that is not a chat completion (cut, not JSON, wrong types), an answer over `max_bytes`, a status no chat endpoint answers (1xx, another 2xx, 3xx, ≥ 600) | a suspect: the server is out after a few in a row, or when a probe is not answered right either |
 | connection | refused, reset, disconnected, a truncated body | retry; counts toward "server down" |
 | timeout | no answer within the request timeout | retry; counts toward "server down" |
