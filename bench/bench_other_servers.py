@@ -8,7 +8,7 @@ Three healthy `fleet sim` processes and one stand-in on loopback (bench/garbage.
 - baseline      the three healthy sims alone: the healthy servers' ideal makespan
 - fast-400      the fourth answers every chat at once with HTTP 400 "maximum context length is 2048
                 tokens" (a server started with a shorter context than its peers)
-- rate-limit    the fourth answers its first 60 chats with HTTP 429 Retry-After: 1, then valid answers
+- rate-limit    the fourth answers its first 12 chats with HTTP 429 Retry-After: 1, then valid answers
                 (a hosted endpoint's quota), 50 ms each
 
 Per case: rows done (and on the healthy servers), errors, makespan ÷ the baseline's, and what reached
@@ -110,7 +110,7 @@ def main() -> int:
         results: dict[str, list[dict[str, Any]]] = {"baseline": [], "fast-400": [], "rate-limit": []}
         for r in range(args.repeats):
             results["baseline"].append(one_job(tmp / f"baseline-{r}", healthy, args.rows, args.max_tokens))
-            for case, script, then in (("fast-400", [CONTEXT_400], None), ("rate-limit", [RATE_429] * 60, VALID)):
+            for case, script, then in (("fast-400", [CONTEXT_400], None), ("rate-limit", [RATE_429] * 12, VALID)):
                 bad = GarbageServer(script, then=then)
                 try:
                     res = one_job(tmp / f"{case}-{r}", [*healthy, ("bad", bad.url)], args.rows, args.max_tokens)
@@ -131,7 +131,7 @@ def main() -> int:
                     f"| {case} | {x['rc']} | {x['counts'].get('completed', 0)} | {on_healthy} | "
                     f"{x['counts'].get('errors', 0)} | {x['wall_s']:.2f} | {x['wall_s'] / base:.2f} | "
                     f"{b.get('sent', '-')} | {x.get('received', '-')} | {x.get('r429', '-')} | {b.get('downs', '-')} | "
-                    f"{(b.get('down_reason') or '-')[:90]} |")
+                    f"{(b.get('down_reason') or '-')[:150]} |")
     finally:
         for proc, _ in sims:
             proc.kill()

@@ -274,3 +274,22 @@ def test_a_row_a_server_refused_waits_for_another_server_in_the_queue() -> None:
         assert (await q.get("a")).refused is None
 
     asyncio.run(main())
+
+
+def test_the_console_line_names_the_servers_out_and_why() -> None:
+    """Pure: with every server down the line gives each one's reason; with one out of two, that one."""
+    from fleet.generation.job.progress import Progress
+
+    def p(state: str, up: int, servers: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"rows_total": 10, "percent": 10.0, "detail": state, "state": state.split(":")[0], "rows_done": 1,
+                "completed": 1, "errors": 0, "rejects": 0, "in_flight": 0, "tok_s": 0.0, "tok_s_avg": 0.0,
+                "eta_s": None, "servers_up": up, "servers": servers}
+
+    a = {"name": "endpoint/a", "state": "down", "down_reason": "not answering http://h:1/health"}
+    b = {"name": "endpoint/b", "state": "recovering", "down_reason": "3 rows it refused were answered by others"}
+    line = Progress.line(p("paused", 0, [a, b]))
+    assert line.endswith(" | all servers down: endpoint/a: not answering http://h:1/health; "
+                         "endpoint/b: 3 rows it refused were answered by others"), line
+    line = Progress.line(p("running", 1, [{"name": "endpoint/c", "state": "up"}, b]))
+    assert line.endswith(" | out: endpoint/b: 3 rows it refused were answered by others"), line
+    assert "out:" not in Progress.line(p("done", 1, [{"name": "endpoint/c", "state": "up"}, b]))

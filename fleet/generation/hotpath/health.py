@@ -227,11 +227,13 @@ class ServerHealth:
                                            missing_ok=True)
                     if ok and srv.garbled:   # out for invalid answers: back only with a valid one
                         ok, _ = await probes.answer_probe(srv.ep, self.stall_probe_timeout_s, self.max_bytes)
-                    if ok and srv.refusing:   # out for its refusals: back once it answers one
-                        ok, why = await probes.answer_probe(srv.ep, self.gen.request_timeout_s, self.max_bytes,
-                                                            srv.refused_sample)
-                        if not ok:
-                            log.info("server %s still refuses: %s", srv.name, why)
+                # out for its refusals: back once it answers one (an endpoint's smoke, or a live server
+                # the relaunch path finds fine, answers a short prompt that a shorter context takes)
+                if ok and srv.refusing and srv.refused_sample is not None:
+                    ok, why = await probes.answer_probe(srv.ep, self.gen.request_timeout_s, self.max_bytes,
+                                                        srv.refused_sample)
+                    if not ok:
+                        log.info("server %s still refuses: %s", srv.name, why)
                 if ok and await self.admit(srv):
                     return
             except asyncio.CancelledError:
