@@ -134,6 +134,21 @@ def test_the_same_error_stop_fires_when_every_server_gives_it(tmp_path: Path) ->
         res["manifest"]["reason"]
 
 
+def test_a_row_a_server_failed_with_5xx_is_retried_on_another_before_it_is_an_error(tmp_path: Path, sims) -> None:
+    """Protects: a server answering every chat with HTTP 500 at once beside a healthy sim took most rows
+    (it is the fastest to answer) and their retries too, so rows spent every attempt on it and ended in
+    errors before it was taken out (50 5xx in a row). Now a 5xx's retry goes to another server when one
+    can take it: with two attempts per row, every row is done."""
+    good = sims("--tokens-per-s", "2000")
+    bad = GarbageServer([Reply("500", status=500, body=b'{"error":{"message":"Internal Server Error"}}')])
+    try:
+        res = run(config([("good", good.url), ("bad", bad.url)], max_attempts=2), tmp_path / "job", 60)
+    finally:
+        bad.close()
+    assert res["rc"] == 0 and res["counts"]["completed"] == 60 and not res["counts"].get("errors"), res["counts"]
+    assert res["servers"]["endpoint/good"]["requests"] == 60
+
+
 # ---------------------------------------------------------------------------- 2. rate limits
 
 def test_retry_after_parses_seconds_and_http_dates() -> None:
