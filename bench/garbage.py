@@ -46,14 +46,18 @@ class Reply:
     pause_s: float = 0.0       # ... with this pause between them
     close: bool = False        # close the connection after it (with a short body: a cut answer)
     hold_s: float = 0.0        # after the body, before its end (a chunked body's last chunk): held open
+    headers: tuple[tuple[str, str], ...] = ()   # more header lines (Retry-After: a rate limit)
 
 
 class GarbageServer:
     """The stand-in server on 127.0.0.1 (its own event loop in a thread); `script` may be replaced."""
 
-    def __init__(self, script: list[Reply] | None = None, *, only_for: bytes | None = None) -> None:
+    def __init__(self, script: list[Reply] | None = None, *, only_for: bytes | None = None,
+                 then: Reply | None = None, models_status: int = 200) -> None:
         self.script: list[Reply] = list(script or [])
         self.only_for = only_for      # set: a valid completion, unless the request holds these bytes
+        self.then = then              # set: the answer to every request once the script was served once
+        self.models_status = models_status   # what /v1/models answers (500: transformers serve without a cache)
         self.served: list[str] = []   # labels, in order
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="garbage-server")
@@ -81,6 +85,9 @@ class GarbageServer:
         self._thread.join(30)
 
     def _next(self) -> Reply:
+        if self.then is not None and len(self.served) >= len(self.script):
+            self.served.append(self.then.label)
+            return self.then
         reply = self.script[len(self.served) % len(self.script)]
         self.served.append(reply.label)
         return reply
@@ -107,6 +114,8 @@ class GarbageServer:
             if self.only_for is not None and self.only_for not in body:
                 return Reply("valid", body=_GOOD_BYTES)
             return self._next()
+        if path == "/v1/models" and self.models_status != 200:
+            return Reply("models", status=self.models_status, body=b'{"detail":"CacheNotFound"}')
         if path in ("/health", "/v1/models"):
             return Reply("ok", body=b'{"object":"list","data":[{"id":"bad-model"}]}')
         return Reply("not found", status=404, body=b'{"detail":"Not Found"}')
@@ -122,6 +131,7 @@ class GarbageServer:
             head.append(f"Content-Length: {len(r.body) if r.length is None else r.length}")
         if r.close:
             head.append("Connection: close")
+        head.extend(f"{k}: {v}" for k, v in r.headers)
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
         body = r.body if r.status not in (204, 304) else b""
         step = r.piece or max(1, len(body))

@@ -12,8 +12,8 @@ importable: Prefect depends on it), answer parsed and validated in one pass (`an
 | kind | when | dispatcher |
 | --- | --- | --- |
 | ok | HTTP 200 with a completion that passed `parse_completion` | store the result |
-| permanent | other 4xx (400: prompt longer than the context, bad parameter) | errors file at once |
-| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff |
+| permanent | other 4xx (400: prompt longer than the context, bad parameter) | another server first; errors file when a second one agrees (or none other can be asked) |
+| transient | HTTP 408/409/425/429/5xx, finish_reason "abort" | retry with backoff, elsewhere when it can; a 429 (or 503 with Retry-After: `Outcome.rate_limited`) is uncharged and pauses the server |
 | invalid | a 200 body that is not a chat completion (cut, not JSON, wrong types), an answer over `max_bytes`, a status no chat endpoint answers (1xx, another 2xx, 3xx, ≥ 600) | a suspect: the server is out after a few in a row, or when a probe is not answered right either |
 | connection | refused, reset, disconnected, a truncated body | retry; counts toward "server down" |
 | timeout | no answer within the request timeout | retry; counts toward "server down" |
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from fleet.generation.data.rows import Request
 
 __all__ = ["DEFAULT_MAX_BYTES", "Outcome", "TRANSIENT_STATUS", "TooLarge", "chat", "classify_status", "new_session",
-           "parse_completion", "read_capped"]
+           "parse_completion", "parse_retry_after", "read_capped"]
 
 # Retried statuses, as the OpenAI SDK and speculators' scripts do: request timeout,
 # conflict, too early, rate limited, and every server-side error.
@@ -79,10 +79,17 @@ class Outcome:
     model_mismatch: bool = False           # ... and it is not the one asked for (the `model_mismatch` gate)
     usage_problem: str | None = None       # token counts no engine gives in this time (`implausible_usage` gate):
                                            # then prompt_tokens and completion_tokens are None, never counted
+    retry_after_s: float | None = None     # a 429/503's Retry-After, in seconds from now (parse_retry_after)
 
     @property
     def ok(self) -> bool:
         return self.kind == "ok"
+
+    @property
+    def rate_limited(self) -> bool:
+        """The server says it is busy, not broken: a 429, or a 503 that says when to come back
+        (RFC 9110 §15.6.4: a 503 without Retry-After is an outage, handled as a 5xx)."""
+        return self.status == 429 or (self.status == 503 and self.retry_after_s is not None)
 
     @property
     def server_fault(self) -> bool:
@@ -103,6 +110,23 @@ def classify_status(status: int) -> str:
     if 400 <= status <= 499:
         return "permanent"
     return "invalid"
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header in seconds from `now` (wall clock): delay-seconds or an HTTP-date
+    (RFC 9110 §10.2.3); None when absent or unreadable; a date in the past is 0."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
 
 
 def new_session(concurrency: int, *, api_key: str | None = None) -> aiohttp.ClientSession:
@@ -381,6 +405,8 @@ async def chat(session: aiohttp.ClientSession, url: str, model: str, request: Re
         async with session.post(url + "/v1/chat/completions", data=dumps(body), headers=headers,
                                 timeout=_timeout(timeout), allow_redirects=False) as resp:
             out.status = resp.status
+            if resp.status in (429, 503):
+                out.retry_after_s = parse_retry_after(resp.headers.get("Retry-After"))
             if on_chunk is not None and resp.status == 200:
                 raw = await _read_stream(resp, on_chunk, max_bytes, _max_tokens(request.params))
             else:

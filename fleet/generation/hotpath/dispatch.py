@@ -24,9 +24,16 @@ The rest lives beside it:
 
 How an answer is handled:
 - ok: the row's next request (a turn, a gate's retry) or its result;
-- permanent (a 400 for a prompt over the context, say): the row goes to errors at once;
-- transient (5xx, 429, an abort): retried after an exponential, jittered delay; after
-  `max_attempts` attempts the row goes to errors with the last error;
+- permanent (a 400 for a prompt over the context, say): the row's fault only when a second server
+  says so too (or none other can ask): else it goes back uncharged to another server, and the
+  server that refused it is judged by what the others answer (`_refused`): one whose refusals
+  others answer `down_after_4xx` times in a row is taken out, like a crash, and back only once it
+  answers one (a server with a shorter context, a missing LoRA, a stricter validator);
+- rate-limited (429, a 503 with Retry-After): uncharged, back to the queue; the server gets nothing
+  new until its Retry-After (capped by `retry_after_max_s`), its in-flight limit halves and grows
+  back with answers (AIMD, `_rate_limited`); one that answers nothing else for `rate_limit_down_s` is down;
+- transient (5xx, an abort): retried after an exponential, jittered delay, on another server when
+  one can take it; after `max_attempts` attempts the row goes to errors with the last error;
 - invalid (a body that is not a chat completion, an answer over the size cap, a status no chat
   endpoint gives): a *suspect*, like a connection error — `down_after_invalid` in a row take the
   server out (its rows go back uncharged), else an answer probe decides: a valid one-token
@@ -83,6 +90,7 @@ class Dispatcher:
         down_after: int = 3,
         down_after_5xx: int = 50,
         down_after_invalid: int = 3,
+        down_after_4xx: int = 3,
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
         jitter: float = 0.5,
@@ -95,6 +103,7 @@ class Dispatcher:
         stall_poll_s: float = 1.0,
         stall_probe_timeout_s: float = 20.0,
         hedge_poll_s: float = 1.0,
+        bounds_poll_s: float = 1.0,
         feed_batch: int = 256,
         seed: int | None = None,
     ) -> None:
@@ -123,6 +132,11 @@ class Dispatcher:
             liveness_poll_s=liveness_poll_s, stall_poll_s=stall_poll_s, stall_probe_timeout_s=stall_probe_timeout_s,
             rng=rng)
         self.servers = self.health.servers
+        self.by_name = {s.name: s for s in self.servers}
+        self.down_after_4xx = down_after_4xx
+        self.queue.skip = self._skip
+        self.bounds_poll_s = bounds_poll_s
+        self.remedy: str | None = None   # a failure's remedy when the dispatcher knows it (no server usable)
         self.hedge = Hedge(gen.hedge_max_extra_fraction, self.servers, self.queue, self.health.suspected,
                            lambda: self.rows.feed_done, gen.max_tokens)
         self.hedge_poll_s = hedge_poll_s
@@ -151,6 +165,7 @@ class Dispatcher:
             self._spawn(self.health.poll_liveness(), "liveness")
         if self.hedge.fraction > 0:
             self._spawn(self._hedger(), "hedger")
+        self._spawn(self._bounds(), "bounds")
         try:
             await self.rows.done.wait()  # bounded: the job itself: set once every row has ended, or by a stop
         finally:
@@ -266,6 +281,7 @@ class Dispatcher:
         self._fail(f"the {task.get_name()} task failed: {type(exc).__name__}: {exc}")
 
     def _update_state(self) -> None:
+        self.queue.rehand()   # a row waiting for another server than the waiting ones may suit them now
         if self.rows.stopping or self.state.startswith("failed"):
             return
         up = sum(s.state == "up" for s in self.servers)
@@ -292,13 +308,30 @@ class Dispatcher:
                     await self._while_suspected(srv)   # no new row for a server that may be wedged
                     if not srv.alive_in(epoch):
                         return
-                # bounded: the feeder ends each queue with None; a down server's workers are cancelled
-                item, flight = await q.get(), None
+                item = None
+                if srv.limit or srv.paused_until or len(srv.pending) >= self.down_after_4xx:
+                    # rate-limited, or its refusals await the others' verdict (meanwhile it judges theirs)
+                    item = await self._gate(srv, epoch)
+                    if not srv.alive_in(epoch):
+                        if item is not None:
+                            q.put_again(item)
+                        return
+                flight = None
+                if item is None:
+                    # bounded: the feeder ends each queue with None; a down server's workers are cancelled
+                    srv.reserved += 1   # past the gate: counted against its limit while it waits for a row
+                    try:
+                        item = await q.get(srv.name)
+                    finally:
+                        srv.reserved -= 1
                 if item is None:
                     return
                 if not srv.alive_in(epoch):   # went down while we waited: the row never left
                     q.put_again(item)
                     return
+                if srv.paused_until > time.monotonic() or (srv.limit and srv.in_flight >= srv.limit):
+                    q.put_again(item)   # rate-limited while it waited: the row is another worker's
+                    continue
                 if isinstance(item, Backup):   # a suspect server's row, sent here too
                     job = self.hedge.take(item, srv)
                     if job is None:
@@ -354,6 +387,8 @@ class Dispatcher:
             srv.in_flight -= 1
             srv.streaming -= watch
             self.hedge.end(f)
+            if srv.limit:
+                srv.gate.set()   # a slot under its lowered limit is free
 
     def _landed(self, srv: ServerState, epoch: int, f: Flight, out: Outcome | None) -> bool:
         """Where a send's answer goes; False when its server is out (its worker stops)."""
@@ -375,6 +410,140 @@ class Dispatcher:
             return False
         self._handle(srv, job, out)
         return True
+
+    # ------------------------------------------------------------------ other people's servers
+    def _skip(self, item: Any, name: str) -> bool:
+        """Should server `name` leave `item` to another? A row it refused (4xx) or whose 5xx is being
+        retried goes to a server that has not refused it, while one such is up (WorkQueue.skip)."""
+        if not isinstance(item, Job):
+            return False
+        refused = item.refused
+        if not (refused and name in refused) and item.avoid != name:
+            return False
+        return any(s.state == "up" and s.name != name and not (refused and s.name in refused)
+                   for s in self.servers)
+
+    def _peer_up(self, srv: ServerState, refused: dict[str, str] | None = None) -> bool:
+        return any(s is not srv and s.state == "up" and not (refused and s.name in refused) for s in self.servers)
+
+    async def _gate(self, srv: ServerState, epoch: int) -> Job | None:
+        """Until `srv` may take a new row: not while its Retry-After runs, nor past its lowered
+        in-flight limit, nor while `down_after_4xx` of its refusals wait for the other servers'
+        verdict (a server that refuses every row in a millisecond would otherwise bounce the whole
+        input to the others before the first verdict). While it waits for a verdict it still gives
+        its own on rows other servers refused (returned: the worker sends it), else two servers that
+        both refuse would wait on each other. Woken by `srv.gate`, and at least every second."""
+        while srv.alive_in(epoch) and not self.rows.stopping:
+            now = time.monotonic()
+            if srv.paused_until and srv.paused_until <= now:
+                srv.paused_until = 0.0   # over: the worker loop's check is one comparison again
+            if srv.paused_until > now:
+                wait = srv.paused_until - now
+            elif srv.limit and srv.in_flight + srv.reserved >= srv.limit:
+                wait = 1.0
+            elif len(srv.pending) >= self.down_after_4xx and self._peer_up(srv):
+                srv.pending &= self.rows.inflight   # rows ended meanwhile (an error, a stop) judge nothing
+                if len(srv.pending) < self.down_after_4xx:
+                    return None
+                theirs = self.queue.take_refused(srv.name)
+                if theirs is not None:
+                    return theirs   # type: ignore[no-any-return]
+                wait = 1.0
+            else:
+                return None
+            srv.gate.clear()
+            try:
+                await asyncio.wait_for(srv.gate.wait(), min(wait, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return None
+
+    def _refused(self, srv: ServerState, job: Job, out: Outcome) -> bool:
+        """A 4xx from `srv`: True when the row goes to another server first (uncharged); False when
+        the error is the row's: another server refused it too, or none other can be asked."""
+        refused = job.refused or {}
+        if refused and any(n != srv.name for n in refused):
+            for name in refused:   # a second opinion agrees: the rows' fault, not theirs
+                other = self.by_name.get(name)
+                if other is not None:
+                    other.pending.discard(job.req.id)
+                    other.overruled = 0
+                    other.gate.set()
+            return False
+        if srv.name in refused or not self._peer_up(srv, refused):
+            return False
+        job.refused = {**refused, srv.name: out.error or f"HTTP {out.status}"}
+        srv.refusals += 1
+        srv.pending.add(job.req.id)
+        srv.refused_sample = job.req
+        self.rows.requeue(job, poison=False)
+        for other in self.servers:   # one waiting for a verdict of its own may give this one
+            if other is not srv:
+                other.gate.set()
+        return True
+
+    def _overruled(self, srv: ServerState, job: Job) -> None:
+        """`srv` answered a row other servers had refused: their refusals were theirs."""
+        refused, job.refused = job.refused or {}, None
+        for name, error in refused.items():
+            other = self.by_name.get(name)
+            if other is None or other is srv:
+                continue
+            other.pending.discard(job.req.id)
+            other.overruled += 1
+            other.gate.set()
+            if other.overruled >= self.down_after_4xx and other.state == "up":
+                self.health.mark_down(other, f"{other.overruled} rows it refused were answered by other servers "
+                                             f"(its errors, not the rows'); last: {error}", refusing=True)
+
+    def _rate_limited(self, srv: ServerState, job: Job, out: Outcome) -> None:
+        """A 429 (or 503 with Retry-After): the server is busy, the row is not to blame."""
+        now = time.monotonic()
+        srv.rate_limits += 1
+        if srv.limited_since is None:
+            srv.limited_since = now
+        if now >= srv.paused_until:
+            # a new refusal, not one more answer to the requests already out when the pause began:
+            # one multiplicative decrease per pause
+            srv.limited_streak += 1
+            srv.limit = max(1, (srv.limit or srv.concurrency) // 2)
+            srv.grow = 0
+            # a Retry-After of 0 (seen from gateways) would be a busy loop of refusals: 0.1 s at least
+            wait = (max(0.1, out.retry_after_s) if out.retry_after_s is not None
+                    else 2.0 ** min(srv.limited_streak - 1, 16))
+            wait = min(wait, self.gen.retry_after_max_s)
+            srv.paused_until = now + wait
+            log.info("server %s rate-limits (%s): nothing new for %.1f s, at most %d in flight",
+                     srv.name, out.error, wait, srv.limit)
+        self.rows.requeue(job, poison=False)
+        limited = now - srv.limited_since
+        if limited >= self.gen.rate_limit_down_s and srv.state == "up":
+            self.health.mark_down(srv, f"rate-limited for {limited:.0f} s with no answer (generation.rate_limit_down_s); "
+                                       f"last: {out.error}")
+
+    async def _bounds(self) -> None:
+        """No silent pause: with every server down, the job fails once no server was admitted for
+        `admit_max_s` since its start, or those that were up stayed down for `paused_max_s`."""
+        down_since: float | None = None
+        while True:
+            await asyncio.sleep(self.bounds_poll_s)
+            if self.rows.stopping or any(s.state in ("up", "starting") for s in self.servers):
+                down_since = None
+                continue
+            now = time.monotonic()
+            down_since = down_since or now
+            ever = any(s.epoch > 0 for s in self.servers)
+            bound, setting = ((self.gen.paused_max_s, "paused_max_s") if ever else (self.gen.admit_max_s, "admit_max_s"))
+            waited = now - (down_since if ever else self._t0)
+            if waited < bound:
+                continue
+            why = "; ".join(f"{s.name}: {s.down_reason or s.state}" for s in self.servers)
+            what = (f"every server has been down for {waited:.0f} s" if ever else
+                    f"no server could be admitted in {waited:.0f} s since the job started")
+            self.remedy = (f"make a server usable (each one's reason is above), or raise generation.{setting}; "
+                           "then run the same command again to resume: committed rows are kept")
+            self._fail(f"{what} (generation.{setting}): {why}"[:1500])
+            return
 
     # ------------------------------------------------------------------ backups
     async def _while_suspected(self, srv: ServerState) -> None:
@@ -428,9 +597,20 @@ class Dispatcher:
         if out.kind != "ok":
             self._handle_failure(srv, job, out)
             return
-        srv.conn_streak = srv.err_streak = srv.bad_streak = 0
+        srv.conn_streak = srv.err_streak = srv.bad_streak = srv.overruled = 0
         if srv.suspects:
             self.health.resolve_suspects(srv)
+        if srv.limited_since is not None:
+            srv.limited_since, srv.limited_streak = None, 0
+        if srv.limit:   # additive increase: one more slot per limit's worth of answers
+            srv.grow += 1
+            if srv.grow >= srv.limit:
+                srv.limit, srv.grow = srv.limit + 1, 0
+                if srv.limit >= srv.concurrency:
+                    srv.limit = 0
+        job.avoid = None
+        if job.refused:
+            self._overruled(srv, job)
         if job.req.advance(out, job.attempts + 1):
             self._next_request(srv, job, out)
         else:
@@ -442,13 +622,20 @@ class Dispatcher:
         job.last_error, job.last_status, job.last_server = out.error or kind, out.status, srv.name
         if kind == "permanent":
             srv.conn_streak = srv.err_streak = 0
+            if self._refused(srv, job, out):
+                return
+            job.refused = None
             job.attempts += 1
             srv.permanent += 1
             self.rows.finish_error(job)
         elif kind == "transient":
             srv.conn_streak = 0
+            if out.rate_limited:
+                self._rate_limited(srv, job, out)
+                return
             if out.status is not None and out.status >= 500:
                 srv.err_streak += 1
+            job.avoid = srv.name   # retried elsewhere when another server can take it
             self.rows.charge_and_retry(job)
             if srv.err_streak >= self.health.down_after_5xx and srv.state == "up":
                 self.health.mark_down(srv, f"{srv.err_streak} HTTP 5xx answers in a row; last: {out.error}")

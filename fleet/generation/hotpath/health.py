@@ -153,7 +153,10 @@ class ServerHealth:
         srv.state = "up"
         srv.down_reason = None
         srv.conn_streak = srv.err_streak = srv.bad_streak = 0
-        srv.garbled = False
+        srv.garbled = srv.refusing = False
+        # judged afresh: its refusals and rate limits were of the process or the quota before
+        srv.pending, srv.overruled = set(), 0
+        srv.paused_until, srv.limit, srv.grow, srv.limited_since, srv.limited_streak = 0.0, 0, 0, None, 0
         srv.epoch += 1
         srv.last_done = time.monotonic()
         # a relaunched engine starts its counters again, and may be another build: read afresh
@@ -169,10 +172,12 @@ class ServerHealth:
         if not await self.admit(srv):
             self.mark_down(srv, srv.down_reason or "not usable")
 
-    def mark_down(self, srv: ServerState, reason: str, *, garbled: bool = False) -> None:
+    def mark_down(self, srv: ServerState, reason: str, *, garbled: bool = False, refusing: bool = False) -> None:
         """Take `srv` out: its workers stop, its rows go back, its recovery starts. `garbled`: for
         invalid answers, judged over several rows, so its suspects go back uncharged and unmarked
-        (the poison count is for rows that kill servers), and it comes back only with a valid answer."""
+        (the poison count is for rows that kill servers), and it comes back only with a valid answer.
+        `refusing`: for 4xx answers the other servers did not give; without a relaunch it comes
+        back only once it answers a request it refused (`ServerState.refused_sample`)."""
         if srv.state in ("down", "recovering"):
             return
         if srv.state == "starting":
@@ -184,6 +189,8 @@ class ServerHealth:
         srv.suspect_since = None
         srv.downs += 1
         srv.garbled = garbled
+        srv.refusing = refusing
+        srv.pending = set()
         suspects, srv.suspects = srv.suspects, []
         for job in suspects:
             self.rows.requeue(job, poison=not garbled)
@@ -225,6 +232,13 @@ class ServerHealth:
                                            missing_ok=True)
                     if ok and srv.garbled:   # out for invalid answers: back only with a valid one
                         ok, _ = await probes.answer_probe(srv.ep, self.stall_probe_timeout_s, self.max_bytes)
+                # out for its refusals: back once it answers one (an endpoint's smoke, or a live server
+                # the relaunch path finds fine, answers a short prompt that a shorter context takes)
+                if ok and srv.refusing and srv.refused_sample is not None:
+                    ok, why = await probes.answer_probe(srv.ep, self.gen.request_timeout_s, self.max_bytes,
+                                                        srv.refused_sample)
+                    if not ok:
+                        log.info("server %s still refuses: %s", srv.name, why)
                 if ok and await self.admit(srv):
                     srv.readmissions += readmitted
                     return

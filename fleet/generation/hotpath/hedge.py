@@ -198,7 +198,10 @@ class Hedge:
             return [], []
         up = [s for s in self.servers if s.state == "up" and s.session is not None]
         suspects = [s for s in up if self.suspected(s)]
-        targets = [s for s in up if s not in suspects]
+        # not a rate-limited server (paused, or at its lowered limit: dispatch._rate_limited) nor one
+        # whose refusals await a verdict: a backup there would only be refused too
+        now = time.monotonic()
+        targets = [s for s in up if s not in suspects and not s.limit and s.paused_until <= now and not s.pending]
         if not targets:
             return [], []
         left = self.budget_left()

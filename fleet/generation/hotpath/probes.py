@@ -115,7 +115,10 @@ async def usable(ep: Endpoint, session: aiohttp.ClientSession) -> str | None:
     if not ep.model:
         ep.model = (first_model(body) if r.status == 200 else None) or ""
         if not ep.model:
-            return f"{ep.url}/v1/models names no model (HTTP {r.status}): set the endpoint's model in the config"
+            # transformers serve 5.17 answers /v1/models with HTTP 500 when it has no Hugging Face cache
+            # directory (DESIGN.md, round 4): the model name is the one thing the config can give instead
+            return (f"{ep.url}/v1/models names no model (HTTP {r.status}): set `model` in this endpoint's "
+                    "[[endpoints]] entry (the name its chat requests take)")
     return None
 
 
@@ -171,10 +174,15 @@ async def generation_probe(ep: Endpoint, t: float) -> tuple[bool, str]:
         await session.close()
 
 
-async def answer_probe(ep: Endpoint, t: float, max_bytes: int) -> tuple[bool, str]:
+async def answer_probe(ep: Endpoint, t: float, max_bytes: int, request: Any = None) -> tuple[bool, str]:
     """(a valid completion, why not): a one-token chat on its own connection, within `t` seconds,
-    its answer judged by `parse_completion` like a row's."""
-    body = {"model": ep.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    its answer judged by `parse_completion` like a row's. With `request` (a row's `messages` and
+    `params`: one the server refused with a 4xx that another answered) that request instead: a
+    server out for its refusals is back only once it answers what it refused."""
+    body: dict[str, Any] = {"model": ep.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    if request is not None:
+        body = {"model": ep.model, "messages": request.messages, **(request.params or {})}
+    what = "a one-token chat" if request is None else "the request it refused"
     headers = {"Content-Type": "application/json"}
     if ep.api_key:
         headers["Authorization"] = f"Bearer {ep.api_key}"
@@ -184,14 +192,14 @@ async def answer_probe(ep: Endpoint, t: float, max_bytes: int) -> tuple[bool, st
                                     timeout=aiohttp.ClientTimeout(total=t)) as r:
                 raw = await read_capped(r, max_bytes)
                 if r.status != 200:
-                    return False, f"a one-token chat answered HTTP {r.status}"
+                    return False, f"{what} answered HTTP {r.status}"
             parse_completion(raw, Outcome("ok"))
         except asyncio.TimeoutError:
-            return False, f"a one-token chat did not answer within {t:g} s"
+            return False, f"{what} did not answer within {t:g} s"
         except (aiohttp.ClientError, OSError) as exc:
-            return False, f"a one-token chat failed: {type(exc).__name__}: {exc}"[:300]
+            return False, f"{what} failed: {type(exc).__name__}: {exc}"[:300]
         except ValueError as exc:   # TooLarge too
-            return False, f"a one-token chat: {exc}"[:300]
+            return False, f"{what}: {exc}"[:300]
     return True, "a valid completion"
 
 

@@ -54,6 +54,10 @@ class Job:
     # hedge.Flight: the sends of its current request now out (two while a backup races the first)
     flights: list[Any] = field(default_factory=list)
     hedges: int = 0            # backups sent for it (fleet.generation.hotpath.hedge)
+    # servers that refused its current request with a 4xx, and the error: it is tried on another
+    # before the error is the row's (dispatch._refused); a server here does not take it while another can
+    refused: dict[str, str] | None = None
+    avoid: str | None = None   # the server whose 5xx it is retrying after: another takes it if one can
 
 
 class WorkQueue:
@@ -62,29 +66,65 @@ class WorkQueue:
     Rows coming back — retries whose delay is over, rows of a server that died — must never
     wait behind a full queue (that deadlocks when every worker is the one putting back), so
     they go to their own deque, and they go first so that a resumed row is not starved.
+
+    Rows coming back may be for other servers than some (`skip(item, server)`: a row a server refused
+    with a 4xx goes to another one while another can take it): such a row waits in `_again` for a
+    getter it suits, and `rehand()` looks again when the servers changed.
     """
 
-    __slots__ = ("_fresh", "_again", "_getters", "_putters", "maxsize", "closed", "stopped")
+    __slots__ = ("_fresh", "_again", "_getters", "_putters", "maxsize", "closed", "stopped", "skip")
 
     def __init__(self, maxsize: int) -> None:
         self._fresh: collections.deque[Any] = collections.deque()
         self._again: collections.deque[Any] = collections.deque()
-        self._getters: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._getters: collections.deque[tuple[asyncio.Future[Any], str | None]] = collections.deque()
         self._putters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.maxsize = maxsize
         self.closed = False    # no more rows will come: get() drains what is left, then None
         self.stopped = False   # stop: get() answers None at once, rows stay where they are
+        self.skip: Callable[[Any, str], bool] | None = None   # set by the dispatcher
 
     def __len__(self) -> int:
         return len(self._fresh) + len(self._again)
 
     def _hand(self, item: Any) -> bool:
+        skip = self.skip
+        if skip is not None and (getattr(item, "refused", None) or getattr(item, "avoid", None)):
+            for entry in self._getters:   # the first getter it suits (rare: a refused or 5xx row)
+                fut, name = entry
+                if not fut.done() and not (name is not None and skip is not None and skip(item, name)):
+                    self._getters.remove(entry)
+                    fut.set_result(item)
+                    return True
+            return False
         while self._getters:
-            fut = self._getters.popleft()
+            fut, _ = self._getters.popleft()
             if not fut.done():
                 fut.set_result(item)
                 return True
         return False
+
+    def rehand(self) -> None:
+        """The servers changed (one up, one down): rows waiting for another server than the
+        getters' may suit them now."""
+        if not self._getters or not self._again:
+            return
+        for item in list(self._again):
+            if not self._getters:
+                return
+            if self._hand(item):
+                self._again.remove(item)
+
+    def _take_again(self, name: str | None) -> tuple[bool, Any]:
+        """The first row coming back that suits server `name`."""
+        skip = self.skip
+        if skip is None or name is None:
+            return True, self._again.popleft()
+        for i, item in enumerate(self._again):
+            if not skip(item, name):
+                del self._again[i]
+                return True, item
+        return False, None
 
     def _wake_putter(self) -> None:
         while self._putters:
@@ -109,20 +149,32 @@ class WorkQueue:
             self._fresh.append(item)
         return True
 
-    async def get(self) -> Any:
-        """The next row, or None once closed and empty (or stopped)."""
+    def take_refused(self, name: str) -> Any:
+        """A row coming back that other servers refused and `name` has not (its verdict), or None."""
+        for i, item in enumerate(self._again):
+            refused = getattr(item, "refused", None)
+            if refused and name not in refused:
+                del self._again[i]
+                return item
+        return None
+
+    async def get(self, name: str | None = None) -> Any:
+        """The next row for server `name`, or None once closed and empty (or stopped)."""
         if self.stopped:
             return None
         if self._again:
-            return self._again.popleft()
+            found, item = self._take_again(name)
+            if found:
+                return item
         if self._fresh:
             item = self._fresh.popleft()
             self._wake_putter()
             return item
-        if self.closed:
+        if self.closed and not self._again:
             return None
         fut = asyncio.get_running_loop().create_future()
-        self._getters.append(fut)
+        entry = (fut, name)
+        self._getters.append(entry)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -133,7 +185,7 @@ class WorkQueue:
                     self._again.appendleft(item)   # handed over just as we were cancelled: keep it
             else:
                 try:
-                    self._getters.remove(fut)
+                    self._getters.remove(entry)
                 except ValueError:
                     pass
             raise
@@ -143,7 +195,7 @@ class WorkQueue:
         self.closed = True
         self.stopped = self.stopped or stop
         while self._getters:
-            fut = self._getters.popleft()
+            fut, _ = self._getters.popleft()
             if not fut.done():
                 fut.set_result(None)
         while self._putters:

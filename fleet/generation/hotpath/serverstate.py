@@ -111,6 +111,7 @@ class ServerState:
         self.invalid = 0                 # invalid answers in all
         self.answer_probing = False      # an answer probe (after an invalid answer) is running
         self.garbled = False             # taken out for invalid answers: re-admitted only after a valid one
+        self.refusing = False            # taken out for 4xx answers others did not give: back once it answers one
         self.suspects: list[Job] = []   # rows that failed to connect; charged only if the server is fine
         self.probe: asyncio.Task[None] | None = None
         self.recovery: asyncio.Task[None] | None = None
@@ -154,6 +155,22 @@ class ServerState:
         self.refreshes = 0               # rows given to a held server to refresh a stale estimate
         self.timeline = Timeline()
         self.streaming = 0               # rows in flight sent streamed (at most ep.streamed_rows)
+        # 4xx refusals, judged against the other servers (dispatch._refused): rows it refused that no
+        # other server has judged yet, and rows it refused that another server then answered
+        self.pending: set[str] = set()
+        self.overruled = 0               # in a row (its own ok answer resets it): at down_after_4xx it is out
+        self.refusals = 0                # 4xx answers in all
+        self.refused_sample: Any = None  # a request it refused: its re-admission probe (health.recover)
+        # rate limits (429, 503 + Retry-After): nothing new before paused_until; at most `limit` in flight,
+        # halved at each limit and grown back by one per `limit` answers (AIMD)
+        self.paused_until = 0.0          # monotonic
+        self.limit = 0                   # 0: not limited (the concurrency)
+        self.grow = 0                    # answers since the limit last grew
+        self.limited_since: float | None = None   # monotonic: first rate limit with no answer since
+        self.limited_streak = 0          # rate limits in a row (no Retry-After: 1 s, doubling)
+        self.rate_limits = 0             # rate limits in all
+        self.reserved = 0                # workers past the gate, not yet sending (dispatch._gate)
+        self.gate = asyncio.Event()      # set when a slot frees or a pause ends
 
     def chunk(self) -> None:
         """A streamed answer's event arrived: token progress (`Endpoint.stream`)."""
@@ -188,7 +205,8 @@ class ServerState:
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
             "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
             "readmissions": self.readmissions,
-            "stalls": self.stalls, "sent": self.sent, "held_s": round(self.held_s, 1),
+            "stalls": self.stalls, "sent": self.sent, "refusals": self.refusals, "rate_limits": self.rate_limits,
+            "limit": self.limit or None, "held_s": round(self.held_s, 1),
             "refreshes": self.refreshes, "lat_s": round(self.lat, 3) if self.lat is not None else None,
             "idle_s": round(now - self.last_done, 1) if self.in_flight and self.last_done else None,
             "progress": self.progress, "quiet_s": round(self.quiet_s(now), 1) if self.in_flight else None,

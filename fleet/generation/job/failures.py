@@ -29,7 +29,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 class Failure:
     """Why a job stopped failed: what progress.json, the manifest and exit.json say, and the CLI prints."""
 
-    kind: str            # disk_full | output_removed | output_unwritable | input | input_changed | store | conflict | internal
+    kind: str            # disk_full | output_removed | output_unwritable | input | input_changed | store | conflict |
+                         # servers | internal
     cause: str           # one line: what failed, where (file, line, byte)
     remedy: str          # one line: what to do, then "run the same command again to resume"
     file: str | None = None

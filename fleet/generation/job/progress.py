@@ -128,4 +128,17 @@ class Progress:
             # in the final line is the manifest's throughput.completion_tok_s
             + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
                f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + f" | ETA {fmt_s(p['eta_s'])}"
-            f" | servers up {p['servers_up']}/{len(p['servers'])}")
+            f" | servers up {p['servers_up']}/{len(p['servers'])}") + _servers_out(p)
+
+
+def _servers_out(p: dict[str, Any]) -> str:
+    """Why servers are out, on the console line: each one's reason when every server is down (a
+    pause never silent), else the first one taken out (the job goes on without it)."""
+    out = [s for s in p["servers"] if s.get("state") in ("down", "recovering")]
+    if not out or p["state"] in ("done", "stopped", "failed"):
+        return ""
+    if not p["servers_up"]:
+        return " | all servers down: " + "; ".join(f"{s['name']}: {(s.get('down_reason') or s['state'])[:300]}"
+                                                    for s in out)
+    more = f" (+{len(out) - 1} more)" if len(out) > 1 else ""
+    return f" | out: {out[0]['name']}: {(out[0].get('down_reason') or out[0]['state'])[:200]}{more}"

@@ -412,9 +412,13 @@ class _Run:
                                  remedy="fix the rows, then run the same command again"), stop=False)
         if self.failure is None and summary.state == "failed":
             # a failed job always says why and what to do, whatever part of it failed
-            self.failure = Failure("internal", (summary.reason or "the dispatcher failed")[:500],
-                                   "a bug: the traceback is in the runner's log; then run the same command again to "
-                                   "resume: committed rows are kept")
+            remedy = self._disp.remedy if self._disp is not None else None
+            if remedy is not None:   # no server usable: the servers' fault, and the dispatcher says what to do
+                self.failure = Failure("servers", (summary.reason or "no server usable")[:1500], remedy)
+            else:
+                self.failure = Failure("internal", (summary.reason or "the dispatcher failed")[:500],
+                                       "a bug: the traceback is in the runner's log; then run the same command again "
+                                       "to resume: committed rows are kept")
         state = "failed" if self.failure is not None or summary.state == "failed" else summary.state
         reason = self.failure.cause if self.failure is not None else summary.reason
         return state, reason
