@@ -512,6 +512,10 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
     # Only the real command (argv from sys.argv) takes over Ctrl-C: a test calling main([...])
     # in its own process keeps its SIGINT (fleet/interrupt.py ends the process on Ctrl-C).
     take_sigint = argv is None
+    if take_sigint:  # `fleet … | head -1`: the reader may go first (fleet/interrupt.py ClosedSafe)
+        from fleet.interrupt import guard_closed_output
+
+        guard_closed_output()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # every argument belongs to the simulator, --help included

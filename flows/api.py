@@ -87,8 +87,11 @@ def _mark_crashed(run_ids: list[Any]) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
+    from fleet.interrupt import stopped_by
+
     if not run_ids:
         return
+    how = stopped_by() or "interrupted"  # "interrupted" (Ctrl-C), "stopped (SIGTERM)", "stopped (SIGHUP)"
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C or SIGTERM); detached "
-                                                               "servers and runners keep running"), force=True)
+        client.set_flow_run_state(run_ids[-1], Crashed(message=f"{how} (the command; detached servers and "
+                                                               "runners keep running)"), force=True)

@@ -558,3 +558,72 @@ def test_timeout_stops_a_bringup_like_ctrl_c(env: dict[str, str], tmp_path: Path
         assert "waiting" not in again and "reclaimed" not in again, again[-3000:]
     finally:
         down(env, cfg)
+
+
+def gen_rows(path: Path, n: int, max_tokens: int) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"hi {i}"}],
+                                        "max_tokens": max_tokens}) + "\n" for i in range(n)))
+    return path
+
+
+def kill_runners(work: Path) -> None:
+    for pidfile in work.glob("jobs/*/runner.pid"):
+        try:
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+        except (ProcessLookupError, ValueError, OSError):
+            pass
+
+
+def last_run_state(env: dict[str, str], cfg: Path) -> str:
+    """The state of the fleet's newest flow run, as `fleet report --list` shows it."""
+    rep = subprocess.run([sys.executable, "-m", "flows.cli", "report", "-c", str(cfg), "--list"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    return rep.stdout
+
+
+@pytest.mark.parametrize("command,needle", [
+    ("up", "launching"),                    # bring-up: servers starting
+    ("generate", "servers up"),             # runner start: the servers are up, the runner not yet
+    ("generate", "started runner pid"),     # following the runner
+], ids=["bring-up", "runner-start", "following"])
+def test_sighup_at_each_phase_is_a_clean_stop(env: dict[str, str], tmp_path: Path, command: str, needle: str) -> None:
+    """Fault (issue 37): SIGHUP — a terminal closed, an SSH session dropped — ended `fleet up` and
+    `fleet generate` at once with Python's default action: exit 129, no paragraph, the flow run left
+    Running and the node lock held for the next command to reclaim. Now it is the SIGTERM path: the
+    paragraph ("fleet: stopped (SIGHUP)."), the run marked Crashed, the lock given back (the next
+    `fleet up` neither waits nor reclaims), exit 129; a started runner keeps going."""
+    cfg = sim_cfg(tmp_path, "hu", startup_s=4.0 if command == "up" else 0.3)
+    cfg.write_text(cfg.read_text().replace("tokens_per_s = 5000", "tokens_per_s = 20"))
+    args = ["up", "-c", str(cfg)] if command == "up" else [
+        "generate", "-c", str(cfg), "--input", str(gen_rows(tmp_path / "in.jsonl", 200, 64)),
+        "--output", str(tmp_path / "out")]
+    try:
+        cmd = Cmd(env, tmp_path / "cmd.txt", *args)
+        cmd.wait_for_text(needle)
+        took = cmd.signal_group(signal.SIGHUP)
+        print(f"\nfleet {command} exited {took:.2f} s after SIGHUP at {needle!r}")
+        out = cmd.text()
+        assert cmd.proc.returncode == 129, out[-3000:]
+        assert "Traceback" not in out and took < EXIT_BOUND_S, out[-3000:]
+        para = out[out.index("fleet: stopped (SIGHUP)."):]
+        assert f"fleet down -c {cfg}" in para and len(para.strip().splitlines()) == 1, para
+        runs = last_run_state(env, cfg)
+        newest = next(ln for ln in runs.splitlines() if "-hu " in ln)
+        assert f"{'bringup' if command == 'up' else 'generate'}-hu" in newest and "Crashed" in newest, runs
+        assert "stopped (SIGHUP)" in newest, runs
+        if command == "generate" and needle == "started runner pid":
+            (pidfile,) = (tmp_path / "hu" / "work" / "jobs").glob("hu-*/runner.pid")
+            from fleet.node import LocalNode
+
+            assert LocalNode().is_alive(int(pidfile.read_text().split()[0]))  # the job goes on
+        kill_runners(tmp_path / "hu" / "work")
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
+        assert second.finish() == 0, second.text()[-3000:]
+        again = second.text()
+        assert "waiting" not in again and "reclaimed" not in again, again[-3000:]
+    finally:
+        kill_runners(tmp_path / "hu" / "work")
+        down(env, cfg)
