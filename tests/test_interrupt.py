@@ -627,3 +627,44 @@ def test_sighup_at_each_phase_is_a_clean_stop(env: dict[str, str], tmp_path: Pat
     finally:
         kill_runners(tmp_path / "hu" / "work")
         down(env, cfg)
+
+
+def test_a_closed_stdout_changes_neither_the_exit_status_nor_prints_a_traceback(env: dict[str, str],
+                                                                                tmp_path: Path) -> None:
+    """Fault (issue 37): `fleet generate … | head -1` completed the job, then exited 1 with a
+    BrokenPipeError traceback printing its final JSON; `fleet status --json | head -c 10` the same
+    when the reader went first. The reader here goes after the first line (what `head -1` does), or
+    before anything was written: the command's status is the one it has with a reader, no traceback,
+    and the result is in the job's records."""
+    import json
+
+    cfg = sim_cfg(tmp_path, "pp", startup_s=0.3)
+    out = tmp_path / "out"
+    try:
+        r, w = os.pipe()
+        with (tmp_path / "err.txt").open("wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "generate", "-c", str(cfg), "--input",
+                                     str(gen_rows(tmp_path / "in.jsonl", 4, 8)), "--output", str(out)],
+                                    cwd=ROOT, env=env, stdout=w, stderr=err, stdin=subprocess.DEVNULL)
+        os.close(w)
+        with os.fdopen(r, "rb") as reader:
+            first = reader.readline()   # `head -1`: one line, then the reader is gone
+        rc = proc.wait(timeout=300)
+        said = (tmp_path / "err.txt").read_text(errors="replace")
+        assert first.startswith(b"fleet generate: new job"), first
+        assert rc == 0 and "Traceback" not in said and "BrokenPipe" not in said, said[-3000:]
+        assert json.loads((out / "manifest.json").read_text())["complete"] is True
+        assert json.loads((out / "progress.json").read_text())["state"] == "done"
+
+        for args in (["status", "-c", str(cfg), "--json"], ["status", "-c", str(cfg)]):
+            with_reader = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+                                         capture_output=True, timeout=120)
+            r, w = os.pipe()
+            os.close(r)   # `| head -c 10` that has read its bytes and gone: every write is refused
+            closed = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=w,
+                                    stderr=subprocess.PIPE, timeout=120)
+            os.close(w)
+            assert closed.returncode == with_reader.returncode, (args, closed.stderr[-2000:])
+            assert b"Traceback" not in closed.stderr and b"BrokenPipe" not in closed.stderr, closed.stderr[-2000:]
+    finally:
+        down(env, cfg)
