@@ -324,6 +324,31 @@ def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:
     assert m and len({m[1], m[3], m[4]}) == 1 and int(m[2]) == int(m[1]) + 1 and int(m[1]) > base + 1, r[1]["error"]
 
 
+def test_port_taken_between_the_check_and_the_launch_is_said_once_with_free_ports(tmp_path: Path,
+                                                                                   teardown_after) -> None:
+    """Fault (issue 37): a server that failed at once because its port was taken after the port
+    check (another process bound it in between) repeated the bind error four times and gave the
+    generic remedy "(memory fraction, port, GPU)". The port here is bound but not listening, so the
+    check (LISTEN sockets) sees it free and the server's bind fails, as in that race. The failure
+    says once what happened and names the free ports, as the port check does."""
+    base = port_block(2)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", base + 1))   # no listen(): invisible to the check, a bind refuses it
+    try:
+        cfg = sim_config(tmp_path, base, n=2)
+        teardown_after(cfg)
+        ok, rows, _ = run(cfg)
+    finally:
+        squatter.close()
+    r = by_server(rows)
+    assert not ok and r[0]["state"] == "up"
+    err = r[1]["error"]
+    assert r[1]["state"] == "launch failed" and f"port {base + 1}: the port was taken after fleet's check" in err, err
+    assert err.lower().count("already in use") == 1 and "memory fraction" not in err, err
+    m = re.search(r"change servers\.base_port \(ports (\d+)-(\d+) are free now: base_port = (\d+)", err)
+    assert m and int(m[2]) == int(m[1]) + 1 and int(m[1]) > base + 1, err
+
+
 def test_ramdisk_too_small_refused_before_copying(tmp_path: Path, teardown_after) -> None:
     ram = tmp_path / "ram"
     ram.mkdir()
