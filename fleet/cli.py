@@ -354,7 +354,10 @@ def _deploy_command(sub: Subparsers) -> None:
     _config_arg(p)
     p.add_argument("--pool", default="fleet-pool", help="process work pool (created if missing; default %(default)s)")
     p.add_argument("--revalidate-every", type=float, default=1800, metavar="SECONDS",
-                   help="revalidate schedule interval; 0 for no schedule (default %(default)s)")
+                   help="revalidate schedule interval; 0 for no schedule (default %(default)s). Its first run "
+                        "comes one interval after the deploy (the command prints when)")
+    p.add_argument("--revalidate-now", action="store_true",
+                   help="also start a revalidation at once (a flow run for the pool's worker)")
     p.set_defaults(func=_runs_a_flow)
 
 

@@ -76,15 +76,35 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy
 
     res = deploy(cfg, source=str(Path(args.config).resolve()), pool=args.pool,
-                 revalidate_every_s=args.revalidate_every or None)
+                 revalidate_every_s=args.revalidate_every or None, revalidate_now=args.revalidate_now)
     print(f"fleet {cfg.name}: config saved as block {res.block}"
           + (f"; work pool {res.pool} created" if res.pool_created else ""))
     for name in res.deployments:
         print(f"  {name}")
+    print(revalidation_line(res, cfg.name))
     print(f"each run: {res.checkout}/flows/fleet.py, in that directory (the checkout fleet is installed from)\n"
           f"start a worker: prefect worker start --pool {res.pool}   (in this venv, from any directory)\n"
           f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
     return 0
+
+
+def revalidation_line(res: Any, name: str) -> str:
+    """What `fleet deploy` set up for revalidation: the schedule, when its first run is, a run started now."""
+    from datetime import datetime
+
+    dep = f"fleet/revalidate-{name}"
+    if not res.revalidate_every_s:
+        sched = f"revalidation: no schedule ({dep} runs when started: prefect deployment run {dep})"
+    elif res.first_scheduled is None:
+        sched = f"revalidation: {dep} every {res.revalidate_every_s:g} s"
+    else:
+        first = res.first_scheduled
+        mins = (first - datetime.now(first.tzinfo)).total_seconds() / 60
+        sched = (f"revalidation: {dep} every {res.revalidate_every_s:g} s; the schedule's first run at "
+                 f"{first.strftime('%Y-%m-%d %H:%M:%S %Z')} (in {max(0.0, mins):.0f} min)")
+    if res.revalidate_run:
+        return sched + f"; and one now: flow run {res.revalidate_run}, for a worker on {res.pool}"
+    return sched + "; --revalidate-now starts one at once"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
