@@ -322,6 +322,8 @@ def _demo_command(sub: Subparsers) -> None:
                    help="transformers: real `transformers serve` on CPU (2 servers); sim: simulated SGLang (4 servers)")
     p.add_argument("--servers", type=int, default=None, help="number of servers (default 2 for transformers, 4 for sim)")
     p.add_argument("--keep", action="store_true", help="leave the servers running (stop them with `fleet down`)")
+    p.add_argument("--keep-ramdisk", action="store_true",
+                   help="keep the model's RAM-disk copy after the servers stop (by default the demo frees it)")
     p.set_defaults(func=_runs_a_flow)
 
 

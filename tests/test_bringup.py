@@ -456,6 +456,13 @@ def test_demo_command_from_readme(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fleet demo: OK: 2 server(s) up" in r.stdout
     assert "stopped 2 server(s)" in r.stdout
+    # Fault (issue 37): the demo left its RAM-disk copy and its local Prefect server without a word,
+    # and named the report commands but not the servers' logs. It frees the copy by default now.
+    logs = r.stdout.split("The servers' log files: ", 1)[1].splitlines()[0].split()
+    assert len(logs) == 2 and all(Path(p).is_file() and Path(p).stat().st_size for p in logs), r.stdout[-2000:]
+    m = re.search(r"RAM disk: the model's copy in (\S+) freed", r.stdout)
+    assert m and not Path(m[1]).exists(), r.stdout[-2000:]
+    assert "python -m flows.localserver stop" in r.stdout
 
 
 def test_cli_up_status_down(tmp_path: Path) -> None:
