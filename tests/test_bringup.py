@@ -509,3 +509,19 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     assert not any(same_process_alive(pid) for pid in started)
     st = fleet_cli("status", "--json")
     assert [s["state"] for s in json.loads(st.stdout)["servers"]] == ["stopped", "stopped"] and st.returncode == 1
+
+
+def test_demo_says_what_it_leaves_and_where_the_logs_are(tmp_path: Path) -> None:
+    """The demo's closing words (fleet/demo.py `left_behind`): the servers' log files, the RAM-disk
+    copy freed (or kept, and how to free it), and the local Prefect server that stays."""
+    from fleet.demo import left_behind
+
+    cfg = sim_config(tmp_path, 31000, n=2)
+    work = cfg.nodes[0].workdir
+    freed = left_behind(cfg, tmp_path / "c.toml", {"path": "/dev/shm/fleet-0/t", "action": "freed", "bytes": 2e6},
+                        keep=False)
+    assert f"The servers' log files: {work}/servers/t-0.log {work}/servers/t-1.log" in freed
+    assert "the model's copy in /dev/shm/fleet-0/t freed, 2.0 MB" in freed
+    assert "python -m flows.localserver stop" in freed
+    kept = left_behind(cfg, tmp_path / "c.toml", None, keep=True)
+    assert f"fleet down -c {tmp_path / 'c.toml'} --free-ramdisk" in kept
