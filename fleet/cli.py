@@ -322,6 +322,8 @@ def _demo_command(sub: Subparsers) -> None:
                    help="transformers: real `transformers serve` on CPU (2 servers); sim: simulated SGLang (4 servers)")
     p.add_argument("--servers", type=int, default=None, help="number of servers (default 2 for transformers, 4 for sim)")
     p.add_argument("--keep", action="store_true", help="leave the servers running (stop them with `fleet down`)")
+    p.add_argument("--keep-ramdisk", action="store_true",
+                   help="keep the model's RAM-disk copy after the servers stop (by default the demo frees it)")
     p.set_defaults(func=_runs_a_flow)
 
 
@@ -354,7 +356,10 @@ def _deploy_command(sub: Subparsers) -> None:
     _config_arg(p)
     p.add_argument("--pool", default="fleet-pool", help="process work pool (created if missing; default %(default)s)")
     p.add_argument("--revalidate-every", type=float, default=1800, metavar="SECONDS",
-                   help="revalidate schedule interval; 0 for no schedule (default %(default)s)")
+                   help="revalidate schedule interval; 0 for no schedule (default %(default)s). Its first run "
+                        "comes one interval after the deploy (the command prints when)")
+    p.add_argument("--revalidate-now", action="store_true",
+                   help="also start a revalidation at once (a flow run for the pool's worker)")
     p.set_defaults(func=_runs_a_flow)
 
 
@@ -512,6 +517,10 @@ def main(argv: Sequence[str] | None = None, commands: Mapping[str, Command] | No
     # Only the real command (argv from sys.argv) takes over Ctrl-C: a test calling main([...])
     # in its own process keeps its SIGINT (fleet/interrupt.py ends the process on Ctrl-C).
     take_sigint = argv is None
+    if take_sigint:  # `fleet … | head -1`: the reader may go first (fleet/interrupt.py ClosedSafe)
+        from fleet.interrupt import guard_closed_output
+
+        guard_closed_output()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # every argument belongs to the simulator, --help included

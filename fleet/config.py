@@ -453,6 +453,9 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
     "FLEET_FUZZ_EXAMPLES": "jobs of the answer fuzz test (tests/test_gen_answers.py)",
     "FLEET_PREFECT_SERVER_IDLE_S": "idle seconds before the shared local Prefect server stops (flows/localserver.py)",
+    "FLEET_PREFECT_PORT": "the port of the shared local Prefect server, int 1024-65535 (flows/localserver.py)",
+    "FLEET_PREFECT_PORTS": "ports the shared local Prefect server may use, lo-hi within 1024-65535, the first free "
+                           "one (flows/localserver.py)",
     "FLEET_PREFECT_SERVER_DIR": "the local Prefect server's state directory, in its own environment",
     "FLEET_STORE_SECRET": "names a Prefect Secret block holding the object store's variables: AWS_*, HF_TOKEN, … (blocks/credentials.py)",
     "FLEET_STORE_AWS_BLOCK": "names a prefect-aws AwsCredentials or S3Bucket block holding the object store's AWS credentials (blocks/credentials.py)",

@@ -92,3 +92,29 @@ def demo_config(engine: str, servers: int | None, state: Path) -> dict[str, Any]
             smoke={"first_timeout_s": 30.0, "timeout_s": 10.0},
         )
     return common
+
+
+def left_behind(cfg: Any, cfg_path: Path, freed: Mapping[str, Any] | None, *, keep: bool) -> str:
+    """What the demo leaves on this machine, and where its servers' logs are: a person trying fleet
+    should not find a RAM-disk copy or a server process later and wonder whose it is."""
+    from fleet.servers import server_paths
+
+    node = cfg.nodes[0]
+    n = cfg.servers.count or len(cfg.servers.ports or [])
+    logs = [server_paths(node.workdir, cfg.name, i).log for i in range(n)]
+    lines = ["The servers' log files: " + " ".join(logs)]
+    if freed is not None and freed.get("action") == "freed":
+        size = f", {freed['bytes'] / 1e6:.1f} MB" if freed.get("bytes") else ""
+        lines.append(f"RAM disk: the model's copy in {freed['path']} freed{size} (--keep-ramdisk keeps it)")
+    elif freed is not None:
+        lines.append(f"RAM disk: {freed.get('path') or node.ramdisk}: {freed.get('action')}")
+    elif keep:
+        lines.append(f"RAM disk: the model's copy under {node.ramdisk} stays while the servers use it; "
+                     f"`fleet down -c {cfg_path} --free-ramdisk` frees it")
+    else:
+        lines.append(f"RAM disk: the model's copy under {node.ramdisk} kept (--keep-ramdisk); "
+                     f"`fleet down -c {cfg_path} --free-ramdisk` frees it")
+    lines.append("The local Prefect server that recorded the run stays up for the report commands and stops "
+                 "itself after FLEET_PREFECT_SERVER_IDLE_S (600 s) unused; stop it now: "
+                 ".venv/bin/python -m flows.localserver stop")
+    return "\n".join(lines)

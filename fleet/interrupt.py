@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM for every `fleet` command: out within seconds, one paragraph, no traceback.
+"""Ctrl-C, SIGTERM and SIGHUP for every `fleet` command: out within seconds, one paragraph, no traceback.
 
 Why not just let KeyboardInterrupt unwind: a command that runs the flow has worker threads
 blocked in launches, smokes and HTTP calls (a launch waits up to `ready_timeout_s`), and
@@ -10,6 +10,10 @@ SIGTERM (`timeout`, `kill`, systemd, Slurm, Kubernetes) takes the very same path
 Ctrl-C and exits 143 (128 + 15). Prefect's flow engine installs its own SIGTERM handler while a
 flow runs (it raises TerminationSignal in the main thread); that changes nothing here: the
 C-level handler still writes the signal to the wakeup fd, and the watcher starts the shutdown.
+SIGHUP (the terminal closed, an SSH session dropped: the commonest way a long command ends) is
+the same stop again, exit 129; Python's default for it killed the command at once, its flow run
+left Running and its node lock held until the next command reclaimed it. Its paragraph goes to a
+terminal that may be gone (the write fails quietly); the records it leaves are what matters.
 
 So the first SIGINT or SIGTERM does only what must happen before the process goes, each step
 bounded in time, then `os._exit`:
@@ -19,8 +23,8 @@ bounded in time, then `os._exit`:
    budget; the local Prefect server they talk to is not the command's and keeps running,
    flows/localserver.py) — all within one deadline,
 3. print one paragraph: what still runs, how to re-attach, how to stop,
-4. exit 130 (SIGINT) or 143 (SIGTERM).
-A second SIGINT exits at once; a repeated SIGTERM changes nothing (Prefect re-sends one to the
+4. exit 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP).
+A second SIGINT exits at once; a repeated SIGTERM or SIGHUP changes nothing (Prefect re-sends one to the
 process itself as it unwinds, and the shutdown is bounded anyway). The main thread may finish its work while the cleanups run (a
 bring-up that completes a moment after the Ctrl-C): its exit waits for them, so a Ctrl-C always
 ends with the paragraph and 130, never with a silent 0. The cleanups are registered by the code
@@ -44,13 +48,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 from fleet.errors import Stopped
 
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+EXIT_HANGUP = 129  # 128 + SIGHUP
+# what each signal that starts the clean stop ends with, and the paragraph's first words
+STOPS: dict[int, tuple[int, str]] = {signal.SIGINT: (EXIT_INTERRUPTED, "interrupted"),
+                                     signal.SIGTERM: (EXIT_TERMINATED, "stopped (SIGTERM)"),
+                                     signal.SIGHUP: (EXIT_HANGUP, "stopped (SIGHUP)")}
 CLEANUP_DEADLINE_S = 4.0  # all cleanups together; the whole exit stays within ~5 s
 
 _cleanups: list[tuple[int, str, Callable[[], None]]] = []
@@ -58,7 +67,8 @@ _lock = threading.Lock()
 _paragraph: Callable[[], str] = lambda: ""
 _started = threading.Event()
 _begun = threading.Lock()  # a latch: taken by the first Ctrl-C, never given back
-_exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown
+_exit_code = EXIT_INTERRUPTED  # 143 when SIGTERM started the shutdown, 129 SIGHUP
+_what = "interrupted"  # the paragraph's first words, after the signal that started the shutdown
 _err_fd = 2  # where our own words go: the original stderr, kept when the shutdown silences fd 2
 _stop = threading.Event()  # set by request_stop() or the first Ctrl-C/SIGTERM: waits give up
 _installed = threading.Event()  # install() ran: this process is a command, not a run under a worker
@@ -86,7 +96,7 @@ def installed() -> bool:
 
 
 def interrupted() -> bool:
-    """True once the first SIGINT or SIGTERM arrived (code that acquires something should give it back at once)."""
+    """True once the first SIGINT, SIGTERM or SIGHUP arrived (code that acquires something should give it back at once)."""
     return _started.is_set()
 
 
@@ -106,6 +116,11 @@ def stop_requested() -> bool:
     return _stop.is_set() or _started.is_set()
 
 
+def stopped_by() -> str:
+    """How the shutdown began, for records ("interrupted", "stopped (SIGHUP)"…); "" before it did."""
+    return _what if _started.is_set() else ""
+
+
 def check_stop(what: str) -> None:
     """Raise `Stopped` (naming `what` was given up) if the run was asked to stop; call on each turn of a wait."""
     if stop_requested():
@@ -114,7 +129,7 @@ def check_stop(what: str) -> None:
 
 
 def install(paragraph: Callable[[], str]) -> None:
-    """Take over SIGINT and SIGTERM for this process (call from the main thread, before starting threads).
+    """Take over SIGINT, SIGTERM and SIGHUP for this process (call from the main thread, before starting threads).
 
     Python runs signal handlers only in the main thread, and only when it is running Python
     code: a main thread blocked waiting for a task future (the flow waiting for a launch) and a
@@ -128,8 +143,8 @@ def install(paragraph: Callable[[], str]) -> None:
     _installed.set()
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.signal(signal.SIGINT, lambda signum, frame: _begin(signum))
-    signal.signal(signal.SIGTERM, lambda signum, frame: _begin(signum))
+    for signum in STOPS:
+        signal.signal(signum, lambda signum, frame: _begin(signum))
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     atexit.register(_hold_exit)
     threading.Thread(target=_watch, args=(r,), name="fleet-signals", daemon=True).start()
@@ -160,16 +175,16 @@ def _watch(fd: int) -> None:
                         pass
                     os._exit(_exit_code)
                 _begin(signum)
-            elif signum == signal.SIGTERM:
+            elif signum in STOPS:
                 _begin(signum)
 
 
 def _begin(signum: int = signal.SIGINT) -> None:
     """Start the shutdown once (from the watcher or the main thread's handler, whichever is first)."""
-    global _exit_code
+    global _exit_code, _what
     if not _begun.acquire(blocking=False):
         return
-    _exit_code = EXIT_TERMINATED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+    _exit_code, _what = STOPS.get(signum, STOPS[signal.SIGINT])
     _started.set()
     _stop.set()
     atexit.register(_hold_exit)  # again, so that it runs first (before the embedded server's stop)
@@ -236,10 +251,61 @@ def _shutdown() -> None:
         text = _paragraph().strip()
     except Exception:  # the paragraph must never stand between the user and the exit
         text = ""
-    what = "stopped (SIGTERM)" if _exit_code == EXIT_TERMINATED else "interrupted"
-    msg = f"\nfleet: {what}." + (" " + text if text else "") + "\n"
+    msg = f"\nfleet: {_what}." + (" " + text if text else "") + "\n"
     try:
         os.write(err, msg.encode())
     except OSError:
         pass
     os._exit(_exit_code)
+
+
+class ClosedSafe:
+    """sys.stdout or sys.stderr of a command whose reader may go first (`fleet generate … | head -1`,
+    `fleet status --json | head -c 10`). Python ignores SIGPIPE, so a write to the closed pipe raised
+    BrokenPipeError: the command printing its final JSON after a whole job exited 1 with a traceback
+    (and one whose only fault was the flush at exit, 120). From the first refused write on, the
+    stream's fd points at /dev/null and the command goes on to the exit status it would have had:
+    its result is in its records (progress.json, the manifest, the flow run), not in the pipe."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            n: int = self._stream.write(text)
+            return n
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def _gone(self) -> None:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+            self._stream.flush()  # what the refused write left in the buffer goes to /dev/null
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_closed_output() -> None:
+    """A closed stdout or stderr never changes a command's exit status nor prints a traceback (`ClosedSafe`)."""
+    if not isinstance(sys.stdout, ClosedSafe) and sys.stdout is not None:
+        sys.stdout = ClosedSafe(sys.stdout)
+    if not isinstance(sys.stderr, ClosedSafe) and sys.stderr is not None:
+        sys.stderr = ClosedSafe(sys.stderr)

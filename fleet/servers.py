@@ -126,6 +126,25 @@ def listening_ports(node: Node) -> set[int]:
     return parse_listening_ports(res.stdout)
 
 
+def _own_port_taken(verdict: LogVerdict, port: int) -> bool:
+    """The server could not bind its own port (not an engine's internal one: ZMQ, torch's store)."""
+    return any(label == "port-in-use" and str(port) in entry.splitlines()[0]
+               for entry, label in zip(verdict.fatal, verdict.fatal_labels, strict=False))
+
+
+def _taken_port_remedy(node: Node, cfg: FleetConfig, port: int) -> str:
+    """The ports free now, as `fleet up`'s port check names them (preflight.port_remedy). A bind
+    error repeated four times and "(memory fraction, port, GPU)" told a person nothing to do."""
+    from fleet.preflight import port_remedy
+
+    try:
+        listening = listening_ports(node)
+    except FleetError:
+        listening = set()
+    n = cfg.servers.count or len(cfg.servers.ports or []) or 1
+    return port_remedy(cfg, [port], listening | {port}, n) + ", then re-run"
+
+
 def _refuse_if_in_use(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, index: int | None = None,
                       port: int | None = None) -> None:
     index = spec.index if index is None else index
@@ -300,6 +319,11 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
             state, new = node.watch(pid, paths.log, len(text.encode()))
             text += new
             verdict = profile.classify(text)
+            if verdict.fatal and _own_port_taken(verdict, spec.port):
+                raise ServerFailed(
+                    f"server {spec.index} on port {spec.port}: the port was taken after fleet's check, before the "
+                    f"server bound it (address already in use, {time.monotonic() - t0:.1f} s after the launch)",
+                    host=node.host, remedy=_taken_port_remedy(node, cfg, spec.port))
             if verdict.fatal:
                 raise ServerFailed(
                     f"server {spec.index} on port {spec.port}: fatal log line after "

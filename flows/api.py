@@ -9,9 +9,10 @@ fleet uses its own local server instead (flows/localserver.py), for reasons seen
   still running, then spent minutes failing to talk to it (tracebacks, a lock never released).
   Ours runs in its own session: Ctrl-C reaches only the command, whose cleanups (release the
   node lock, mark the run Crashed) talk to a server that is still there (fleet/interrupt.py);
-- Prefect gives it 20 s to answer; a loaded 2-core machine needs more. Ours gets
-  `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS` (default 90 s here), is watched while it
-  starts (a server that exits is reported at once with its log), and is tried twice;
+- Prefect gives it 20 s to answer; a loaded 2-core machine needs more. Ours is waited for as
+  long as it progresses (CPU time or log moving), saying so on stderr; a server that exits is
+  reported at once with its log, one that stands still for
+  `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS` (default 90 s here) is given up; tried twice;
 - a failure is one line with the remedy, not a RuntimeError with the server's stdout.
 """
 
@@ -87,8 +88,11 @@ def _mark_crashed(run_ids: list[Any]) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
+    from fleet.interrupt import stopped_by
+
     if not run_ids:
         return
+    how = stopped_by() or "interrupted"  # "interrupted" (Ctrl-C), "stopped (SIGTERM)", "stopped (SIGHUP)"
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(run_ids[-1], Crashed(message="interrupted (Ctrl-C or SIGTERM); detached "
-                                                               "servers and runners keep running"), force=True)
+        client.set_flow_run_state(run_ids[-1], Crashed(message=f"{how} (the command; detached servers and "
+                                                               "runners keep running)"), force=True)

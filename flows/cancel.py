@@ -33,7 +33,7 @@ import threading
 from typing import Any
 
 CANCELLED_MESSAGE = ("Flow run was cancelled: its own process stopped its waits and gave back any node lock it held; "
-                     "servers and a generation runner it started keep running (README: Ctrl-C and SIGTERM)")
+                     "servers and a generation runner it started keep running (README: Ctrl-C, SIGTERM and SIGHUP)")
 JOIN_S = 20.0  # the task threads' end, bounded well inside Prefect's 30 s kill grace
 
 

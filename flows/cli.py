@@ -76,15 +76,35 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy
 
     res = deploy(cfg, source=str(Path(args.config).resolve()), pool=args.pool,
-                 revalidate_every_s=args.revalidate_every or None)
+                 revalidate_every_s=args.revalidate_every or None, revalidate_now=args.revalidate_now)
     print(f"fleet {cfg.name}: config saved as block {res.block}"
           + (f"; work pool {res.pool} created" if res.pool_created else ""))
     for name in res.deployments:
         print(f"  {name}")
+    print(revalidation_line(res, cfg.name))
     print(f"each run: {res.checkout}/flows/fleet.py, in that directory (the checkout fleet is installed from)\n"
           f"start a worker: prefect worker start --pool {res.pool}   (in this venv, from any directory)\n"
           f"bring it up:    prefect deployment run fleet/bringup-{cfg.name} --watch")
     return 0
+
+
+def revalidation_line(res: Any, name: str) -> str:
+    """What `fleet deploy` set up for revalidation: the schedule, when its first run is, a run started now."""
+    from datetime import datetime
+
+    dep = f"fleet/revalidate-{name}"
+    if not res.revalidate_every_s:
+        sched = f"revalidation: no schedule ({dep} runs when started: prefect deployment run {dep})"
+    elif res.first_scheduled is None:
+        sched = f"revalidation: {dep} every {res.revalidate_every_s:g} s"
+    else:
+        first = res.first_scheduled
+        mins = (first - datetime.now(first.tzinfo)).total_seconds() / 60
+        sched = (f"revalidation: {dep} every {res.revalidate_every_s:g} s; the schedule's first run at "
+                 f"{first.strftime('%Y-%m-%d %H:%M:%S %Z')} (in {max(0.0, mins):.0f} min)")
+    if res.revalidate_run:
+        return sched + f"; and one now: flow run {res.revalidate_run}, for a worker on {res.pool}"
+    return sched + "; --revalidate-now starts one at once"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -134,12 +154,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return rc
 
 
-def run_demo(engine: str = "transformers", keep: bool = False, servers: int | None = None) -> int:
+def run_demo(engine: str = "transformers", keep: bool = False, servers: int | None = None,
+             keep_ramdisk: bool = False) -> int:
     from fleet.config import load_config
-    from fleet.demo import demo_config, demo_dir, to_toml
+    from fleet.demo import demo_config, demo_dir, left_behind, to_toml
     from fleet.node import LocalNode
     from fleet.servers import stop_servers
     from fleet.stages import TeardownRow
+    from fleet.staging import free_ramdisk
 
     state = demo_dir()
     state.mkdir(parents=True, exist_ok=True)
@@ -147,13 +169,18 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
     cfg_path.write_text(to_toml(demo_config(engine, servers, state)))
     cfg: FleetConfig = load_config(cfg_path)
     print(f"fleet demo: {cfg.servers.count} {engine} server(s) on this machine; config: {cfg_path}\n", flush=True)
+    freed: dict[str, Any] | None = None
     try:
         ok, rows, message = run_bringup(cfg)
     finally:
         if not keep:
-            stopped = [TeardownRow.of_server(r) for r in stop_servers(LocalNode(), cfg, cfg.nodes[0])]
+            node, node_cfg = LocalNode(), cfg.nodes[0]
+            stopped = [TeardownRow.of_server(r) for r in stop_servers(node, cfg, node_cfg)]
             print(f"\nfleet demo: stopped {sum(1 for r in stopped if r.action != 'none')} server(s) "
                   "(--keep leaves them running)")
+            if not keep_ramdisk:  # the copies are the demo's alone, and RAM: nobody else frees them
+                freed = free_ramdisk(node, source=cfg.model.source, stage=cfg.model.stage,
+                                     ramdisk=node_cfg.ramdisk, fleet=cfg.name)
     print(f"\nfleet demo: {'OK' if ok else 'FAILED'}: {message}")
     print("See what the run recorded (summary table, per-stage results, log excerpts):\n"
           f"  .venv/bin/fleet report -c {cfg_path} [--full | KEY]\n"
@@ -161,11 +188,12 @@ def run_demo(engine: str = "transformers", keep: bool = False, servers: int | No
           "or the UI: .venv/bin/prefect server start, then open http://127.0.0.1:4200/runs")
     if keep:
         print(f"Servers left running: .venv/bin/fleet status -c {cfg_path}; stop: .venv/bin/fleet down -c {cfg_path}")
+    print(left_behind(cfg, cfg_path, freed, keep=keep))
     return 0 if ok else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers)
+    return run_demo(engine=args.engine, keep=args.keep, servers=args.servers, keep_ramdisk=args.keep_ramdisk)
 
 
 COMMANDS: dict[str, cli.Command] = {"demo": cmd_demo, "up": cmd_up, "deploy": cmd_deploy,

@@ -12,6 +12,10 @@
 
 Re-running it after editing the TOML updates the block and the deployments (idempotent).
 
+It says when the schedule's first revalidation is (Prefect's interval schedules start one interval
+after the deploy: a person who was told nothing waited 30 minutes for the first); with
+`--revalidate-now` that first revalidation is a run created at once, for the pool's worker.
+
 Where the flow's code is: a process worker runs each flow run in a fresh temporary
 directory, so a deployment with Prefect's default `path: '.'` and no pull step crashes
 there (FileNotFoundError flows/fleet.py), and an entrypoint taken relative to the directory
@@ -27,6 +31,7 @@ fleet-pool`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,9 @@ class Deployed:
     pool: str = "fleet-pool"
     pool_created: bool = False
     checkout: str = str(CHECKOUT)     # the directory each run's working directory is set to
+    revalidate_every_s: float | None = None   # the revalidate schedule's interval; None: no schedule
+    first_scheduled: datetime | None = None   # when the schedule's first revalidation runs
+    revalidate_run: str | None = None         # the run created at once (--revalidate-now)
 
 
 def block_ref(cfg: FleetConfig) -> str:
@@ -99,11 +107,43 @@ def build(cfg: FleetConfig, *, pool: str | None, revalidate_every_s: float | Non
 
 
 def deploy(cfg: FleetConfig, *, source: str | None = None, pool: str = "fleet-pool",
-           revalidate_every_s: float | None = 1800) -> Deployed:
-    """Save the config block, make sure the pool exists, register the four deployments."""
-    out = Deployed(cfg.name, save_config_block(cfg, source), pool=pool)
+           revalidate_every_s: float | None = 1800, revalidate_now: bool = False) -> Deployed:
+    """Save the config block, make sure the pool exists, register the four deployments; with
+    `revalidate_now`, start a revalidation at once (the schedule's first comes an interval later)."""
+    out = Deployed(cfg.name, save_config_block(cfg, source), pool=pool, revalidate_every_s=revalidate_every_s or None)
     out.pool_created = ensure_pool(pool)
     for d in build(cfg, pool=pool, revalidate_every_s=revalidate_every_s):
-        d.apply()
+        dep_id = d.apply()
         out.deployments.append(f"fleet/{d.name}")
+        if d.name.startswith("revalidate-") and out.revalidate_every_s:
+            out.first_scheduled = _first_scheduled(dep_id)
+    if revalidate_now:
+        from prefect.deployments import run_deployment
+
+        fr = run_deployment(f"fleet/revalidate-{cfg.name}", timeout=0)  # created, not waited for
+        out.revalidate_run = fr.name
     return out
+
+
+def _first_scheduled(deployment_id: Any) -> datetime | None:
+    """When the revalidate deployment's interval schedule first fires, as the API now holds it."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment(deployment_id)
+    for sched in dep.schedules or []:
+        interval = getattr(sched.schedule, "interval", None)
+        anchor = getattr(sched.schedule, "anchor_date", None)
+        if sched.active and isinstance(interval, timedelta) and isinstance(anchor, datetime):
+            plain = datetime.fromtimestamp(anchor.timestamp(), tz=timezone.utc)  # not pendulum's subclass
+            return first_after(plain, timedelta(seconds=interval.total_seconds()), datetime.now(timezone.utc))
+    return None
+
+
+def first_after(anchor: datetime, interval: timedelta, now: datetime) -> datetime:
+    """The first time anchor + k × interval (k ≥ 1) after `now`: an interval schedule's next run
+    (Prefect's scheduler never creates the run at the anchor itself, the moment of the deploy)."""
+    if interval <= timedelta(0):
+        raise ValueError("interval must be positive")
+    k = max(1, int((now - anchor).total_seconds() // interval.total_seconds()) + 1)
+    return anchor + k * interval

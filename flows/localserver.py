@@ -22,12 +22,23 @@ The promises, and what keeps each:
 - **Outlives Ctrl-C and the command.** Its own session (Ctrl-C in the terminal reaches only
   the command, whose cleanups talk to it), no tie to the command's life. A long job
   (`fleet generate` attached for days) holds `clients.lock` all along, so it is never idle.
-- **Bounded start.** A command waits up to `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`
-  (default 90 s here) for `/api/health`, watching the process: one that exits is reported at
-  once with the reason from its log. Two attempts, then one line with the remedy.
+- **Slow is not failed.** A first start on a busy machine took over 90 s (load 22–24: two tries
+  of 90 s, then exit 2, and nothing printed for three minutes), and the same command again
+  worked. So a command says within a moment what it is doing ("starting the local Prefect
+  server…", then the seconds it has waited, on stderr) and waits as long as the server
+  process is alive and progressing — its CPU time moves or its log grows. It gives up on a
+  server that exited (at once, with the reason from its log), one that made no progress for
+  `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS` (default 90 s here: stopped, or stuck on a
+  lock or a disk), or, as a last bound, one that never answered in 15 minutes (or ten times that). Two
+  attempts, then one line with the remedy and the log's tail.
+- **A log that says something.** The server's output went to `server.log` through Python's
+  block buffering, so a server killed for not answering left it empty; it now runs unbuffered
+  at uvicorn's info level (no access log): its start steps are there, and each line is progress.
 
 It serves the API only (Prefect's ephemeral mode: no UI, only the services an ephemeral server
-runs), on a free port on 127.0.0.1, with the database Prefect would use for this PREFECT_HOME.
+runs), on 127.0.0.1, with the database Prefect would use for this PREFECT_HOME; on a free port
+the kernel picks, or the first free one of `FLEET_PREFECT_PORT` / `FLEET_PREFECT_PORTS=lo-hi`
+(a shared machine's users are each given a range).
 
 **No client back-off for a busy database.** Prefect's SQLite database refuses a write at once
 ("database is locked", HTTP 503) when the request's transaction read first and another writer
@@ -60,7 +71,10 @@ from typing import Any
 from fleet.errors import FleetError
 from fleet.net import tls_context
 
-DEFAULT_STARTUP_TIMEOUT_S = 90.0
+DEFAULT_STARTUP_TIMEOUT_S = 90.0  # no progress for this long: stuck (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)
+LAST_BOUND_S = 900.0  # a server that progresses but never answers: given up after this long (or 10 × the above)
+SAY_EVERY_S = 10.0   # how often a command waiting for the server says it still waits
+SAYING = "fleet: starting the local Prefect server"  # every line a command prints about it begins so
 DEFAULT_IDLE_S = 600.0
 ATTEMPTS = 2
 WATCH_EVERY_S = 1.0
@@ -69,6 +83,7 @@ REPLAY_S = 10.0      # how long the server runs a request refused with 503 again
 REPLAY_PAUSE_S = (0.005, 0.2)  # the first pause between two runs of it, and the longest (doubling)
 REMEDY = ("set PREFECT_API_URL to a running server (`prefect server start`, then "
           "PREFECT_API_URL=http://127.0.0.1:4200/api), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+PORT_ENVS = ("FLEET_PREFECT_PORT", "FLEET_PREFECT_PORTS")
 
 
 class PrefectApiUnavailable(FleetError):
@@ -159,12 +174,22 @@ def _flock(path: Path, how: int) -> Iterator[int]:
 _client_fds: dict[Path, int] = {}  # this process's shared lock on clients.lock per state dir, held until it exits
 
 
-def attach(timeout: float | None = None) -> str:
+def _say(text: str) -> None:
+    """A line about the wait, on stderr (stdout is the command's result)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # a closed stderr does not stop the start
+
+
+def attach(timeout: float | None = None, say: Callable[[str], None] = _say) -> str:
     """The URL of this PREFECT_HOME's local server: the running one, or one started now.
+    `timeout`: how long the server may go without progress. `say`: where the lines about a wait go.
 
     Marks this process as a client for its whole life (the server is not idle while it runs)."""
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
+    ports = port_range(os.environ)  # a bad setting is an error before anything waits or starts
     if d not in _client_fds:
         fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a server is stopping (it holds LOCK_EX)
@@ -172,47 +197,97 @@ def attach(timeout: float | None = None) -> str:
     (d / "used").touch()
     if timeout is None:
         timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or DEFAULT_STARTUP_TIMEOUT_S)
-    with _flock(d / "start.lock", fcntl.LOCK_EX):
+    with _flock_saying(d / "start.lock", say):
         rec = read_record(d)
         if rec is not None and is_live(rec):
-            _wait_healthy(rec, timeout, log=d / "server.log")
+            if not _healthy_now(rec):  # another command started it a moment ago, or it is busy
+                say(f"{SAYING} (pid {rec.pid}, started by another command) …")
+                _wait_healthy(rec, timeout, log=d / "server.log", say=say)
             return rec.url
         # A stale record goes first: a starting server that read it would take it for a successor and stop.
         (d / "server.json").unlink(missing_ok=True)
+        say(f"{SAYING} (first start on this machine takes about a minute) …")
         last: PrefectApiUnavailable | None = None
         for _ in range(ATTEMPTS):
             try:
-                return _start(d, timeout).url
+                return _start(d, timeout, ports, say).url
             except PrefectApiUnavailable as exc:
+                if exc.remedy:  # not the server's fault (no free port in the range): trying again changes nothing
+                    raise
                 last = exc
         assert last is not None
         raise PrefectApiUnavailable(f"{last.reason} (tried {ATTEMPTS} times)", remedy=REMEDY)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+@contextmanager
+def _flock_saying(path: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """start.lock, saying so when another command holds it (it is starting the server)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"{SAYING}: another fleet command is starting it …")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
-def _start(d: Path, timeout: float) -> Record:
+def port_range(environ: Mapping[str, str]) -> range | None:
+    """The ports the server may use: `FLEET_PREFECT_PORT=N` or `FLEET_PREFECT_PORTS=lo-hi` (both
+    ends included); None: any free port the kernel picks."""
+    one, many = (environ.get(k, "").strip() for k in PORT_ENVS)
+    if one and many:
+        raise PrefectApiUnavailable("both FLEET_PREFECT_PORT and FLEET_PREFECT_PORTS are set",
+                                    remedy="set one of them: a port (FLEET_PREFECT_PORT=4300) or a range "
+                                           "(FLEET_PREFECT_PORTS=4300-4309)")
+    text, name = (one, "FLEET_PREFECT_PORT") if one else (many, "FLEET_PREFECT_PORTS")
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)" if one else r"(\d+)\s*-\s*(\d+)", text)
+    lo, hi = (int(m.group(1)), int(m.group(m.lastindex or 1))) if m else (0, -1)
+    if not m or not 1024 <= lo <= hi <= 65535:
+        raise PrefectApiUnavailable(f"{name}={text!r} is not a port" + ("" if one else " range") + " in 1024-65535",
+                                    remedy=f"set {name}=" + ("4300" if one else "4300-4309 (both ends included)"))
+    return range(lo, hi + 1)
+
+
+def _free_port(ports: range | None = None) -> int:
+    """A port free on 127.0.0.1 now: the kernel's pick, or the first free one of `ports`."""
+    for port in ports if ports is not None else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            got: int = s.getsockname()[1]
+            return got
+    assert ports is not None
+    name = "FLEET_PREFECT_PORT" if len(ports) == 1 else "FLEET_PREFECT_PORTS"
+    raise PrefectApiUnavailable(f"no free port for the local Prefect server in {name} "
+                                f"({ports.start}-{ports.stop - 1}: all taken on 127.0.0.1)",
+                                remedy=f"free one, or set {name} to ports of yours that are free")
+
+
+def _start(d: Path, timeout: float, ports: range | None = None, say: Callable[[str], None] = _say) -> Record:
     """Start the server detached, record it, and wait for it to answer (called under start.lock)."""
-    port = _free_port()
+    port = _free_port(ports)
     env = server_env(os.environ)
     env.update(PREFECT_UI_ENABLED="0", PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1",
                PREFECT_SERVER_ANALYTICS_ENABLED=env.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-               FLEET_PREFECT_SERVER_DIR=str(d), FLEET_PREFECT_SERVER_IDLE_S=f"{idle_s():g}")
+               FLEET_PREFECT_SERVER_DIR=str(d), FLEET_PREFECT_SERVER_IDLE_S=f"{idle_s():g}",
+               PYTHONUNBUFFERED="1")  # its log as it happens: a server killed for not answering left it empty
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(__file__).resolve().parents[1]), "--factory",
             "flows.localserver:create_app", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "error", "--lifespan", "on"]
+            "--log-level", "info", "--no-access-log", "--lifespan", "on"]
     with (d / "server.log").open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     rec = Record(proc.pid, port, time.time(), proc_start(proc.pid) or "")
     _write_record(d, rec)
     try:
-        _wait_healthy(rec, timeout, log=d / "server.log")
+        _wait_healthy(rec, timeout, log=d / "server.log", say=say)
     except PrefectApiUnavailable:
         _remove_record_if(d, proc.pid)
         if proc.poll() is None:
@@ -239,10 +314,40 @@ def server_env(environ: Mapping[str, str]) -> dict[str, str]:
             if (k in _KEEP or k.startswith(_KEEP_PREFIX)) and k not in _DROP}
 
 
-def _wait_healthy(rec: Record, timeout: float, log: Path) -> None:
+def _healthy_now(rec: Record) -> bool:
     import httpx
 
-    deadline = time.monotonic() + timeout
+    try:
+        with httpx.Client(timeout=5, verify=tls_context()) as client:
+            return _listening(rec.port) and client.get(f"{rec.url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def progress_mark(pid: int, log: Path) -> tuple[int, int]:
+    """What moves while a server starts: its CPU ticks (utime + stime; -1 where /proc cannot say)
+    and its log's size."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": utime is field 14, stime 15
+        ticks = int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        ticks = -1
+    try:
+        size = log.stat().st_size
+    except OSError:
+        size = -1
+    return ticks, size
+
+
+def _wait_healthy(rec: Record, timeout: float, log: Path, say: Callable[[str], None] = _say) -> None:
+    """Until the server answers /api/health; PrefectApiUnavailable once it exited, made no progress
+    for `timeout` s (`progress_mark`), or did not answer within `LAST_BOUND_S` (or 10 × `timeout`)."""
+    import httpx
+
+    t0 = time.monotonic()
+    bound = max(LAST_BOUND_S, 10 * timeout)
+    mark, moved, said = progress_mark(rec.pid, log), t0, t0
     with httpx.Client(timeout=5, verify=tls_context()) as client:
         while True:
             if not is_live(rec):
@@ -253,11 +358,23 @@ def _wait_healthy(rec: Record, timeout: float, log: Path) -> None:
                     return
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                tail = log_tail(log)
+            now = time.monotonic()
+            if (seen := progress_mark(rec.pid, log)) != mark:
+                mark, moved = seen, now
+            tail = log_tail(log) if now - moved > timeout or now - t0 > bound \
+                or now - said >= SAY_EVERY_S else ""
+            if now - moved > timeout:
                 raise PrefectApiUnavailable(
-                    f"the local Prefect server (pid {rec.pid}, {rec.url}) did not answer within {timeout:g} s "
-                    f"(machine busy?){': ' + tail if tail else ''}")
+                    f"the local Prefect server (pid {rec.pid}, {rec.url}) made no progress for {timeout:g} s "
+                    f"(its CPU time and its log stood still: stopped, or stuck on a lock or a disk?)"
+                    f"{'; its log: ' + tail if tail else '; its log is empty'}")
+            if now - t0 > bound:
+                raise PrefectApiUnavailable(
+                    f"the local Prefect server (pid {rec.pid}, {rec.url}) ran {now - t0:.0f} s without answering"
+                    f"{'; its log: ' + tail if tail else '; its log is empty'}")
+            if now - said >= SAY_EVERY_S:
+                said = now
+                say(f"{SAYING}: {now - t0:.0f} s (pid {rec.pid}, working" + (f"; {tail[:120]}" if tail else "") + ")")
             time.sleep(0.1)
 
 
@@ -310,9 +427,14 @@ def stop(d: Path | None = None, wait_s: float = 30.0) -> int | None:
 def create_app() -> Any:
     """uvicorn's factory: Prefect's server app (busy-database refusals run again, `ReplayBusy`), plus the
     watcher that stops it when unused."""
+    # its log's first lines (a start's progress for the command waiting, its steps for a person)
+    t0 = time.monotonic()
+    print(f"fleet: local Prefect server pid {os.getpid()}: importing Prefect's server", flush=True)
     from prefect.server.api.server import create_app as prefect_app
 
+    print(f"fleet: imported in {time.monotonic() - t0:.1f} s; building its app", flush=True)
     app = ReplayBusy(prefect_app())
+    print(f"fleet: app built {time.monotonic() - t0:.1f} s after the start; uvicorn starts it", flush=True)
     d = Path(os.environ["FLEET_PREFECT_SERVER_DIR"])
     threading.Thread(target=watch, args=(d, idle_s()), name="fleet-idle-watch", daemon=True).start()
     return app

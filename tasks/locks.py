@@ -328,14 +328,14 @@ class _Taking:
 
 @contextmanager
 def _signals_noted(noted: list[int]) -> Iterator[dict[int, Any]]:
-    """SIGINT and SIGTERM only noted (appended to `noted`) for the body, in the main thread, where
+    """SIGINT, SIGTERM and SIGHUP only noted (appended to `noted`) for the body, in the main thread, where
     Python runs their handlers; elsewhere nothing changes (no handler runs there). Yields the
     handlers it put aside (what `_deliver` calls)."""
     if threading.current_thread() is not threading.main_thread():
         yield {}
         return
     before: dict[int, Any] = {s: signal.signal(s, lambda signum, frame: noted.append(signum))
-                              for s in (signal.SIGINT, signal.SIGTERM)}
+                              for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield before
     finally:

@@ -324,6 +324,31 @@ def test_port_already_in_use(tmp_path: Path, teardown_after) -> None:
     assert m and len({m[1], m[3], m[4]}) == 1 and int(m[2]) == int(m[1]) + 1 and int(m[1]) > base + 1, r[1]["error"]
 
 
+def test_port_taken_between_the_check_and_the_launch_is_said_once_with_free_ports(tmp_path: Path,
+                                                                                   teardown_after) -> None:
+    """Fault (issue 37): a server that failed at once because its port was taken after the port
+    check (another process bound it in between) repeated the bind error four times and gave the
+    generic remedy "(memory fraction, port, GPU)". The port here is bound but not listening, so the
+    check (LISTEN sockets) sees it free and the server's bind fails, as in that race. The failure
+    says once what happened and names the free ports, as the port check does."""
+    base = port_block(2)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", base + 1))   # no listen(): invisible to the check, a bind refuses it
+    try:
+        cfg = sim_config(tmp_path, base, n=2)
+        teardown_after(cfg)
+        ok, rows, _ = run(cfg)
+    finally:
+        squatter.close()
+    r = by_server(rows)
+    assert not ok and r[0]["state"] == "up"
+    err = r[1]["error"]
+    assert r[1]["state"] == "launch failed" and f"port {base + 1}: the port was taken after fleet's check" in err, err
+    assert err.lower().count("already in use") == 1 and "memory fraction" not in err, err
+    m = re.search(r"change servers\.base_port \(ports (\d+)-(\d+) are free now: base_port = (\d+)", err)
+    assert m and int(m[2]) == int(m[1]) + 1 and int(m[1]) > base + 1, err
+
+
 def test_ramdisk_too_small_refused_before_copying(tmp_path: Path, teardown_after) -> None:
     ram = tmp_path / "ram"
     ram.mkdir()
@@ -431,6 +456,13 @@ def test_demo_command_from_readme(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fleet demo: OK: 2 server(s) up" in r.stdout
     assert "stopped 2 server(s)" in r.stdout
+    # Fault (issue 37): the demo left its RAM-disk copy and its local Prefect server without a word,
+    # and named the report commands but not the servers' logs. It frees the copy by default now.
+    logs = r.stdout.split("The servers' log files: ", 1)[1].splitlines()[0].split()
+    assert len(logs) == 2 and all(Path(p).is_file() and Path(p).stat().st_size for p in logs), r.stdout[-2000:]
+    m = re.search(r"RAM disk: the model's copy in (\S+) freed", r.stdout)
+    assert m and not Path(m[1]).exists(), r.stdout[-2000:]
+    assert "python -m flows.localserver stop" in r.stdout
 
 
 def test_cli_up_status_down(tmp_path: Path) -> None:
@@ -558,3 +590,19 @@ def test_a_changed_port_replaces_the_running_servers_and_down_stops_what_was_rec
         down = fleet_cli("down", port=base)   # the config names other ports than the servers': all the same
     assert down.returncode == 0 and "stopped" in down.stdout, down.stdout
     assert not [pid for pid in started if pid and alive(pid)], "a server fleet started outlived `fleet down`"
+
+
+def test_demo_says_what_it_leaves_and_where_the_logs_are(tmp_path: Path) -> None:
+    """The demo's closing words (fleet/demo.py `left_behind`): the servers' log files, the RAM-disk
+    copy freed (or kept, and how to free it), and the local Prefect server that stays."""
+    from fleet.demo import left_behind
+
+    cfg = sim_config(tmp_path, 31000, n=2)
+    work = cfg.nodes[0].workdir
+    freed = left_behind(cfg, tmp_path / "c.toml", {"path": "/dev/shm/fleet-0/t", "action": "freed", "bytes": 2e6},
+                        keep=False)
+    assert f"The servers' log files: {work}/servers/t-0.log {work}/servers/t-1.log" in freed
+    assert "the model's copy in /dev/shm/fleet-0/t freed, 2.0 MB" in freed
+    assert "python -m flows.localserver stop" in freed
+    kept = left_behind(cfg, tmp_path / "c.toml", None, keep=True)
+    assert f"fleet down -c {tmp_path / 'c.toml'} --free-ramdisk" in kept

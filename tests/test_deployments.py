@@ -451,6 +451,38 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
         raise
 
 
+def test_fleet_deploy_says_when_the_first_revalidation_runs_and_can_start_one_now(
+        prefect_server: PrefectServer, tmp_path: Path) -> None:
+    """Fault (issue 37): `fleet deploy` created the revalidation schedule without saying so, and its
+    first run came 30 minutes later. It now prints the schedule and when its first run is, and
+    `--revalidate-now` creates a revalidation run at once (on a pool with no worker here: the run
+    waits, Scheduled, due now)."""
+    from datetime import datetime, timezone
+
+    s = prefect_server
+    cfg_path, data = sim_toml(tmp_path, n=1)
+    data["name"] = "dep-now"
+    from fleet.demo import to_toml
+    cfg_path.write_text(to_toml(data))
+    t0 = datetime.now(timezone.utc)
+    res = subprocess.run([PY, "-m", "flows.cli", "deploy", "-c", str(cfg_path), "--pool", "fleet-idle-pool",
+                          "--revalidate-every", "1800", "--revalidate-now"],
+                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = re.search(r"revalidation: fleet/revalidate-dep-now every 1800 s; the schedule's first run at "
+                  r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC \(in (\d+) min\); and one now: flow run (\S+), "
+                  r"for a worker on fleet-idle-pool", res.stdout)
+    assert m, res.stdout
+    first = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    assert 1790 <= (first - t0).total_seconds() <= 1800 + 180 and m[2] in ("29", "30"), res.stdout
+    (dep,) = [d for d in s.post("/deployments/filter", {}) if d["name"] == "revalidate-dep-now"]
+    runs = s.post("/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [dep["id"]]}}})
+    now_run = [r for r in runs if r["name"] == m[3]]
+    assert now_run and now_run[0]["state"]["type"] in ("SCHEDULED", "PENDING"), runs
+    due = datetime.fromisoformat(now_run[0]["expected_start_time"].replace("Z", "+00:00"))
+    assert (due - t0).total_seconds() < 120   # due now, not in 30 minutes
+
+
 def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServer, hook: Hook,
                                                            tmp_path: Path) -> None:
     """Fault: runs that a schedule creates right after a deploy (or a new schedule) have no
@@ -690,3 +722,14 @@ def test_prefect_cancel_of_a_scheduled_bringup_ends_cancelled_at_once_without_a_
     history = sorted(s.get(f"/flow_run_states/?flow_run_id={fr['id']}"), key=lambda st: st["timestamp"])
     assert [st["type"] for st in history] == ["SCHEDULED", "CANCELLED"], history   # never Pending nor Running
     assert fr["infrastructure_pid"] is None, fr
+
+
+def test_first_after_is_the_next_interval_after_now_never_the_anchor() -> None:
+    from flows.deploy import first_after
+
+    a = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    iv = timedelta(minutes=30)
+    assert first_after(a, iv, a) == a + iv                      # just deployed: 30 minutes from now
+    assert first_after(a, iv, a + timedelta(minutes=29)) == a + iv
+    assert first_after(a, iv, a + iv) == a + 2 * iv
+    assert first_after(a, iv, a + timedelta(hours=5, minutes=1)) == a + 11 * iv

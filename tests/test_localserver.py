@@ -43,8 +43,8 @@ if len(sys.argv) > 1:
 
 def env_for(home: Path, **extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "FLEET_PREFECT_"))}
-    e.update(PREFECT_HOME=str(seed_prefect_home(home)), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-             PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="240", **extra)
+    e.update({"PREFECT_HOME": str(seed_prefect_home(home)), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+              "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240", **extra})
     return e
 
 
@@ -309,3 +309,116 @@ def test_a_record_delete_refused_by_a_locked_database_is_not_backed_off(home: Pa
         logging.getLogger("prefect.client").removeHandler(retries)
         logging.getLogger("prefect.client").setLevel(level)
         holder.release()
+
+
+def test_a_slow_first_start_is_waited_for_on_the_port_range_given(home: Path, tmp_path: Path) -> None:
+    """Fault (issue 37): on a busy machine the first flow command gave up on the local server after
+    a fixed 90 s, twice ("did not answer within 90 s (machine busy?) (tried 2 times)", exit 2 after
+    197 s, nothing printed meanwhile), and the server took any port, outside the range a user of a
+    shared machine was given. Here every start is "slow": the server may go only 3 s without
+    progress, and a real server's start takes longer than that to answer. `fleet up` in a new
+    PREFECT_HOME says at once that it starts the server, keeps waiting while the server works, and
+    completes; the server is on the first free port of FLEET_PREFECT_PORTS (the first one is taken)."""
+    import socket
+
+    from conftest import port_block
+    from test_interrupt import down, sim_cfg
+
+    lo = port_block(3)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", lo))
+    taken.listen()
+    cfg = sim_cfg(tmp_path, "sl", startup_s=0.3)
+    env = env_for(home, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="3", FLEET_PREFECT_PORTS=f"{lo}-{lo + 2}")
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "flows.cli", "up", "-c", str(cfg)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=900)
+        took = time.monotonic() - t0
+        print(f"\nfleet up in a new PREFECT_HOME took {took:.1f} s")
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        said = [ln for ln in r.stderr.splitlines() if ln.startswith("fleet: starting the local Prefect server")]
+        assert said and said[0].startswith("fleet: starting the local Prefect server (first start on this machine "
+                                           "takes about a minute)"), r.stderr[-3000:]
+        rec = read_record(home / "fleet-server")
+        assert rec is not None and rec.port == lo + 1 and is_live(rec)
+        assert "importing Prefect's server" in (home / "fleet-server" / "server.log").read_text()
+        assert took > 3  # the start did take longer than the 3 s the old wait allowed
+    finally:
+        taken.close()
+        down(env, cfg)
+
+
+def test_a_stopped_server_fails_on_no_progress_with_its_log(home: Path) -> None:
+    """The other side of "slow is not failed": a server that makes no progress (here SIGSTOPped as
+    soon as it has written its first log line; a real one stuck on a lock or a dead disk) is given
+    up after PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS without progress, each of the two
+    tries, with its log's last line in the message — the log was empty before (block-buffered
+    output of a server killed for not answering, at uvicorn's error level)."""
+    import signal
+
+    d = home / "fleet-server"
+    c = Client(env_for(home, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="3"))
+    stopped: list[int] = []
+    try:
+        for _ in range(2):
+            def started() -> int | None:
+                rec = read_record(d)
+                log = d / "server.log"
+                if c.proc.poll() is not None:
+                    pytest.fail(f"the command ended before its server was seen: {c.proc.communicate()}")
+                if rec and rec.pid not in stopped and log.exists() and log.stat().st_size:
+                    return rec.pid
+                return None
+            pid = wait_until(started, timeout=240, interval=0.05, what="a server that has written its log")
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        _out, err = c.proc.communicate(timeout=120)
+        assert c.proc.returncode != 0
+        assert "made no progress for 3 s" in err and "(tried 2 times)" in err, err[-3000:]
+        assert "its log: fleet: local Prefect server pid" in err, err[-3000:]
+        assert all(proc_start(p) is None for p in stopped)  # the command killed what it gave up on
+    finally:
+        for p in stopped:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        if c.proc.poll() is None:
+            c.proc.kill()
+
+
+@pytest.mark.parametrize("env,want", [
+    ({}, None),
+    ({"FLEET_PREFECT_PORT": "4300"}, range(4300, 4301)),
+    ({"FLEET_PREFECT_PORTS": "4300-4309"}, range(4300, 4310)),
+    ({"FLEET_PREFECT_PORTS": " 4300 - 4301 "}, range(4300, 4302)),
+    ({"FLEET_PREFECT_PORTS": "4309-4300"}, "FLEET_PREFECT_PORTS='4309-4300' is not a port range"),
+    ({"FLEET_PREFECT_PORTS": "4300"}, "is not a port range"),
+    ({"FLEET_PREFECT_PORT": "80"}, "FLEET_PREFECT_PORT='80' is not a port in 1024-65535"),
+    ({"FLEET_PREFECT_PORT": "4300", "FLEET_PREFECT_PORTS": "4300-4301"}, "both"),
+])
+def test_the_port_setting_is_read_or_refused_in_one_line(env: dict[str, str], want: Any) -> None:
+    from flows.localserver import PrefectApiUnavailable, port_range
+
+    if isinstance(want, str):
+        with pytest.raises(PrefectApiUnavailable) as err:
+            port_range(env)
+        assert want in err.value.one_line() and err.value.remedy and "\n" not in err.value.one_line()
+    else:
+        assert port_range(env) == want
+
+
+def test_no_free_port_in_the_range_is_one_line_naming_it() -> None:
+    import socket
+
+    from conftest import port_block
+    from flows.localserver import PrefectApiUnavailable, _free_port
+
+    lo = port_block(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", lo))
+        s.listen()
+        with pytest.raises(PrefectApiUnavailable, match=f"no free port .* in FLEET_PREFECT_PORT \\({lo}-{lo}"):
+            _free_port(range(lo, lo + 1))
