@@ -23,7 +23,8 @@ from prefect.cache_policies import NO_CACHE
 
 from fleet.config import FleetConfig
 from fleet.generation.job.progress import fmt_s
-from fleet.generation.multinode.controller import Controller, format_line
+from fleet.generation.multinode.controller import Controller
+from fleet.generation.multinode.progress import format_line
 from tasks.audit import artifact_key, write_table
 
 PROGRESS_EVERY_S = 5.0

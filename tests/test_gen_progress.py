@@ -189,3 +189,22 @@ def test_estimate_without_counters_is_age_times_the_row_rate_bounded_and_never_g
         assert b.gen_counted == 340.0 and tokens.count([b], hedge, now) == 340.0
 
     asyncio.run(run())
+
+
+def test_a_multinode_job_has_a_token_eta_before_its_first_row_ends() -> None:
+    """Fault: the multi-node line's ETA came from rows finished since the controller started: `ETA ?`
+    for as long as the first rows of minutes ran. Now it sums its running nodes' token rates and
+    their in-flight tokens, and says `ETA ≤` while no row has finished; no rate, no ETA."""
+    from fleet.generation.multinode.progress import format_line, job_eta
+
+    running = [{"this_run": {"completed": 0}, "completion_tokens": 0, "generated_tokens": 6_000},
+               {"this_run": {"completed": 0}, "completion_tokens": 0, "generated_tokens": 4_000}]
+    assert job_eta(100, running, tok_s=500.0, rows_per_s=0.0, max_tokens=1024) == \
+        ((100 * 1024 - 10_000) / 500.0, "max_tokens")
+    assert job_eta(100, running, tok_s=0.0, rows_per_s=0.0, max_tokens=1024) == (None, None)
+    p = {"rows_done": 0, "rows_total": 100, "percent": 0.0, "chunks": {"running": 2}, "chunks_total": 4,
+         "nodes": [{"node": "a", "state": "running", "rows_done": 0, "share": 0.0, "rows_per_s": 0.0}],
+         "rows_per_s": 0.0, "tok_s": 500.0, "eta_s": 185, "eta_basis": "max_tokens", "rows_in_flight": 16,
+         "oldest_in_flight_s": 75.0}
+    assert format_line(p).endswith("| in flight 16, oldest 1m15s | 0.0 rows/s | 500 tok/s | ETA ≤3m05s"), format_line(p)
+    assert "ETA" not in format_line({**p, "eta_s": None, "tok_s": 0.0})
