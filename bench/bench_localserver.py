@@ -21,6 +21,10 @@ server's stop at the end.
 The idle device machine: bench/bench_localserver_device.sh (installs the carried wheels, then runs
 this with `--old-dir`, `--generate` and 6 reps; prints the tables below).
 
+Each rep also runs `fleet status` of the same fleet first (Prefect-free: the yardstick of "an
+adopt costs little more than what it does", issue 37), and the tables end with each command's CPU
+over it.
+
 `--generate` adds `fleet generate` re-attaching: a second sim fleet (one request at a time per
 server, long answers: the job outlasts the bench) gets a job started once by this tree; then each
 path runs the same `fleet generate` command, which re-attaches to that runner. Measured per
@@ -217,6 +221,19 @@ def up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
             "load": load}
 
 
+def status(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
+    """`fleet status` of the same fleet (Prefect-free): the yardstick of issue 37's "within 2.5x"."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "flows.cli", "status", "-c", str(cfg)], cwd=cwd, env=command_env(home),
+                       capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode != 0:
+        sys.exit(f"fleet status failed in {cwd}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return {"wall_s": wall, "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -242,6 +259,7 @@ def main() -> None:
                                                                                            "blocks")]], check=True)
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     gens: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    stats: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     gcfg, rows = gen_config(d, args.servers) if args.generate else (None, None)
     try:
         for name, (cwd, home) in paths.items():
@@ -252,6 +270,9 @@ def main() -> None:
                 print(f"warm-up generate {name}: {json.dumps(reattach(cwd, home, gcfg, rows, d / 'out'))}", flush=True)
         for i in range(args.reps):
             for name in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                res = status(*paths[name], cfg)
+                stats[name].append(res)
+                print(f"rep {i + 1} {name} status: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
                 res = up(*paths[name], cfg)
                 runs[name].append(res)
                 print(f"rep {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
@@ -311,8 +332,17 @@ def main() -> None:
                   f"| {', '.join(str(int(r.get('smokes_skipped', 0))) for r in rs)} |")
         g = {n: statistics.median(r["attached_s"] for r in rs) for n, rs in gens.items()}
         print(f"\nfleet generate re-attaching, old/new (medians): wall {g['old'] / g['new']:.2f}x")
+    print("\n`fleet status` of the same fleet, and each command's CPU over it (medians; user+sys)\n")
+    print("| path | status wall s | status CPU s | up CPU ÷ status CPU | generate re-attach CPU ÷ status CPU |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, rs in stats.items():
+        st = statistics.median(r["cpu_s"] for r in rs)
+        upc = statistics.median(r["cpu_s"] for r in runs[name])
+        gen = f"{statistics.median(r['cpu_s'] for r in gens[name]) / st:.2f}" if gens[name] else "-"
+        print(f"| {name} | {statistics.median(r['wall_s'] for r in rs):.2f} | {st:.2f} | {upc / st:.2f} | {gen} |")
     if args.out:
-        args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs, "generate": gens},
+        args.out.write_text(json.dumps({"old": rev, "cpus": os.cpu_count(), "runs": runs, "generate": gens,
+                                        "status": stats},
                                        indent=1))
 
 

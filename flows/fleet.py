@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.states import Completed
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -35,7 +35,7 @@ from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
 from flows.cancel import end_cancelled
 from flows.outcome import quiet_expected_failures
-from flows.params import for_deployment, resolve_config, run_name
+from flows.params import for_deployment, lazy_schema_flow, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
 from tasks.bringup import launch_server, provision, retire, smoke_server, stage, venv
 from tasks.locks import hold_nodes
@@ -343,8 +343,8 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
     return Completed(message=res.message(), data=res.as_dict())
 
 
-@flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
-      flow_run_name=run_name, on_failure=[announce_failure], on_completion=[clear_cause])
+@lazy_schema_flow(name="fleet", task_runner=ThreadPoolTaskRunner(max_workers=32), log_prints=True,
+                  flow_run_name=run_name, on_failure=[announce_failure], on_completion=[clear_cause])
 def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup", free_ramdisk: bool = False,
           node_wait_s: float = 3600.0, input: str | None = None, output: str | None = None,
           retry_errors: bool = False) -> Any:

@@ -20,6 +20,7 @@ from fleet.config import FleetConfig
 from fleet.engines import ServerSpec
 from fleet.errors import FatalError, InputChanged, JobConflict
 from fleet.generation.job.endpoints import endpoint_keys
+from fleet.generation.job.progress import Progress
 from fleet.jobs import job_dir
 from fleet.generation.job.remote import outcome, start_job, watch_job
 from fleet.node import LocalNode
@@ -64,20 +65,21 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
     series: list[dict[str, Any]] = []
     last_table = 0.0
     last_log = 0.0
+    had_eta = False
 
     def on_progress(p: dict[str, Any]) -> None:
-        nonlocal last_table, last_log
+        nonlocal last_table, last_log, had_eta
         update_progress_artifact(progress_id, float(p.get("percent") or 0.0))
         if p.get("tok_s") is not None:
             series.append({"t": p.get("elapsed_s", time.monotonic() - t0), "tok_s": p["tok_s"]})
         now = time.monotonic()
-        if now - last_log > 30:
+        # every 30 s, and at once when the rate first gives an ETA: a job of long rows says it is
+        # alive as soon as it can, not half a minute later
+        has_eta = p.get("eta_s") is not None
+        if now - last_log > 30 or (has_eta and not had_eta):
             last_log = now
-            # two rates, named as in the runner's log: the last minute's and the run's average
-            logger.info("%s: %s/%s rows (%.1f%%), %s tok/s now, avg %s, ETA %s s, servers up %s — %s",
-                        node_name, p.get("rows_done"), p.get("rows_total"), p.get("percent") or 0,
-                        p.get("tok_s"), p.get("tok_s_avg"), p.get("eta_s"), p.get("servers_up"),
-                        p.get("detail") or p.get("state"))
+            had_eta = has_eta
+            logger.info("%s", _line(node_name, p))
         if now - last_table > TABLE_EVERY_S and p.get("servers"):
             last_table = now
             write_table(cfg, (node_name, "generate-servers"), _server_rows(p), "per-server generation stats")
@@ -109,6 +111,15 @@ def generate(cfg: FleetConfig, node_name: str, specs: list[ServerSpec], facts: d
             InputChanged if failure.get("kind") == "input_changed" else FatalError
         raise err(f"generation on {node_name} failed: {cause}", host=node.host, remedy=remedy)
     return result
+
+
+def _line(node_name: str, p: dict[str, Any]) -> str:
+    """The runner's own progress line (one function builds it), named for the node; a progress
+    file that lacks a field (a runner of another version) gets a plain line."""
+    try:
+        return Progress.line(p, prefix=f"{node_name}:")
+    except (KeyError, TypeError, ValueError):
+        return f"{node_name}: {p.get('rows_done')}/{p.get('rows_total')} rows — {p.get('detail') or p.get('state')}"
 
 
 def _server_rows(p: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,7 +22,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from fleet.config import FleetConfig
-from fleet.generation.multinode.controller import Controller, format_line
+from fleet.generation.job.progress import fmt_s
+from fleet.generation.multinode.controller import Controller
+from fleet.generation.multinode.progress import format_line
 from tasks.audit import artifact_key, write_table
 
 PROGRESS_EVERY_S = 5.0
@@ -84,6 +86,6 @@ def watch_progress(cfg: FleetConfig, ctl: Controller, finished: Any) -> None:
             if now - last_table > TABLE_EVERY_S or end:
                 last_table = now
                 write_table(cfg, ("job", "nodes"), p["nodes"], f"{p['rows_done']:,}/{p['rows_total']:,} rows, "
-                                                               f"ETA {p.get('eta_s')} s")
+                                                               f"ETA {fmt_s(p.get('eta_s'))}")
         if end:
             return

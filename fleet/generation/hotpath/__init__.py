@@ -9,6 +9,7 @@
     serverstate.py  what is known of one server: endpoint, state, counters, row times, timeline
     probes.py       the HTTP checks health makes (/health, /v1/models, /health_generate, server info, metrics)
     promtext.py     the Prometheus text an engine's /metrics answers, read into token counters
+    tokens.py       tokens generated so far, rows in flight included: the rate and the ETA of any row length
 
 May import: the core and generation.data; nothing of job or multinode (tests/test_layers.py).
 """

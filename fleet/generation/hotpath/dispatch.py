@@ -67,6 +67,7 @@ from fleet.generation.hotpath.hedge import Backup, Flight, Hedge
 from fleet.generation.data.manifest import Summary
 from fleet.generation.hotpath.rowqueue import Job, Ledger, Store, WorkQueue
 from fleet.generation.hotpath.serverstate import Endpoint, Rate, ServerState
+from fleet.generation.hotpath import tokens as gen_tokens
 from fleet.generation.hotpath.work import RowPlan
 
 log = logging.getLogger("fleet.generation")
@@ -193,22 +194,30 @@ class Dispatcher:
     def snapshot(self) -> dict[str, Any]:
         """Counters for the progress file (cheap; call every few seconds)."""
         now = time.monotonic()
+        # generated: the rows in flight counted too (fleet.generation.hotpath.tokens), so that
+        # the rate and the ETA move while rows of minutes decode, not only when one ends
+        generated = gen_tokens.count(self.servers, self.hedge, now)
+        rows_in_flight, oldest = gen_tokens.in_flight(self.hedge, now)
         servers = [s.snapshot(now) for s in self.servers]
         tokens = sum(s.completion_tokens for s in self.servers)
         return {
             "state": self.state, "reason": self.reason,
             "fed": self.rows.fed, "completed": self.rows.completed, "errors": self.rows.errors, "rejects": self.rows.rejects,
-            "in_flight": self.in_flight, "queued": len(self.queue), "retries": self.rows.retries,
+            "in_flight": self.in_flight, "rows_in_flight": rows_in_flight,
+            "oldest_in_flight_s": round(oldest, 1) if oldest is not None else None,
+            "queued": len(self.queue), "retries": self.rows.retries,
             "requeues": self.rows.requeues, "outstanding": len(self.rows.inflight),
             "prompt_tokens": sum(s.prompt_tokens for s in self.servers), "completion_tokens": tokens,
-            "tok_s": round(self._rate.update(now, tokens), 1),
-            "tok_s_avg": round(tokens / (now - self._t0), 1) if now > self._t0 else 0.0,
+            "generated_tokens": round(generated),
+            "tok_s": round(self._rate.update(now, round(generated)), 1),
+            "tok_s_avg": round(generated / (now - self._t0), 1) if now > self._t0 else 0.0,
             "elapsed_s": round(now - self._t0, 1), "servers_up": sum(s.state == "up" for s in self.servers),
             "hedge": self.hedge.stats(), "servers": servers,
         }
 
     def summary(self) -> Summary:
         now = time.monotonic()
+        gen_tokens.count(self.servers, self.hedge, now)   # each server's tok_s, as in progress.json
         for s in self.servers:   # the last point: the timeline ends where the job did
             s.timeline.sample(now - self._t0, s.in_flight, s.requests, s.completion_tokens, force=True)
         complete = self.rows.feed_done and not self.rows.inflight
@@ -376,7 +385,7 @@ class Dispatcher:
             # ignore: the session is None only once the server is out (recover, shutdown), and
             # the worker checked alive_in just before
             return await chat(srv.session, srv.ep.url, srv.ep.model, f.job.req, None, timeout,  # type: ignore[arg-type]
-                              self.health.max_bytes, srv.chunk if watch else None)
+                              self.health.max_bytes, f.chunk if watch else None)
         except (RuntimeError, ValueError, aiohttp.ClientError) as exc:  # a session closed under us
             return Outcome("connection", error=f"{type(exc).__name__}: {exc}"[:500])
         except asyncio.CancelledError:

@@ -55,7 +55,7 @@ import aiohttp
 
 from fleet.backoff import backoff_delay
 from fleet.config import GenerationConfig
-from fleet.generation.hotpath import probes
+from fleet.generation.hotpath import probes, tokens
 from fleet.generation.hotpath.client import new_session
 from fleet.generation.hotpath.rowqueue import Ledger
 from fleet.generation.hotpath.serverstate import Endpoint, ServerState, median, quantile
@@ -162,6 +162,7 @@ class ServerHealth:
         # a relaunched engine starts its counters again, and may be another build: read afresh
         srv.progress = "stream" if srv.ep.stream else None
         srv.tokens, srv.read_at, srv.suspect_since = None, 0.0, None
+        srv.gen_read = None   # its generated-token counter: the next reading is a baseline
         srv.generated_at = 0.0   # what an earlier process on this port generated proves nothing of this one
         srv.workers = [asyncio.ensure_future(self.worker(srv, srv.epoch)) for _ in range(srv.concurrency)]
         log.info("server %s up at %s: %d workers", srv.name, srv.ep.url, srv.concurrency)
@@ -297,7 +298,10 @@ class ServerHealth:
         until it is admitted again; one that does not answer at all shows no progress."""
         now = time.monotonic()
         srv.read_at = now
-        kind, total = await probes.token_count(srv.ep, session, timeout=max(1.0, min(5.0, self.gen.stall_s / 2)))
+        kind, total, generated = await probes.token_count(srv.ep, session,
+                                                          timeout=max(1.0, min(5.0, self.gen.stall_s / 2)))
+        if kind != "failed":
+            tokens.note_reading(srv, generated)
         if kind == "none":
             if srv.progress != "rows":
                 log.info("server %s counts no tokens at /metrics: judged by finished rows", srv.name)

@@ -63,7 +63,7 @@ class Backup:
 class Flight:
     """One send of a row's current request, on one server."""
 
-    __slots__ = ("srv", "job", "task", "t0", "backup", "lost", "sent", "settled")
+    __slots__ = ("srv", "job", "task", "t0", "backup", "lost", "sent", "settled", "chunks")
 
     def __init__(self, srv: ServerState, job: Job, backup: bool) -> None:
         self.srv = srv
@@ -75,6 +75,12 @@ class Flight:
         self.lost = False    # the other flight answered first: this one is cancelled and drops out
         self.sent = False    # its request left (or may have left) for the server
         self.settled = False  # its answer was taken (kept, retried, or dropped for the other's)
+        self.chunks = 0      # events of its streamed answer so far (fleet.generation.hotpath.tokens)
+
+    def chunk(self) -> None:
+        """An event of its streamed answer arrived: the row's progress, and its server's."""
+        self.chunks += 1
+        self.srv.chunk()
 
     def forget(self) -> bool:
         """After a lost flight's send: take back the cancellation that ended it; False when

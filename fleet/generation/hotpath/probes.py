@@ -12,7 +12,7 @@ than `PROBE_MAX_BYTES` of an answer (a server must not fill the runner's memory 
 | `generation_probe` | /health_generate, else a one-token chat | the stall watchdog: does it still generate? |
 | `answer_probe` | a one-token chat, its answer judged like a row's | after an invalid answer: the row's fault or the server's? |
 | `accept_len` | speculative accept length (server info, else /metrics; a 404 is not asked again) | the progress file |
-| `token_count` | the engine's token counters in /metrics (`promtext.token_count`) | the stall watchdog: do its tokens advance? |
+| `token_count` | the engine's token counters in /metrics (`promtext.token_count`, `promtext.generated_tokens`) | the stall watchdog: do its tokens advance? The job's rate and ETA: how many did it generate? |
 """
 
 from __future__ import annotations
@@ -238,18 +238,22 @@ async def accept_len(ep: Endpoint, session: aiohttp.ClientSession, last: float |
 CountKind = Literal["ok", "none", "failed"]
 
 
-async def token_count(ep: Endpoint, session: aiohttp.ClientSession, timeout: float) -> tuple[CountKind, float]:
-    """The server's token-progress total from /metrics: ("ok", total); ("none", 0) when it has
-    no such counters (no /metrics: `transformers serve`, SGLang without --enable-metrics); ("failed",
-    0) when it did not answer in `timeout` s (a stopped server: no progress either)."""
+async def token_count(ep: Endpoint, session: aiohttp.ClientSession,
+                      timeout: float) -> tuple[CountKind, float, float | None]:
+    """The server's token-progress total from /metrics, and the tokens it generated so far where
+    its counters say (`promtext.generated_tokens`, else None): ("ok", total, generated); ("none",
+    0, None) when it has no such counters (no /metrics: `transformers serve`, SGLang without
+    --enable-metrics); ("failed", 0, None) when it did not answer in `timeout` s (a stopped
+    server: no progress either)."""
     headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
     try:
         async with session.get(ep.url + "/metrics", headers=headers,
                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             body = await read_capped(r, PROBE_MAX_BYTES)
             if r.status != 200:
-                return ("none", 0.0) if r.status in (404, 405) else ("failed", 0.0)
+                return ("none", 0.0, None) if r.status in (404, 405) else ("failed", 0.0, None)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):   # ValueError: TooLarge
-        return "failed", 0.0
-    total = promtext.token_count(body.decode("utf-8", "replace"))
-    return ("none", 0.0) if total is None else ("ok", total)
+        return "failed", 0.0, None
+    text = body.decode("utf-8", "replace")
+    total = promtext.token_count(text)
+    return ("none", 0.0, None) if total is None else ("ok", total, promtext.generated_tokens(text))

@@ -2,6 +2,7 @@
 
     samples = parse(text, names)      # [(name, labels, value)] of the named series only
     token_count(text)                 # the engine's token-progress total, or None
+    generated_tokens(text)            # tokens it has generated so far, as it decodes, or None
 
 An engine's `/metrics` body is large (every histogram bucket, once per tensor-parallel rank)
 and is read every few seconds per server, so `parse` keeps only the lines whose metric name
@@ -20,13 +21,20 @@ Which series say "the server generates" (`PROGRESS`):
 Newer SGLang builds spell the prefix `sglang_` (prometheus multiprocess mode); both count.
 The total is a sum of counters: it moves whenever any of them moves, and a server that
 restarted (counters back to zero) moves it too, which is right — it is not wedged.
+
+Which series count generated tokens *as they are generated* (`generated_tokens`: the job's rate
+and ETA, rows of minutes included): vLLM's `generation_tokens_total` (every step, summed over
+its data-parallel engines) and SGLang's `realtime_tokens_total{mode="decode"}` (every log
+interval). SGLang's `generation_tokens_total` is not one of them: it moves only when a request
+finishes, so with rows of minutes it says no more than the finished rows do (the job counts
+those itself, and estimates the rows in flight: `fleet.generation.hotpath.tokens`).
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["PROGRESS", "parse", "token_count"]
+__all__ = ["GENERATED", "PROGRESS", "generated_tokens", "parse", "token_count"]
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -37,6 +45,11 @@ PROGRESS: tuple[str, ...] = tuple(
     for name in ("realtime_tokens_total", "inter_token_latency_seconds_count", "generation_tokens_total",
                  "prompt_tokens_total")
 ) + ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+
+# The series that count generated tokens as they decode (see the module docstring).
+_VLLM_GENERATED = "vllm:generation_tokens_total"
+_SGLANG_REALTIME = ("sglang:realtime_tokens_total", "sglang_realtime_tokens_total")
+GENERATED: tuple[str, ...] = (_VLLM_GENERATED, *_SGLANG_REALTIME)
 
 
 def _labels(body: str) -> dict[str, str] | None:
@@ -109,4 +122,12 @@ def token_count(text: str) -> float | None:
     """The sum of the engine's token-progress counters (`PROGRESS`); None when it has none."""
     samples = parse(text, PROGRESS)
     values = [v for _, _, v in samples if math.isfinite(v)]
+    return sum(values) if values else None
+
+
+def generated_tokens(text: str) -> float | None:
+    """Tokens the engine has generated so far, counted as it decodes (`GENERATED`); None when it
+    has no such counter (an SGLang build that counts tokens only when a request finishes)."""
+    values = [v for name, labels, v in parse(text, GENERATED)
+              if math.isfinite(v) and (name == _VLLM_GENERATED or labels.get("mode") == "decode")]
     return sum(values) if values else None

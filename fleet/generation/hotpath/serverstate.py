@@ -149,6 +149,11 @@ class ServerState:
         self.tokens: float | None = None    # the engine's token total at the last reading
         self.tokens_at = 0.0             # monotonic: when that total last moved
         self.read_at = 0.0               # monotonic: last reading of it
+        # generated tokens (fleet.generation.hotpath.tokens): the engine's own counter, where it has one
+        self.gen_live = False            # its /metrics count generated tokens as it decodes
+        self.gen_read: float | None = None  # that counter at the last reading (None: a baseline is next)
+        self.gen_counted = 0.0           # what it rose by over this run's readings
+        self.generated = 0.0             # tokens it generated in this run, rows in flight included
         self.suspect_since: float | None = None  # monotonic: no progress for stall_s, until the probe decides
         self.sent = 0                    # requests sent (tests compare it with what reached the server)
         self.held_s = 0.0                # worker-seconds held back by the tail rule
@@ -195,13 +200,14 @@ class ServerState:
         return self.state == "up" and self.epoch == epoch
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        self.tok_s = self.rate.update(now, self.completion_tokens)
+        # generated, not only answered: a server decoding rows of minutes shows its rate at once
+        self.tok_s = self.rate.update(now, round(self.generated))
         return {
             "name": self.name, "url": self.ep.url, "state": self.state, "down_reason": self.down_reason,
             "concurrency": self.concurrency, "in_flight": self.in_flight, "requests": self.requests,
             "failures": self.failures, "errors": self.permanent, "invalid": self.invalid,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "tok_s": round(self.tok_s, 1),
+            "generated_tokens": round(self.generated), "tok_s": round(self.tok_s, 1),
             "avg_latency_s": round(self.latency_sum / self.requests, 3) if self.requests else None,
             "accept_len": self.accept_len, "downs": self.downs, "restarts": self.restarts,
             "readmissions": self.readmissions,

@@ -1,6 +1,13 @@
 """`<out>/progress.json` and the console line of a running job, rewritten every
 `progress_interval_s` from the dispatcher's counters and the store's, for whoever watches
-(the flow's task, `fleet status`, a human with `cat`)."""
+(the flow's task, `fleet status`, a human with `cat`).
+
+The rate and the ETA count generated tokens, the rows still in flight included
+(`fleet.generation.hotpath.tokens`), so rows of minutes show progress before the first one
+ends: ETA = (rows left × tokens per row − tokens already generated for the rows in flight) ÷
+the token rate, with tokens per row measured from this run's finished rows, or, before any
+has finished, every row taken to run to max_tokens (the line says `ETA ≤`). No rate, no ETA.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleet.generation.hotpath.dispatch import Dispatcher
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.job.jobspec import JobSpec
 
-__all__ = ["PROGRESS_FILE", "Progress", "fmt_s"]
+if TYPE_CHECKING:
+    from fleet.generation.hotpath.dispatch import Dispatcher
+
+__all__ = ["PROGRESS_FILE", "Progress", "eta", "fmt_s"]
+
+FINAL = ("done", "stopped", "failed")
 
 PROGRESS_FILE = "progress.json"
 
@@ -30,6 +41,25 @@ def fmt_s(s: float | None) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s"
+
+
+def eta(rows_left: int | None, *, tok_s: float, rows_per_s: float, rows_finished: int, completion_tokens: float,
+        generated_tokens: float, max_tokens: int) -> tuple[float | None, str | None]:
+    """(seconds to the end, its basis) — basis "tokens": tokens per row measured from `rows_finished`
+    rows; "max_tokens": none finished yet, each row taken to run to `max_tokens` (an upper bound of
+    a single-turn row); "rows": answers that carry no token counts, finished rows per second.
+    (None, None) without a rate to divide by."""
+    if rows_left is None:
+        return None, None
+    if rows_left == 0:
+        return 0.0, "rows"
+    if rows_finished and not completion_tokens:   # a server whose answers have no usage
+        return (rows_left / rows_per_s, "rows") if rows_per_s > 0 else (None, None)
+    if tok_s <= 0:
+        return None, None
+    per_row, basis = (completion_tokens / rows_finished, "tokens") if rows_finished else (float(max_tokens), "max_tokens")
+    in_flight = max(0.0, generated_tokens - completion_tokens)   # the rows in flight have this much already
+    return max(0.0, rows_left * per_row - in_flight) / tok_s, basis
 
 
 class Progress:
@@ -54,7 +84,9 @@ class Progress:
         remaining = None if total is None else max(0, total - done)
         rows_per_s = snap["completed"] + snap["errors"]
         rows_per_s = rows_per_s / snap["elapsed_s"] if snap["elapsed_s"] > 0 else 0.0
-        eta = remaining / rows_per_s if remaining is not None and rows_per_s > 0 else None
+        eta_s, eta_basis = eta(remaining, tok_s=snap["tok_s"], rows_per_s=rows_per_s, rows_finished=snap["completed"],
+                               completion_tokens=snap["completion_tokens"], generated_tokens=snap["generated_tokens"],
+                               max_tokens=disp.gen.max_tokens)
         st = state or snap["state"]
         return {
             "state": st.split(":")[0] if not st.startswith("paused") else "paused",
@@ -67,10 +99,13 @@ class Progress:
             "committed": counts.get("committed"), "shards": counts.get("shards"),
             "percent": round(100 * done / total, 2) if total else None,
             "this_run": {k: snap[k] for k in ("fed", "completed", "errors", "rejects", "retries", "requeues")},
-            "in_flight": snap["in_flight"], "queued": snap["queued"],
+            "in_flight": snap["in_flight"], "rows_in_flight": snap["rows_in_flight"],
+            "oldest_in_flight_s": snap["oldest_in_flight_s"], "queued": snap["queued"],
             "tok_s": snap["tok_s"], "tok_s_avg": snap["tok_s_avg"],
-            "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta) if eta is not None else None,
+            "rows_per_s": round(rows_per_s, 2), "eta_s": round(eta_s) if eta_s is not None else None,
+            "eta_basis": eta_basis,
             "prompt_tokens": snap["prompt_tokens"], "completion_tokens": snap["completion_tokens"],
+            "generated_tokens": snap["generated_tokens"],
             "servers_up": snap["servers_up"], "hedge": snap["hedge"], "servers": snap["servers"],
         }
 
@@ -116,19 +151,27 @@ class Progress:
             t.join(timeout=every_s + 5)
 
     @staticmethod
-    def line(p: dict[str, Any]) -> str:
+    def line(p: dict[str, Any], prefix: str = "[fleet generate]") -> str:
+        """The one console line of a job's progress (the runner's log, the flow's log): `prefix` first."""
         total = p["rows_total"]
         pct = f" ({p['percent']:.1f}%)" if p["percent"] is not None else ""
-        return (f"[fleet generate] {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
-                f"[fleet generate] {p['detail']} | {p['rows_done']:,}/?") + (
+        final = p["state"] in FINAL
+        oldest = p.get("oldest_in_flight_s")
+        if p.get("eta_s") is None or final:
+            eta_part = ""   # no rate yet: no ETA rather than a guess
+        else:
+            eta_part = f" | ETA {'≤' if p.get('eta_basis') == 'max_tokens' else ''}{fmt_s(p['eta_s'])}"
+        return (f"{prefix} {p['detail']} | {p['rows_done']:,}/{total:,}{pct}" if total is not None else
+                f"{prefix} {p['detail']} | {p['rows_done']:,}/?") + (
             f" | ok {p['completed']:,} err {p['errors']:,} rej {p['rejects']:,}"
             + (f" gated {p['quality_rejects']:,}" if p.get("quality_rejects") else "")
-            + f" | in flight {p['in_flight']}"
+            + f" | in flight {p.get('rows_in_flight', p['in_flight'])}"   # rows: a row and its backup count once
+            + (f", oldest {fmt_s(oldest)}" if oldest is not None and not final else "")
             # two rates, named: the last minute's (tok_s) and this run's average (tok_s_avg), which
             # in the final line is the manifest's throughput.completion_tok_s
-            + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if p["state"] in ("done", "stopped", "failed") else
-               f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + f" | ETA {fmt_s(p['eta_s'])}"
-            f" | servers up {p['servers_up']}/{len(p['servers'])}") + _servers_out(p)
+            + (f" | avg {p['tok_s_avg']:,.0f} tok/s" if final else
+               f" | {p['tok_s']:,.0f} tok/s now, avg {p['tok_s_avg']:,.0f}") + eta_part
+            + f" | servers up {p['servers_up']}/{len(p['servers'])}") + _servers_out(p)
 
 
 def _servers_out(p: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@
     journal.py     the state on disk: a line per change (state.jsonl), a snapshot (state.json), a copy in the store
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
     cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
+    progress.py    the job's ETA (tokens, as a node's) and its console line, from the nodes' progress files
 
 May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
 and flows (tests/test_layers.py).

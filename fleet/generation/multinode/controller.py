@@ -59,6 +59,7 @@ from fleet.generation.multinode.journal import CONTROL_DIR, pull
 from fleet.generation.data.objstore import Store, is_url
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.job.progress import PROGRESS_FILE
+from fleet.generation.multinode.progress import job_eta
 from fleet.node import LocalNode, Node, connect
 
 if TYPE_CHECKING:
@@ -850,9 +851,12 @@ class Controller:
         done_all = 0
         rate_all = 0.0
         tok_s_all = 0.0
+        running: list[dict[str, Any]] = []   # the progress files of the chunks running now
         for name in sorted(set(self.nodes) | set(done_by)):
             w = self.nodes.get(name)
             p = (w.progress or {}) if w is not None and w.chunk is not None else {}
+            if p:
+                running.append(p)
             rows = done_by.get(name, 0) + min(int(p.get("rows_done") or 0), self.plan.chunks[w.chunk].lines
                                                   if w is not None and w.chunk is not None else 0)
             run = p.get("this_run") or {}
@@ -869,12 +873,17 @@ class Controller:
                           "gpus": w.gpus if w is not None else None,
                           "chunks_done": chunks_by.get(name, 0)})
         remaining = max(0, total - done_all)
-        eta = remaining / rate_all if rate_all > 0 else None
+        eta, basis = job_eta(remaining, running, tok_s=tok_s_all, rows_per_s=rate_all,
+                             max_tokens=self.cfg.generation.max_tokens)
+        oldest = [p["oldest_in_flight_s"] for p in running if p.get("oldest_in_flight_s") is not None]
         counts = self.assign.counts()
         return {"state": "done" if self.assign.all_done() else "running", "rows_total": total,
                 "rows_done": min(done_all, total), "percent": round(100 * min(done_all, total) / total, 2) if total else None,
                 "rows_per_s": round(rate_all, 2), "tok_s": round(tok_s_all, 1),
-                "eta_s": round(eta) if eta is not None else None, "elapsed_s": round(elapsed, 1), "chunks": counts,
+                "eta_s": round(eta) if eta is not None else None, "eta_basis": basis,
+                "rows_in_flight": sum(int(p.get("rows_in_flight") or 0) for p in running),
+                "oldest_in_flight_s": max(oldest) if oldest else None,
+                "elapsed_s": round(elapsed, 1), "chunks": counts,
                 "chunks_total": len(self.plan.chunks), "nodes": nodes, "updated_at": time.time()}
 
     def write_progress(self) -> dict[str, Any]:
@@ -1051,19 +1060,6 @@ def _retry(fn: Callable[[], Any], attempts: int = 3) -> Any:
                 raise
             time.sleep(1.0 * (i + 1))
     return None
-
-
-def format_line(p: dict[str, Any]) -> str:
-    """The CLI's one line for a multi-node job."""
-    from fleet.generation.job.progress import fmt_s as _fmt_s
-
-    pct = f" ({p['percent']:.1f}%)" if p.get("percent") is not None else ""
-    nodes = " | ".join(f"{n['node']} {n['state']} {n['rows_done']:,} rows ({(n['share'] or 0) * 100:.0f}%) "
-                       f"{n['rows_per_s']:.1f} rows/s" for n in p["nodes"])
-    c = p["chunks"]
-    return (f"[fleet generate] {p['rows_done']:,}/{p['rows_total']:,}{pct} | chunks {c.get('done', 0)}/"
-            f"{p['chunks_total']} done, {c.get('running', 0)} running | {nodes} | {p['rows_per_s']:.1f} rows/s "
-            f"| ETA {_fmt_s(p['eta_s'])}")
 
 
 def plan_root() -> Path:
