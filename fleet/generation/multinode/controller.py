@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FatalError, FleetError
+from fleet.errors import ConfigError, FatalError, FleetError, JobConflict, Stopped
 from fleet.generation.multinode.chunks import (
     MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
     merge,
@@ -56,6 +56,8 @@ from fleet.generation.multinode.chunks import (
 )
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
+from fleet.generation.multinode.nodecheck import whole_lines
+from fleet.generation.multinode.quarantine import Quarantine, no_healthy_node
 from fleet.generation.data.objstore import Store, is_url
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.job.progress import PROGRESS_FILE
@@ -261,6 +263,9 @@ class Controller:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._view = RateView(list(nodes))
+        # nodes whose chunks failed for a reason of their own: no chunk until their check passes (quarantine.py)
+        self.quarantine = Quarantine(probe_s)
+        self.node_check: Callable[[str], str | None] = self._node_check
         for w in nodes.values():
             w.changed = self._view.dirty
         # The chunk runners read the whole chunk: the job's --limit was applied when cutting.
@@ -397,6 +402,8 @@ class Controller:
         work = self.nodes[name]
         lost_since: float | None = None
         while not self._stop.is_set() and not self.assign.all_done():
+            if self.quarantine.holds(name) and not self._quarantined(name):
+                continue
             if lost_since is not None:
                 if self._stop.wait(self.probe_s):
                     break
@@ -443,10 +450,66 @@ class Controller:
                                      f"{exc.one_line()})",
                                      remedy="read the runner logs under the nodes' workdir/jobs, fix the cause, "
                                             "then run the same command again: finished chunks are kept") from exc
-        if work.state != "gone":
+                self._set_aside(name, f"chunk {index} failed there: {exc.one_line()}")
+            except (JobConflict, Stopped, ConfigError):
+                raise   # the job's, not the node's: another controller runs it, a stop, a setting
+            except FleetError as exc:   # the node's own: its runner could not be started there
+                if self.assign.chunks[index].state == "running" and self.assign.chunks[index].node == name:
+                    self.assign.finish(index, name, "failed", exc.one_line())
+                work.progress, work.chunk = None, None
+                self._set_aside(name, f"chunk {index} could not start there: {exc.one_line()}")
+        if work.state not in ("gone", "quarantined"):
             work.state = "finished"
         return {"node": name, "rows": work.rows_done, "tokens": work.tokens, "busy_s": round(work.busy_s, 2),
                 "state": work.state}
+
+    def _node_check(self, name: str) -> str | None:
+        """Why node `name` cannot take chunks now (None: it can): with a store, the node check of its
+        runner's store access (nodecheck.py); else whether it answers."""
+        assert self.plan is not None
+        if self.store is not None:
+            from fleet.generation.multinode.nodecheck import check_node
+
+            return check_node(self.cfg, self.node_cfg(name), self.plan.input, self.output,
+                              timeout_s=max(self.node_lost_s, 60.0))
+        return None if self._probe(name) else "it does not answer"
+
+    def _set_aside(self, name: str, cause: str) -> None:
+        """Quarantine node `name` (its chunk is back in the queue already); FatalError when no healthy node
+        is left, with every node's cause."""
+        work = self.nodes[name]
+        held = self.quarantine.add(name, cause, time.monotonic())
+        work.state, work.progress, work.chunk = "quarantined", None, None
+        self.say(logging.WARNING, f"node {name} quarantined: {cause}; its chunks go to the other nodes "
+                                  f"(checked again in {held.wait_s:.0f} s)")
+        if no_healthy_node({n: w.state for n, w in self.nodes.items()}):
+            self.stop()
+            raise FatalError("no healthy node left: " + " | ".join(f"{n}: {c}" for n, c in self.quarantine.causes()),
+                             remedy="fix each node's cause (its runner log is under the node's workdir/jobs), "
+                                    "then run the same command again: finished chunks are kept")
+
+    def _quarantined(self, name: str) -> bool:
+        """Node `name` is quarantined: wait for its next check (or the job's end), run it; True when it
+        passed and the node rejoins."""
+        assert self.assign is not None
+        self.nodes[name].state = "quarantined"
+        ev = threading.Event()
+        self.assign.watch(name, ev, frozenset())   # the job's end (and `stop`) wake it early
+        try:
+            self._wait(ev, self.quarantine.wait_s(name, time.monotonic()))
+        finally:
+            self.assign.unwatch(name)
+        if self._stop.is_set() or self.assign.all_done() or self.quarantine.wait_s(name, time.monotonic()) > 0:
+            return False
+        cause = self.node_check(name)
+        if cause is not None:
+            self.quarantine.failed_probe(name, cause, time.monotonic())
+            self.say(logging.INFO, f"node {name} stays quarantined: {cause}")
+            return False
+        self.quarantine.release(name)
+        self.nodes[name].state = "idle"
+        self.say(logging.WARNING, f"node {name} passed its check again: it rejoins the job")
+        return True
 
     def node_rate(self, name: str) -> float | None:
         """The node's measured rate (input lines/s): the lines of the chunks it finished over the time it
@@ -737,8 +800,8 @@ class Controller:
         detail = final.get("detail") or final.get("state") or "exited without a manifest"
         self.assign.finish(index, name, "failed", detail)
         work.progress, work.chunk = None, None
-        tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
-        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; log tail: {tail[-300:]!r}")
+        tail = node.read_text(handle.log, tail_bytes=4000) if handle.log else ""
+        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; its log ends: {_last_words(tail)}")
 
     def _prestart(self, node: Node, name: str) -> bool:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in
@@ -997,6 +1060,13 @@ def _draining(prog: dict[str, Any]) -> bool:
     left = int(total) - int(prog.get("rows_done") or 0)
     lead = int(prog.get("in_flight") or 0) + float(prog.get("rows_per_s") or 0.0) * PRESTART_LEAD_S
     return left <= lead
+
+
+def _last_words(tail: str, lines: int = 3) -> str:
+    """The last `lines` non-empty lines of a log's tail, each whole (the tail's first line may be cut:
+    dropped), joined by " / ". Cut at 300 characters, the cause read "ProfileNotFound(profi"."""
+    kept = [ln for ln in tail.splitlines()[1:] if ln.strip()] if "\n" in tail else [tail]
+    return whole_lines("\n".join(kept[-lines:]), lines) or "(empty)"
 
 
 def _unreachable(exc: BaseException) -> bool:

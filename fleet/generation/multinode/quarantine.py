@@ -1,0 +1,79 @@
+"""Nodes set aside during a job: a node whose chunk failed for a reason of its own is quarantined.
+
+Why: a node that could not use the store's credentials failed each chunk it took, each chunk's three
+tries landed on the broken nodes, and the job failed while a healthy node sat idle (issue 35). Now a
+node whose chunk failed (its runner ended without finishing, or could not be started) takes no chunk
+until it passes the node check again (`nodecheck.check_node`; for a job without a store, it answers);
+its chunk goes back to the queue for the others. It is probed after `probe_s`, then at doubling
+intervals up to `MAX_PROBE_S` while it keeps failing; a node that passes rejoins. The job fails only
+when no node is healthy (every node quarantined or gone, none lost — a lost node may come back), with
+every node's cause. A chunk that fails `MAX_FAILED_ATTEMPTS` times (on whichever nodes) still ends the
+job: then the chunk, not a node, is the likely cause.
+
+Pure bookkeeping (the caller passes the clock): the controller's node loop acts on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+MAX_PROBE_S = 120.0
+HEALTHY = ("idle", "running", "finished")
+
+
+@dataclass
+class Held:
+    cause: str
+    since: float
+    next_probe: float
+    wait_s: float
+    times: int = 1
+
+
+class Quarantine:
+    def __init__(self, probe_s: float, max_probe_s: float = MAX_PROBE_S) -> None:
+        self.probe_s = probe_s
+        self.max_probe_s = max(probe_s, max_probe_s)
+        self.held: dict[str, Held] = {}
+        self.times: dict[str, int] = {}   # per node: how often it was quarantined in this job
+        self._lock = threading.Lock()
+
+    def add(self, name: str, cause: str, now: float) -> Held:
+        """Quarantine `name` for `cause`; a node quarantined again waits twice as long for its next probe."""
+        with self._lock:
+            n = self.times[name] = self.times.get(name, 0) + 1
+            wait = min(self.max_probe_s, self.probe_s * 2 ** (n - 1))
+            h = self.held[name] = Held(cause, now, now + wait, wait, n)
+            return h
+
+    def holds(self, name: str) -> bool:
+        with self._lock:
+            return name in self.held
+
+    def wait_s(self, name: str, now: float) -> float:
+        """Seconds until node `name`'s next probe (0: due now)."""
+        with self._lock:
+            h = self.held.get(name)
+            return max(0.0, h.next_probe - now) if h is not None else 0.0
+
+    def failed_probe(self, name: str, cause: str, now: float) -> None:
+        """Its probe failed: the cause is the probe's now; the next probe waits twice as long."""
+        with self._lock:
+            h = self.held.get(name)
+            if h is not None:
+                h.cause, h.wait_s = cause, min(self.max_probe_s, 2 * h.wait_s)
+                h.next_probe = now + h.wait_s
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self.held.pop(name, None)
+
+    def causes(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return sorted((n, h.cause) for n, h in self.held.items())
+
+
+def no_healthy_node(states: dict[str, str]) -> bool:
+    """Whether no node can take a chunk now nor later: none healthy, none lost (a lost node may rejoin)."""
+    return not any(s in HEALTHY or s == "lost" for s in states.values())

@@ -1,0 +1,158 @@
+"""Every node of a multi-node job works, and a bad node is set aside (issue 35, items 1 and 2).
+
+Real parts: the Prefect test server, the `fleet` flow (bring-up and the job), one sim server per local
+node, the detached runners, moto's S3 server on loopback. A node whose environment differs from the
+controller's (AWS_PROFILE naming a profile its machine does not have: what an SSH node is given when
+the profile exists only where the controller runs) is made at the node seam: that node's commands get
+it in their environment, the others' do not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.config import FleetConfig
+from test_bringup import port_block, run_logs, sim_config
+from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
+from test_multinode import ids_of, state_home  # noqa: F401  (fixture)
+from test_objstore import SECRET, s3, store_ids  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+NOWHERE = "fleet-nowhere"   # a profile no machine here has
+
+
+def local_nodes(tmp_path: Path, names: list[str], *, generation: dict[str, Any],
+                sim: dict[str, Any] | None = None) -> FleetConfig:
+    """A fleet of local nodes named `names`, one sim server each, each with its own workdir and port."""
+    base = port_block(len(names))
+    cfg = sim_config(tmp_path, base, n=1, generation=generation,
+                     engine={"sim": {"startup_s": 0.1, **(sim or {})}})
+    data = cfg.model_dump(mode="json")
+    data["venv"] = {"path": sys.prefix, "use_existing": True}   # one venv path for nodes on one machine
+    data["nodes"] = []
+    for i, name in enumerate(names):
+        (tmp_path / f"shm-{name}").mkdir()
+        data["nodes"].append({"name": name, "workdir": str(tmp_path / f"work-{name}"), "servers": 1,
+                              "base_port": base + i, "ramdisk": str(tmp_path / f"shm-{name}")})
+    return FleetConfig(**data)
+
+
+@pytest.mark.timeout(900)   # 40 sims and 40 runner starts on a busy 2-core machine
+def test_a_job_over_40_nodes_gives_every_node_a_chunk(tmp_path: Path, state_home: Path, stop_everything) -> None:
+    """Fault: the flow ran its tasks on a pool of 32 threads and each node's loop held one until the job's
+    tail: with 40 nodes, v32–v39 never got a chunk. Now the loops have a pool of their own: through the
+    flow, 40 local nodes, 40 one-row chunks (each node claims one at its start), every node runs a chunk
+    and every id is there exactly once."""
+    from flows.fleet import fleet
+
+    names = [f"v{i:02d}" for i in range(40)]
+    cfg = local_nodes(tmp_path, names, generation={"max_tokens": 2, "chunk_rows": 1})
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 40)
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(tmp_path / "out"), return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res)
+    ids = ids_of(Path(res["output"]))
+    assert len(ids) == len(set(ids)) == 40
+    ran = {n["node"] for n in res["nodes"] if n["chunks"] >= 1}
+    assert ran == set(names), sorted(set(names) - ran)
+
+
+@pytest.fixture
+def node_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, str]]:
+    """{node name: extra environment of that node's commands}; `only_runners` in it: for its runners only
+    (its store check sees the controller's environment)."""
+    from fleet.node.local import LocalNode
+
+    extra: dict[str, dict[str, str]] = {}
+    real_exec, real_start = LocalNode._exec, LocalNode.start_detached
+
+    def env_of(node: LocalNode, env: Mapping[str, str] | None, runner: bool) -> Mapping[str, str] | None:
+        more = dict(extra.get(node.name, {}))
+        if more.pop("only_runners", None) and not runner:
+            return env
+        return {**os.environ, **(env or {}), **more} if more else env
+
+    def _exec(self: LocalNode, argv: Any, *, timeout: Any, env: Any, input: Any) -> Any:
+        return real_exec(self, argv, timeout=timeout, env=env_of(self, env, False), input=input)
+
+    def start_detached(self: LocalNode, argv: Any, *a: Any, env: Any = None, **kw: Any) -> Any:
+        return real_start(self, argv, *a, env=env_of(self, env, True), **kw)
+
+    monkeypatch.setattr(LocalNode, "_exec", _exec)
+    monkeypatch.setattr(LocalNode, "start_detached", start_detached)
+    return extra
+
+
+@pytest.mark.timeout(600)
+def test_a_node_without_the_store_credentials_is_set_aside_and_the_job_ends_on_the_others(
+        tmp_path: Path, state_home: Path, s3: str, node_env: dict[str, dict[str, str]], stop_everything) -> None:
+    """Fault: with AWS_PROFILE set only where the controller ran, the nodes that lacked the profile died
+    inside botocore on every chunk, each chunk's three tries landed on them and the job failed while a
+    healthy node sat idle, its message cut mid-word ("ProfileNotFound(profi"). Now, through the flow with
+    moto on loopback and three local nodes: `noprofile` (its environment names a profile it lacks) fails
+    its store check at the start and is set aside with one line naming it and the cause, never the secret;
+    `flaky` passes the check but its runners lack the profile: its chunk fails, it is quarantined and its
+    chunks go to `good`; the job completes with every id exactly once."""
+    from flows.fleet import fleet
+
+    node_env["noprofile"] = {"AWS_PROFILE": NOWHERE}
+    node_env["flaky"] = {"AWS_PROFILE": NOWHERE, "only_runners": "1"}
+    cfg = local_nodes(tmp_path, ["flaky", "good", "noprofile"], generation={"max_tokens": 4, "chunk_rows": 50})
+    stop_everything(cfg)
+    from fleet.generation.data.objstore import Store
+
+    Store(s3).put_file(str(prompts(tmp_path / "in.jsonl", 200)), "in/prompts.jsonl")
+    out = f"{s3}/job"
+    with run_logs() as logs:
+        state = fleet(config=cfg, action="generate", input=f"{s3}/in/prompts.jsonl", output=out, return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res, [ln for ln in logs if "node" in ln][-20:])
+    ids = store_ids(out)
+    assert len(ids) == len(set(ids)) == 200
+    aside = [ln for ln in logs if ln.startswith("node noprofile set aside")]
+    assert len(aside) == 1 and "\n" not in aside[0], aside
+    assert "ProfileNotFound" in aside[0] and f"({NOWHERE})" in aside[0], aside[0]
+    assert "noprofile: set aside" in (state.message or ""), state.message
+    quarantined = [ln for ln in logs if ln.startswith("node flaky quarantined")]
+    assert quarantined and f"({NOWHERE}) could not be found" in quarantined[0], quarantined
+    assert not any(SECRET in ln for ln in logs)
+    nodes = {n["node"]: n for n in res["nodes"]}
+    assert set(nodes) <= {"good", "flaky"} and nodes["good"]["rows"] >= 150, nodes
+    assert Store(out).names("_probe") == []   # every probe object removed
+
+
+def test_a_chunks_retry_prefers_another_node(tmp_path: Path) -> None:
+    """A chunk that failed on a node is not that node's next chunk while another is pending."""
+    from fleet.generation.multinode.chunks import Assignments, split_input
+
+    inp = prompts(tmp_path / "in.jsonl", 40)
+    plan = split_input(inp, tmp_path / "plan", ["a", "b"], chunk_rows=10)
+    assign = Assignments(tmp_path / "plan", plan)
+    first = assign.claim("a", lambda i: f"/out/a/{i}")
+    assert first == 0
+    assign.finish(0, "a", "failed", "boom")
+    assert assign.claim("a", lambda i: f"/out/a/{i}") == 1   # not chunk 0 again
+    assert assign.claim("b", lambda i: f"/out/b/{i}") == 0   # another node takes it
+
+
+def test_whole_lines_and_a_runner_logs_last_words() -> None:
+    """A message is bounded by lines, never cut mid-word; a log tail's cut first line is dropped."""
+    from fleet.generation.multinode.controller import _last_words
+    from fleet.generation.multinode.nodecheck import mask, whole_lines
+
+    err = "ProfileNotFound: The config profile (fleet-nowhere) could not be found"
+    assert whole_lines(err) == err
+    assert whole_lines("a\n\nb\nc\nd") == "a / b / c / …"
+    tail = "ofile_name)\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" + \
+        f"botocore.exceptions.{err}\n"
+    assert _last_words(tail) == f'Traceback (most recent call last): / File "x.py", line 1 / botocore.exceptions.{err}'
+    assert mask(f"denied for {SECRET}", {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1"}) == \
+        "denied for <AWS_SECRET_ACCESS_KEY>"
