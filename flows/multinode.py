@@ -70,6 +70,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     failures = [*(failures or []), *(f"{n}: set aside: {c}" for n, c in sorted(aside.items()))]
     pdir = plan_dir_for(plan_root(), cfg.name, output)
     ctl = Controller(cfg, pdir, output, nodes, say=say)
+    ctl.set_aside = dict(aside)
     t0 = time.monotonic()
     with ControllerLock(pdir):   # a gzip input on the store is staged in prepare: under the lock, one copy
         try:

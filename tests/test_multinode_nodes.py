@@ -9,6 +9,8 @@ it in their environment, the others' do not.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -127,6 +129,12 @@ def test_a_node_without_the_store_credentials_is_set_aside_and_the_job_ends_on_t
     nodes = {n["node"]: n for n in res["nodes"]}
     assert set(nodes) <= {"good", "flaky"} and nodes["good"]["rows"] >= 150, nodes
     assert Store(out).names("_probe") == []   # every probe object removed
+    # the whole job's progress in the store (item 6), and the failed attempt's runner log kept there
+    progress = json.loads(Store(out).read_bytes("_control/progress.json") or b"{}")
+    assert progress["rows_done"] == progress["rows_total"] == 200 and progress["state"] == "done", progress
+    assert set(progress["nodes_set_aside"]) == {"noprofile"} and progress["nodes_up"] >= 1, progress
+    kept = Store(out).names("_logs/flaky")
+    assert kept and NOWHERE in (Store(out).read_bytes(f"_logs/flaky/{kept[0]}") or b"").decode(), kept
 
 
 def test_a_chunks_retry_prefers_another_node(tmp_path: Path) -> None:
@@ -145,14 +153,39 @@ def test_a_chunks_retry_prefers_another_node(tmp_path: Path) -> None:
 
 def test_whole_lines_and_a_runner_logs_last_words() -> None:
     """A message is bounded by lines, never cut mid-word; a log tail's cut first line is dropped."""
-    from fleet.generation.multinode.controller import _last_words
-    from fleet.generation.multinode.nodecheck import mask, whole_lines
+    from fleet.generation.multinode.nodecheck import last_words, mask, whole_lines
 
     err = "ProfileNotFound: The config profile (fleet-nowhere) could not be found"
     assert whole_lines(err) == err
     assert whole_lines("a\n\nb\nc\nd") == "a / b / c / …"
     tail = "ofile_name)\nTraceback (most recent call last):\n  File \"x.py\", line 1\n" + \
         f"botocore.exceptions.{err}\n"
-    assert _last_words(tail) == f'Traceback (most recent call last): / File "x.py", line 1 / botocore.exceptions.{err}'
+    assert last_words(tail) == f'Traceback (most recent call last): / File "x.py", line 1 / botocore.exceptions.{err}'
     assert mask(f"denied for {SECRET}", {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1"}) == \
         "denied for <AWS_SECRET_ACCESS_KEY>"
+
+
+def test_the_console_line_has_one_width_at_any_node_count() -> None:
+    """Fault: the console line listed every node (≈ 1.6 KB at 40 nodes). Now it counts nodes by state: the
+    same line at 4 nodes and at 400 (each node's detail is in progress.json and the Prefect artifact)."""
+    from fleet.generation.multinode.controller import format_line
+
+    def progress(n: int) -> dict[str, Any]:
+        return {"rows_done": 500, "rows_total": 1000, "percent": 50.0, "rows_per_s": 12.5, "eta_s": 40,
+                "chunks": {"done": 5, "running": 4, "pending": 1}, "chunks_total": 10,
+                "nodes": [{"node": f"v{i:03d}", "state": "running", "rows_done": 1, "share": 0.001,
+                           "rows_per_s": 1.0} for i in range(n)],
+                "nodes_up": 3, "nodes_lost": 1, "nodes_quarantined": 0, "nodes_set_aside": {"bad": "cause"}}
+
+    line = format_line(progress(4))
+    assert line == format_line(progress(400)) and len(line) < 160, line
+    assert "nodes 3 up, 1 lost, 1 set aside" in line and "quarantined" not in line, line
+
+
+def test_a_multi_node_jobs_interrupt_paragraph_points_at_its_progress_in_the_store() -> None:
+    """Fault: after Ctrl-C of a job on object storage the paragraph pointed at `<output>/progress.json`,
+    which no one writes. Now it names the job's progress the controller puts at `<output>/_control/`."""
+    from fleet.cli import interrupt_paragraph
+
+    para = interrupt_paragraph(argparse.Namespace(command="generate", config=None, output="s3://b/job"))
+    assert "s3://b/job/_control/progress.json" in para and "the same `fleet generate` command again" in para

@@ -56,8 +56,8 @@ from fleet.generation.multinode.chunks import (
 )
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
-from fleet.generation.multinode.nodecheck import whole_lines
-from fleet.generation.multinode.quarantine import Quarantine, no_healthy_node
+from fleet.generation.multinode.nodecheck import last_words
+from fleet.generation.multinode.quarantine import Quarantine, set_aside, wait_and_check
 from fleet.generation.data.objstore import Store, is_url
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.job.progress import PROGRESS_FILE
@@ -70,6 +70,8 @@ log = logging.getLogger("fleet.generation.multinode.controller")
 
 MAX_FAILED_ATTEMPTS = 3
 IDLE_MAX_S = 8.0   # the longest an idle node waits before asking again when nothing it waits on changed
+LOGS_DIR = "_logs"   # under a store job's --output: the runner logs of failed attempts (`_keep_log`)
+LOG_KEPT_BYTES = 256 * 1024
 STORE_FILE = "store.json"   # in the plan directory of a job whose output is on object storage: its URL
 
 
@@ -265,6 +267,7 @@ class Controller:
         self._view = RateView(list(nodes))
         # nodes whose chunks failed for a reason of their own: no chunk until their check passes (quarantine.py)
         self.quarantine = Quarantine(probe_s)
+        self.set_aside: dict[str, str] = {}   # nodes left out before the job (their store check failed): the cause
         self.node_check: Callable[[str], str | None] = self._node_check
         for w in nodes.values():
             w.changed = self._view.dirty
@@ -475,41 +478,10 @@ class Controller:
         return None if self._probe(name) else "it does not answer"
 
     def _set_aside(self, name: str, cause: str) -> None:
-        """Quarantine node `name` (its chunk is back in the queue already); FatalError when no healthy node
-        is left, with every node's cause."""
-        work = self.nodes[name]
-        held = self.quarantine.add(name, cause, time.monotonic())
-        work.state, work.progress, work.chunk = "quarantined", None, None
-        self.say(logging.WARNING, f"node {name} quarantined: {cause}; its chunks go to the other nodes "
-                                  f"(checked again in {held.wait_s:.0f} s)")
-        if no_healthy_node({n: w.state for n, w in self.nodes.items()}):
-            self.stop()
-            raise FatalError("no healthy node left: " + " | ".join(f"{n}: {c}" for n, c in self.quarantine.causes()),
-                             remedy="fix each node's cause (its runner log is under the node's workdir/jobs), "
-                                    "then run the same command again: finished chunks are kept")
+        set_aside(self, name, cause)
 
     def _quarantined(self, name: str) -> bool:
-        """Node `name` is quarantined: wait for its next check (or the job's end), run it; True when it
-        passed and the node rejoins."""
-        assert self.assign is not None
-        self.nodes[name].state = "quarantined"
-        ev = threading.Event()
-        self.assign.watch(name, ev, frozenset())   # the job's end (and `stop`) wake it early
-        try:
-            self._wait(ev, self.quarantine.wait_s(name, time.monotonic()))
-        finally:
-            self.assign.unwatch(name)
-        if self._stop.is_set() or self.assign.all_done() or self.quarantine.wait_s(name, time.monotonic()) > 0:
-            return False
-        cause = self.node_check(name)
-        if cause is not None:
-            self.quarantine.failed_probe(name, cause, time.monotonic())
-            self.say(logging.INFO, f"node {name} stays quarantined: {cause}")
-            return False
-        self.quarantine.release(name)
-        self.nodes[name].state = "idle"
-        self.say(logging.WARNING, f"node {name} passed its check again: it rejoins the job")
-        return True
+        return wait_and_check(self, name)
 
     def node_rate(self, name: str) -> float | None:
         """The node's measured rate (input lines/s): the lines of the chunks it finished over the time it
@@ -800,8 +772,24 @@ class Controller:
         detail = final.get("detail") or final.get("state") or "exited without a manifest"
         self.assign.finish(index, name, "failed", detail)
         work.progress, work.chunk = None, None
-        tail = node.read_text(handle.log, tail_bytes=4000) if handle.log else ""
-        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; its log ends: {_last_words(tail)}")
+        tail = node.read_text(handle.log, tail_bytes=LOG_KEPT_BYTES) if handle.log else ""
+        kept = self._keep_log(name, index, tail)
+        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; its log ends: {last_words(tail[-4000:])}"
+                          + (f" (the log: {kept})" if kept else ""))
+
+    def _keep_log(self, name: str, index: int, tail: str) -> str | None:
+        """A failed attempt's runner log (its last LOG_KEPT_BYTES) put under `<output>/_logs/` of a store job:
+        the nodes' job directories are removed once the job is merged, and a quarantined node's logs with them."""
+        if self.store is None or not tail:
+            return None
+        assert self.assign is not None
+        rel = f"{LOGS_DIR}/{name}/{self.chunk(index).name}-{len(self.assign.chunks[index].attempts)}.log"
+        try:
+            self.store.write_bytes(rel, tail.encode())
+            return self.store.url(rel)
+        except Exception as exc:   # the cause of the failure is what matters: the log stays on the node
+            log.warning("could not keep the log of chunk %d on %s in the store: %s", index, name, exc)
+            return None
 
     def _prestart(self, node: Node, name: str) -> bool:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in
@@ -898,15 +886,27 @@ class Controller:
         remaining = max(0, total - done_all)
         eta = remaining / rate_all if rate_all > 0 else None
         counts = self.assign.counts()
+        states = [n["state"] for n in nodes if n["node"] in self.nodes]
         return {"state": "done" if self.assign.all_done() else "running", "rows_total": total,
+                "nodes_up": sum(1 for s in states if s in ("idle", "running", "finished")),
+                "nodes_lost": sum(1 for s in states if s in ("lost", "gone")),
+                "nodes_quarantined": sum(1 for s in states if s == "quarantined"),
+                "nodes_set_aside": dict(sorted(self.set_aside.items())),
                 "rows_done": min(done_all, total), "percent": round(100 * min(done_all, total) / total, 2) if total else None,
                 "rows_per_s": round(rate_all, 2), "tok_s": round(tok_s_all, 1),
                 "eta_s": round(eta) if eta is not None else None, "elapsed_s": round(elapsed, 1), "chunks": counts,
                 "chunks_total": len(self.plan.chunks), "nodes": nodes, "updated_at": time.time()}
 
     def write_progress(self) -> dict[str, Any]:
+        """The job's progress.json in the plan directory and, for a store job, at `<output>/_control/`:
+        where anyone with the store's credentials sees the whole job, whichever machine runs the controller."""
         p = self.progress()
         write_json_atomic(self.plan_dir / PROGRESS_FILE, p)
+        if self.store is not None:
+            try:
+                self.store.write_bytes(f"{CONTROL_DIR}/{PROGRESS_FILE}", json.dumps(p).encode())
+            except Exception as exc:   # progress must never stop the job; the local copy is written
+                log.warning("could not put the job's progress in the store: %s", exc)
         return p
 
     def finalize(self, dest: str | Path) -> dict[str, Any]:
@@ -1062,13 +1062,6 @@ def _draining(prog: dict[str, Any]) -> bool:
     return left <= lead
 
 
-def _last_words(tail: str, lines: int = 3) -> str:
-    """The last `lines` non-empty lines of a log's tail, each whole (the tail's first line may be cut:
-    dropped), joined by " / ". Cut at 300 characters, the cause read "ProfileNotFound(profi"."""
-    kept = [ln for ln in tail.splitlines()[1:] if ln.strip()] if "\n" in tail else [tail]
-    return whole_lines("\n".join(kept[-lines:]), lines) or "(empty)"
-
-
 def _unreachable(exc: BaseException) -> bool:
     from fleet.errors import TransientError
 
@@ -1087,13 +1080,19 @@ def _retry(fn: Callable[[], Any], attempts: int = 3) -> Any:
 
 
 def format_line(p: dict[str, Any]) -> str:
-    """The CLI's one line for a multi-node job."""
+    """The CLI's one line for a multi-node job: the same width at any node count (counts of nodes by state;
+    each node's detail is in progress.json, the Prefect artifact and `fleet status`). With every node
+    listed it was ≈ 1.6 KB at 40 nodes."""
     from fleet.generation.job.progress import fmt_s as _fmt_s
 
     pct = f" ({p['percent']:.1f}%)" if p.get("percent") is not None else ""
-    nodes = " | ".join(f"{n['node']} {n['state']} {n['rows_done']:,} rows ({(n['share'] or 0) * 100:.0f}%) "
-                       f"{n['rows_per_s']:.1f} rows/s" for n in p["nodes"])
     c = p["chunks"]
+    nodes = f"nodes {p.get('nodes_up', 0)} up"
+    for key, word in (("nodes_lost", "lost"), ("nodes_quarantined", "quarantined")):
+        if p.get(key):
+            nodes += f", {p[key]} {word}"
+    if p.get("nodes_set_aside"):
+        nodes += f", {len(p['nodes_set_aside'])} set aside"
     return (f"[fleet generate] {p['rows_done']:,}/{p['rows_total']:,}{pct} | chunks {c.get('done', 0)}/"
             f"{p['chunks_total']} done, {c.get('running', 0)} running | {nodes} | {p['rows_per_s']:.1f} rows/s "
             f"| ETA {_fmt_s(p['eta_s'])}")

@@ -37,6 +37,13 @@ def whole_lines(text: str, lines: int = MESSAGE_LINES) -> str:
     return " / ".join(kept[:lines]) + (" / …" if more else "")
 
 
+def last_words(tail: str, lines: int = MESSAGE_LINES) -> str:
+    """The last `lines` non-empty lines of a log's tail, each whole (the tail's first line may be cut:
+    dropped), joined by " / ". Cut at 300 characters, the cause read "ProfileNotFound(profi"."""
+    kept = [ln for ln in tail.splitlines()[1:] if ln.strip()] if "\n" in tail else [tail]
+    return whole_lines("\n".join(kept[-lines:]), lines) or "(empty)"
+
+
 def mask(text: str, env: Mapping[str, str]) -> str:
     """`text` with the value of each secret variable of `env` replaced by its name."""
     for name, value in env.items():

@@ -10,13 +10,22 @@ when no node is healthy (every node quarantined or gone, none lost — a lost no
 every node's cause. A chunk that fails `MAX_FAILED_ATTEMPTS` times (on whichever nodes) still ends the
 job: then the chunk, not a node, is the likely cause.
 
-Pure bookkeeping (the caller passes the clock): the controller's node loop acts on it.
+`Quarantine` is the bookkeeping (the caller passes the clock); `set_aside` and `wait_and_check` are
+what the controller's node loop does with it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fleet.errors import FatalError
+
+if TYPE_CHECKING:
+    from fleet.generation.multinode.controller import Controller
 
 MAX_PROBE_S = 120.0
 HEALTHY = ("idle", "running", "finished")
@@ -77,3 +86,43 @@ class Quarantine:
 def no_healthy_node(states: dict[str, str]) -> bool:
     """Whether no node can take a chunk now nor later: none healthy, none lost (a lost node may rejoin)."""
     return not any(s in HEALTHY or s == "lost" for s in states.values())
+
+
+def set_aside(ctl: Controller, name: str, cause: str) -> None:
+    """Quarantine node `name` of `ctl` (its chunk is back in the queue already); FatalError when no healthy
+    node is left, with every node's cause."""
+    work = ctl.nodes[name]
+    held = ctl.quarantine.add(name, cause, time.monotonic())
+    work.state, work.progress, work.chunk = "quarantined", None, None
+    ctl.say(logging.WARNING, f"node {name} quarantined: {cause}; its chunks go to the other nodes "
+                             f"(checked again in {held.wait_s:.0f} s)")
+    if no_healthy_node({n: w.state for n, w in ctl.nodes.items()}):
+        ctl.stop()
+        logs = "under <output>/_logs/ and " if ctl.store is not None else ""
+        raise FatalError("no healthy node left: " + " | ".join(f"{n}: {c}" for n, c in ctl.quarantine.causes()),
+                         remedy=f"fix each node's cause (its runner logs are {logs}under the node's workdir/jobs), "
+                                "then run the same command again: finished chunks are kept")
+
+
+def wait_and_check(ctl: Controller, name: str) -> bool:
+    """Node `name` of `ctl` is quarantined: wait for its next check (or the job's end), run it; True when
+    it passed and the node rejoins."""
+    assert ctl.assign is not None
+    ctl.nodes[name].state = "quarantined"
+    ev = threading.Event()
+    ctl.assign.watch(name, ev, frozenset())   # the job's end (and `stop`) wake it early
+    try:
+        ctl._wait(ev, ctl.quarantine.wait_s(name, time.monotonic()))
+    finally:
+        ctl.assign.unwatch(name)
+    if ctl._stop.is_set() or ctl.assign.all_done() or ctl.quarantine.wait_s(name, time.monotonic()) > 0:
+        return False
+    cause = ctl.node_check(name)
+    if cause is not None:
+        ctl.quarantine.failed_probe(name, cause, time.monotonic())
+        ctl.say(logging.INFO, f"node {name} stays quarantined: {cause}")
+        return False
+    ctl.quarantine.release(name)
+    ctl.nodes[name].state = "idle"
+    ctl.say(logging.WARNING, f"node {name} passed its check again: it rejoins the job")
+    return True
