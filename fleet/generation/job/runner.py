@@ -550,8 +550,8 @@ def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: 
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
-    if args_in[:1] == ["--check-store"]:   # a node proving its store access before a job (multinode/nodecheck.py)
-        from fleet.generation.multinode.nodecheck import check_main
+    if args_in[:1] == ["--check-store"]:   # a node proving its store access before a job (storecheck.py)
+        from fleet.generation.job.storecheck import check_main
 
         return check_main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m fleet.generation.job.runner",

@@ -4,6 +4,8 @@
     journal.py     the state on disk: a line per change (state.jsonl), a snapshot (state.json), a copy in the store
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
     cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
+    nodecheck.py   each node's store check before a job (job/storecheck.py on the node), messages whole and masked
+    quarantine.py  a node whose chunks fail is set aside, checked again, rejoins; the job fails when none is healthy
 
 May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
 and flows (tests/test_layers.py).

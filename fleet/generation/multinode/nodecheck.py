@@ -6,9 +6,9 @@ Why: with AWS_PROFILE set only where the controller ran, the SSH nodes' runners 
 (ProfileNotFound), every chunk's tries landed on those nodes and the job failed while a healthy node sat
 idle (issue 35). Checked first, such a node is left out with one line naming it and the cause.
 
-Two halves: `check_node` on the controller (through the node seam, the runner's own python and code:
-`runner_command`), and `check_main` on the node, which the runner's entry point runs for `--check-store`
-(so an SSH node runs it from the same venv and the same zipapp as its chunks). The answer is one JSON
+Two halves: `check_node` here, on the controller (through the node seam, the runner's own python and
+code: `runner_command`), and `generation/job/storecheck.py` on the node, which the runner's entry point
+runs for `--check-store` (so an SSH node runs it from the same venv and the same zipapp as its chunks). The answer is one JSON
 line on stdout. Nothing of a credential is in an argument; a value of the runner's secret variables is
 masked in any message that would repeat it.
 """
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fleet.config import FleetConfig, NodeConfig
 
-CHECK_FLAG = "--check-store"
-PROBE_DIR = "_probe"   # under the job's --output: the probe objects, each removed once read back
 MESSAGE_LINES = 3      # an error's message is passed on whole, up to this many lines (never cut mid-word)
 _SECRET_WORDS = ("SECRET", "TOKEN", "CREDENTIALS", "KEY_ID", "PASSWORD")
 
@@ -52,72 +50,13 @@ def mask(text: str, env: Mapping[str, str]) -> str:
     return text
 
 
-# -- on the node
-
-
-def run_checks(input_url: str, output_url: str, probe: str) -> dict[str, Any]:
-    """What the node can do with the store, as the runner would: {"ok": True}, or {"ok": False, "step": what
-    failed, "error": its exception, whole}. The probe object is removed (also when reading it back failed)."""
-    from fleet.generation.data.objstore import Store, is_url
-
-    step = f"load the store's packages for {output_url}"
-    out = None
-    rel = f"{PROBE_DIR}/{probe}"
-    try:
-        out = Store(output_url)
-        if is_url(input_url):
-            step = f"read the input {input_url}"
-            _read_head(input_url)
-        step = f"write a probe object under {output_url}"
-        body = f"fleet node check {probe}\n".encode()
-        out.write_bytes(rel, body)
-        step = f"read the probe object back from {output_url}"
-        if out.read_bytes(rel) != body:
-            raise OSError("the probe object read back differs from what was written")
-        step = f"remove the probe object under {output_url}"
-        out.fs.rm(out._p(rel))
-        return {"ok": True}
-    except Exception as exc:   # any failure is the answer: said whole, with its type
-        if out is not None and not step.startswith("remove"):
-            try:
-                out.fs.rm(out._p(rel))
-            except Exception:   # it was never written, or this node cannot remove it: the answer stands
-                pass
-        return {"ok": False, "step": step, "error": f"{type(exc).__name__}: {exc}"}
-
-
-def _read_head(url: str) -> None:
-    """The first bytes of the input (a ranged read, not the object), or the listing of a directory."""
-    from fleet.generation.data.objstore import Store
-
-    parent, _, name = url.rstrip("/").rpartition("/")
-    st = Store(parent)
-    path = st._p(name)
-    if st.fs.isdir(path):
-        st.fs.ls(path, detail=False)
-    else:
-        st.fs.cat_file(path, start=0, end=64)
-
-
-def check_main(argv: list[str]) -> int:
-    """`runner --check-store INPUT OUTPUT PROBE`: one JSON line on stdout; exit 0 when every check passed."""
-    if len(argv) != 3:
-        print(json.dumps({"ok": False, "step": "parse its arguments", "error": f"usage: {CHECK_FLAG} INPUT OUTPUT PROBE"}))
-        return 2
-    result = run_checks(*argv)
-    print(json.dumps(result), flush=True)
-    return 0 if result["ok"] else 3
-
-
-# -- on the controller
-
-
 def check_node(cfg: FleetConfig, node_cfg: NodeConfig, input_url: str, output_url: str,
                timeout_s: float | None = None) -> str | None:
     """None when node `node_cfg` can do the job's store access; else the cause, one line, no secret."""
     from fleet.errors import FleetError
     from fleet.generation.data.objstore import is_url, store_env
     from fleet.generation.job.remote import runner_command
+    from fleet.generation.job.storecheck import CHECK_FLAG
     from fleet.node import connect
 
     urls = [u for u in (input_url, output_url) if is_url(u)]
@@ -164,12 +103,3 @@ def _answer(stdout: str) -> dict[str, Any] | None:
             continue
         return got if isinstance(got, dict) else None
     return None
-
-
-def set_aside_line(name: str, cause: str) -> str:
-    return f"node {name} set aside: {cause}"
-
-
-def causes_line(causes: Iterable[tuple[str, str]]) -> str:
-    return " | ".join(f"{n}: {c}" for n, c in causes)
-
