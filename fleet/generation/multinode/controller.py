@@ -1081,7 +1081,7 @@ def _retry(fn: Callable[[], Any], attempts: int = 3) -> Any:
 
 def format_line(p: dict[str, Any]) -> str:
     """The CLI's one line for a multi-node job: the same width at any node count (counts of nodes by state;
-    each node's detail is in progress.json, the Prefect artifact and `fleet status`). With every node
+    each node's detail is in progress.json and the `<fleet>-job-nodes` table). With every node
     listed it was ≈ 1.6 KB at 40 nodes."""
     from fleet.generation.job.progress import fmt_s as _fmt_s
 
