@@ -25,8 +25,6 @@ from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
 from test_multinode import ids_of, state_home  # noqa: F401  (fixture)
 from test_objstore import SECRET, s3, store_ids  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.usefixtures("prefect_api")
-
 NOWHERE = "fleet-nowhere"   # a profile no machine here has
 
 
@@ -46,6 +44,7 @@ def local_nodes(tmp_path: Path, names: list[str], *, generation: dict[str, Any],
     return FleetConfig(**data)
 
 
+@pytest.mark.usefixtures("prefect_api")
 @pytest.mark.timeout(900)   # 40 sims and 40 runner starts on a busy 2-core machine
 def test_a_job_over_40_nodes_gives_every_node_a_chunk(tmp_path: Path, state_home: Path, stop_everything) -> None:
     """Fault: the flow ran its tasks on a pool of 32 threads and each node's loop held one until the job's
@@ -93,6 +92,7 @@ def node_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, str]]:
     return extra
 
 
+@pytest.mark.usefixtures("prefect_api")
 @pytest.mark.timeout(600)
 def test_a_node_without_the_store_credentials_is_set_aside_and_the_job_ends_on_the_others(
         tmp_path: Path, state_home: Path, s3: str, node_env: dict[str, dict[str, str]], stop_everything) -> None:
@@ -189,3 +189,59 @@ def test_a_multi_node_jobs_interrupt_paragraph_points_at_its_progress_in_the_sto
 
     para = interrupt_paragraph(argparse.Namespace(command="generate", config=None, output="s3://b/job"))
     assert "s3://b/job/_control/progress.json" in para and "the same `fleet generate` command again" in para
+
+
+def test_the_job_fails_only_when_no_healthy_node_is_left_with_every_nodes_cause(tmp_path: Path) -> None:
+    """Quarantine's end (Prefect-free, fake chunk runs at the seam): two nodes whose every chunk fails are
+    quarantined one after the other; the first one's quarantine does not end the job (the other is
+    healthy), the second one's does: one FatalError naming both nodes and their causes, with the remedy
+    to fix them first — not a bare "run the same command again"."""
+    import threading
+
+    from fleet.errors import FatalError
+    from fleet.generation.multinode.controller import ChunkFailed, Controller, NodeWork
+
+    src = prompts(tmp_path / "in.jsonl", 40)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": n, "workdir": str(tmp_path / n)} for n in ("a", "b")],
+                      generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {n: NodeWork(n, []) for n in ("a", "b")},
+                     probe_s=600.0, poll_s=0.05)
+    ctl.prepare(str(src))
+    assert ctl.assign is not None
+    ctl.node_check = lambda name: "still broken"
+    failed_on: list[tuple[str, int]] = []
+    first_done = threading.Event()
+
+    def fail(name: str, index: int) -> dict[str, Any]:
+        if name == "b":   # b's chunk fails only once a is quarantined: the order the assertions read
+            assert first_done.wait(60)
+        assert ctl.assign is not None
+        ctl.assign.finish(index, name, "failed", f"boom on {name}")
+        failed_on.append((name, index))
+        raise ChunkFailed(f"runner of chunk {index} ended: ProfileNotFound on {name}")
+
+    errors: dict[str, BaseException] = {}
+
+    def loop(name: str) -> None:
+        try:
+            ctl.node_loop(name, run_chunk=fail)
+        except BaseException as exc:  # the test reads it
+            errors[name] = exc
+
+    threads = {n: threading.Thread(target=loop, args=(n,), daemon=True) for n in ("a", "b")}
+    threads["a"].start()
+    from conftest import wait_until
+
+    wait_until(lambda: ctl.quarantine.holds("a"), timeout=60, what="node a quarantined")
+    assert "a" not in errors and not ctl._stop.is_set()   # b is healthy: the job goes on
+    first_done.set()
+    threads["b"].start()
+    for t in threads.values():
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads.values())
+    assert set(errors) == {"b"} and isinstance(errors["b"], FatalError), errors
+    msg = errors["b"].one_line()
+    assert msg.startswith("no healthy node left: a: chunk") and "ProfileNotFound on a" in msg, msg
+    assert "b: chunk" in msg and "ProfileNotFound on b" in msg and "fix each node's cause" in msg, msg
+    assert [n for n, _ in failed_on] == ["a", "b"]
