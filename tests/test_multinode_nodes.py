@@ -245,3 +245,35 @@ def test_the_job_fails_only_when_no_healthy_node_is_left_with_every_nodes_cause(
     assert msg.startswith("no healthy node left: a: chunk") and "ProfileNotFound on a" in msg, msg
     assert "b: chunk" in msg and "ProfileNotFound on b" in msg and "fix each node's cause" in msg, msg
     assert [n for n, _ in failed_on] == ["a", "b"]
+
+
+def test_the_only_node_whose_chunk_failed_once_goes_on_when_its_check_passes(tmp_path: Path) -> None:
+    """A one-node job (every job into object storage runs the controller) whose runner was killed once
+    must not end at that first failure: with no other node to take the chunk, the node is checked at once;
+    its check passes, so it retries the chunk itself (after the chunks that did not fail there) and the
+    job ends with every chunk done."""
+    from fleet.generation.multinode.controller import ChunkFailed, Controller, NodeWork
+
+    src = prompts(tmp_path / "in.jsonl", 20)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=600.0,
+                     poll_s=0.05)
+    ctl.prepare(str(src))
+    assert ctl.assign is not None
+    checked: list[str] = []
+    ctl.node_check = lambda name: checked.append(name)   # type: ignore[assignment,func-returns-value]
+    calls: list[int] = []
+
+    def once_killed(name: str, index: int) -> dict[str, Any]:
+        assert ctl.assign is not None
+        calls.append(index)
+        if len(calls) == 1:
+            ctl.assign.finish(index, name, "failed", "killed")
+            raise ChunkFailed(f"runner of chunk {index} ended: exited without a manifest")
+        ctl.assign.finish(index, name, "done")
+        return {"chunk": index, "state": "done"}
+
+    share = ctl.node_loop("a", run_chunk=once_killed)
+    assert ctl.assign.all_done() and share["state"] == "finished" and checked == ["a"], (share, checked)
+    assert calls.count(calls[0]) == 2 and not ctl.quarantine.holds("a")   # retried there, after the others

@@ -460,6 +460,10 @@ class Controller:
                 if self.assign.chunks[index].state == "running" and self.assign.chunks[index].node == name:
                     self.assign.finish(index, name, "failed", exc.one_line())
                 work.progress, work.chunk = None, None
+                if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
+                    self.stop()
+                    raise FatalError(f"chunk {index} could not start {MAX_FAILED_ATTEMPTS} times (last on {name}: "
+                                     f"{exc.one_line()})") from exc
                 self._set_aside(name, f"chunk {index} could not start there: {exc.one_line()}")
         if work.state not in ("gone", "quarantined"):
             work.state = "finished"

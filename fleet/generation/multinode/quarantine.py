@@ -7,7 +7,9 @@ until it passes the node check again (`nodecheck.check_node`; for a job without 
 its chunk goes back to the queue for the others. It is probed after `probe_s`, then at doubling
 intervals up to `MAX_PROBE_S` while it keeps failing; a node that passes rejoins. The job fails only
 when no node is healthy (every node quarantined or gone, none lost — a lost node may come back), with
-every node's cause. A chunk that fails `MAX_FAILED_ATTEMPTS` times (on whichever nodes) still ends the
+every node's cause. A node whose chunk failed while no other node can work is checked at once instead:
+when its check passes it goes on (a runner killed once must not end a one-node job), else it is
+quarantined and the job ends. A chunk that fails `MAX_FAILED_ATTEMPTS` times (on whichever nodes) still ends the
 job: then the chunk, not a node, is the likely cause.
 
 `Quarantine` is the bookkeeping (the caller passes the clock); `set_aside` and `wait_and_check` are
@@ -92,6 +94,15 @@ def set_aside(ctl: Controller, name: str, cause: str) -> None:
     """Quarantine node `name` of `ctl` (its chunk is back in the queue already); FatalError when no healthy
     node is left, with every node's cause."""
     work = ctl.nodes[name]
+    if not any(w.state in HEALTHY for n, w in ctl.nodes.items() if n != name):
+        # the only node that can work now: quarantined, it would end the job at its first failed chunk (a
+        # runner killed once). Its check decides: passed, it retries the chunk (bounded by MAX_FAILED_ATTEMPTS)
+        why = ctl.node_check(name)
+        if why is None:
+            ctl.say(logging.WARNING, f"node {name}: {cause}; no other node can work now and its check passes: "
+                                     "it goes on")
+            return
+        cause = f"{cause}; its check: {why}"
     held = ctl.quarantine.add(name, cause, time.monotonic())
     work.state, work.progress, work.chunk = "quarantined", None, None
     ctl.say(logging.WARNING, f"node {name} quarantined: {cause}; its chunks go to the other nodes "
