@@ -568,13 +568,25 @@ def interrupt_paragraph(args: argparse.Namespace) -> str:
                 f"Stop them: `fleet down{c}`.")
     if args.command == "generate":
         jobs = "<workdir>/jobs"
+        several = False
         try:
             from fleet.config import load_config
 
             loaded = load_config(cfg)
             jobs = f"{loaded.nodes[0].workdir.rstrip('/')}/jobs/{loaded.name}-*"
+            several = len(loaded.nodes) > 1
         except Exception:
             pass  # the paragraph must not depend on the config being readable
+        from fleet.generation.data.objstore import is_url
+
+        out = str(args.output or "")
+        if is_url(out) or several:   # a multi-node job: its controller's progress, not a runner's
+            where = (f"{out.rstrip('/')}/_control/progress.json in the store" if is_url(out) else
+                     "the job's progress.json in its plan directory on this machine (~/.local/state/fleet/jobs/)")
+            return (f"The nodes' servers and runners keep running (detached): their chunks go on, with the job's "
+                    f"last progress in {where}. Resume: the same `fleet generate` command again (it re-attaches "
+                    f"to the running chunks, never doubles one). Servers: `fleet status{c}`; stop them and the "
+                    f"runners: `fleet down{c}`.")
         return (f"Servers and the generation runner, if it had started, keep running (detached): the job goes on, "
                 f"with progress in {args.output}/progress.json on the node. Re-attach: the same `fleet generate` "
                 f"command again (it never starts a second runner). Servers: `fleet status{c}`; stop them: "

@@ -17,6 +17,7 @@ from typing import Any
 
 from prefect import get_run_logger
 from prefect.states import Completed
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from fleet.config import FleetConfig
 from fleet.errors import ConfigError, FleetError, InputChanged, InputError, StoreError
@@ -24,13 +25,14 @@ from fleet.engines import ServerSpec
 from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
 from fleet.generation.data.objstore import is_url
+from fleet.generation.multinode.nodecheck import whole_lines
 from tasks.states import failed
 
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
                    retry_errors: bool, failures: list[str] | None = None) -> Any:
     from flows.fleet import is_up
-    from tasks.multinode import node_worker, say, watch_progress
+    from tasks.multinode import say
 
     logger = get_run_logger()
     from blocks.credentials import load_store_credentials
@@ -54,8 +56,22 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
         facts = {r["server"]: {"max_running_requests": r.get("max_running_requests")}
                  for r in rows if r["node"] == name and is_up(r["state"])}
         nodes[name] = NodeWork(name, node_specs, facts)
+    aside: dict[str, str] = {}
+    if is_url(output):   # every node proves its store access first; one that cannot is left out
+        aside = _check_nodes(cfg, sorted(nodes), input, output)
+        for name, cause in sorted(aside.items()):
+            logger.warning("node %s set aside: %s", name, cause)
+            del nodes[name]
+        if not nodes:
+            return failed("no node can do this job's store access: "
+                          + " | ".join(f"{n}: {c}" for n, c in sorted(aside.items()))
+                          + " — give every node the store's credentials (the controller's AWS_*, HF_*, GOOGLE_* "
+                            "variables reach each runner by name; a profile or file must exist on the node too), "
+                            "then run the same command again")
+    failures = [*(failures or []), *(f"{n}: set aside: {c}" for n, c in sorted(aside.items()))]
     pdir = plan_dir_for(plan_root(), cfg.name, output)
     ctl = Controller(cfg, pdir, output, nodes, say=say)
+    ctl.set_aside = dict(aside)
     t0 = time.monotonic()
     with ControllerLock(pdir):   # a gzip input on the store is staged in prepare: under the lock, one copy
         try:
@@ -73,33 +89,10 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
             logger.warning("this job's chunks were cut to %s rows (limit %s) and never change once cut: it "
                            "goes on to all of them, not only the first %d", plan.rows, plan.limit, asked)
         already_done = ctl.assign.all_done()
-        futs = {node_worker.submit(ctl, name): name for name in sorted(nodes)}
-
-        def finished(timeout: float) -> bool:
-            inner = [f.wrapped_future for f in futs]
-            cf_wait([f for f in inner if not f.done()], timeout=timeout, return_when=FIRST_COMPLETED)
-            if any(f.done() and f.exception() is not None for f in inner):
-                ctl.stop()   # a node task failed outright (a chunk failed too often): stop the others
-            return all(f.done() for f in inner)
-
-        try:
-            watch_progress(cfg, ctl, finished)
-        finally:
-            ctl.stop()
-        shares = []
-        errors = []
-        for fut, name in futs.items():
-            fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
-            if fut.state.is_completed():
-                # bounded: the future is done (waited for above)
-                shares.append(fut.result())
-            else:
-                try:
-                    # bounded: the future is done (waited for above)
-                    fut.result(raise_on_failure=True)
-                except Exception as exc:
-                    # a FleetError's line whole (cause and remedy): a cut one lost the remedy mid-word
-                    errors.append(f"{name}: {exc.one_line() if isinstance(exc, FleetError) else str(exc).splitlines()[0][:300]}")
+        for name in sorted(aside):   # a chunk a set-aside node ran under an earlier controller goes to the others
+            if ctl.assign.running_on(name):
+                ctl.assign.node_lost(name, f"set aside: {aside[name]}")
+        shares, errors = _run_nodes(cfg, ctl)
         # with object storage the merge goes from the store to the job's prefix itself: `fleet export URL`
         dest: Path | str = output if ctl.store is not None else pdir / "output"
         try:
@@ -130,8 +123,10 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                       {**result, "could_not_run": isinstance(ctl.failure, InputChanged)})
     if not ctl.assign.all_done():
         left = [i for i, c in ctl.assign.chunks.items() if c.state != "done"]
-        return failed(f"{len(left)} chunk(s) not done ({'; '.join(errors) or 'every node lost'}); "
-                      "run the same command again to resume", result)
+        if errors:   # each names its cause and its remedy
+            return failed(f"{len(left)} chunk(s) not done: {'; '.join(errors)}", result)
+        return failed(f"{len(left)} chunk(s) not done (every node lost); run the same command again to resume",
+                      result)
     if already_done:
         return Completed(message=f"nothing to do: {counts['completed'] + counts['errors'] + counts['rejects']:,} rows "
                                  f"already done in {dest}", data=result)
@@ -140,3 +135,72 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                              f"{counts['rejects']} reject(s) over {len(nodes)} node(s) [{per}] into {dest}"
                              + (f"; not up: {' | '.join(failures)}" if failures else ""),
                      data=result)
+
+
+def _run_nodes(cfg: FleetConfig, ctl: Controller) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every node's loop (a `node_worker` task run each) until the job ends: (their shares, a line per
+    loop that failed).
+
+    Each loop runs until the job's tail: on the flow's pool (32 threads, shared with the bring-up) the
+    33rd node's loop never started and that node never got a chunk (issue 35). The loops get a pool of
+    their own, a thread per node; each chunk attempt stays a task run of its own."""
+    from tasks.multinode import node_worker, watch_progress
+
+    names = sorted(ctl.nodes)
+    with ThreadPoolTaskRunner(max_workers=max(1, len(names))) as pullers:
+        futs = {pullers.submit(node_worker, {"ctl": ctl, "node_name": name}): name for name in names}
+
+        def finished(timeout: float) -> bool:
+            inner = [f.wrapped_future for f in futs]
+            cf_wait([f for f in inner if not f.done()], timeout=timeout, return_when=FIRST_COMPLETED)
+            if any(f.done() and f.exception() is not None for f in inner):
+                ctl.stop()   # a node task failed outright (a chunk failed too often): stop the others
+            return all(f.done() for f in inner)
+
+        try:
+            watch_progress(cfg, ctl, finished)
+        finally:
+            ctl.stop()
+        shares: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for fut, name in futs.items():
+            fut.wait()  # bounded: a task's own waits all have timeouts (tests/test_waits.py)
+            if fut.state.is_completed():
+                # bounded: the future is done (waited for above)
+                shares.append(fut.result())
+            else:
+                try:
+                    # bounded: the future is done (waited for above)
+                    fut.result(raise_on_failure=True)
+                except FleetError as exc:   # cause and remedy, whole (cut at 300 it read "ProfileNotFound(profi")
+                    errors.append(f"{name}: {exc.one_line()}")
+                except Exception as exc:
+                    errors.append(f"{name}: {whole_lines(f'{type(exc).__name__}: {exc}')}")
+    return shares, errors
+
+
+def _check_nodes(cfg: FleetConfig, names: list[str], input: str, output: str) -> dict[str, str]:
+    """Each node's store check (a `node-check` task run each, all at once): {node: cause} of those that failed."""
+    from tasks.multinode import check_node
+
+    with ThreadPoolTaskRunner(max_workers=max(1, len(names))) as checks:
+        futs = {name: checks.submit(check_node, {"cfg": cfg, "node_name": name, "input": input, "output": output})
+                for name in names}
+        aside: dict[str, str] = {}
+        for name, fut in futs.items():
+            fut.wait()  # bounded: the check's node commands all have timeouts
+            if fut.state.is_completed():
+                # bounded: the future is done (waited for above)
+                cause = fut.result()
+            else:
+                try:
+                    # bounded: the future is done (waited for above)
+                    fut.result(raise_on_failure=True)
+                    cause = f"its check ended {fut.state.name}"
+                except FleetError as exc:
+                    cause = exc.one_line()
+                except Exception as exc:
+                    cause = whole_lines(f"{type(exc).__name__}: {exc}")
+            if cause is not None:
+                aside[name] = cause
+    return aside

@@ -45,6 +45,14 @@ def run_chunk(ctl: Controller, node_name: str, index: int) -> dict[str, Any]:
     return ctl.run_chunk(node_name, index)
 
 
+@task(name="node-check", task_run_name="check-{node_name}", cache_policy=NO_CACHE, persist_result=False)
+def check_node(cfg: FleetConfig, node_name: str, input: str, output: str) -> str | None:
+    """Whether node `node_name` can do the job's store access with its runner's environment: None, or the cause."""
+    from fleet.generation.multinode.nodecheck import check_node as check
+
+    return check(cfg, cfg.node(node_name), input, output)
+
+
 @task(name="node-worker", task_run_name="node-{node_name}", cache_policy=NO_CACHE, persist_result=False)
 def node_worker(ctl: Controller, node_name: str) -> dict[str, Any]:
     def run(name: str, index: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@
     remote.py     start, watch, re-attach to and fetch a job on a node (the runner's zip and venv)
     endpoints.py  servers fleet did not start (`[[endpoints]]`) as the runner's entries, their keys
     publish.py    a runner whose job lives on object storage: its input staged, its commits put to the store
+    storecheck.py a node proving, with its runner's environment, that it can read the input and write the output
 
 Where a job's files live and which jobs are alive on a node is the core's (fleet/jobs.py), since
 bring-up asks it too. May import: the core, generation.data and generation.hotpath; nothing of

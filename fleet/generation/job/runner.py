@@ -578,11 +578,16 @@ def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["--check-store"]:   # a node proving its store access before a job (storecheck.py)
+        from fleet.generation.job.storecheck import check_main
+
+        return check_main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m fleet.generation.job.runner",
                                 description="Run one fleet generation job (the data-plane process).")
     p.add_argument("--job", required=True, help="JOB.json: config, input, output, servers")
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from fleet.errors import FleetError

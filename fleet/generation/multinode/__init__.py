@@ -5,6 +5,8 @@
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
     cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
     progress.py    the job's ETA (tokens, as a node's) and its console line, from the nodes' progress files
+    nodecheck.py   each node's store check before a job (job/storecheck.py on the node), messages whole and masked
+    quarantine.py  a node whose chunks fail is set aside, checked again, rejoins; the job fails when none is healthy
 
 May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
 and flows (tests/test_layers.py).

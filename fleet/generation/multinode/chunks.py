@@ -748,7 +748,7 @@ class Assignments:
             mine = self.running_on(node)
             if mine and not another:
                 return mine[0]
-            i = self.first_pending()
+            i = self._first_pending_for(node)
             if i is None:
                 return None
             if rows is not None and not self.chunks[i].attempts and \
@@ -757,6 +757,15 @@ class Assignments:
             if output_for is not None:
                 self.start(i, node, output_for(i))
             return i
+
+    def _first_pending_for(self, node: str) -> int | None:
+        """The first pending chunk in input order that did not fail on `node`, else the first pending: a
+        chunk's retry prefers another node (a node whose runners fail took the same chunk three times and
+        failed the job while a healthy node sat idle: issue 35)."""
+        for _, i in self._pending_keys:
+            if not any(a.node == node and a.outcome == "failed" for a in self.chunks[i].attempts):
+                return i
+        return self.first_pending()
 
     def _cut(self, head: Chunk, rest: Chunk) -> None:
         """Record a cut (`split_chunk`'s commit): one line of the log with the head and the rest, O(1)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
-from fleet.errors import FatalError, FleetError, InputChanged, StoreError
+from fleet.errors import ConfigError, FatalError, FleetError, InputChanged, JobConflict, StoreError, Stopped
 from fleet.generation.multinode.chunks import (
     MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
     merge,
@@ -56,6 +56,8 @@ from fleet.generation.multinode.chunks import (
 )
 from fleet.generation.data.durable import write_json_atomic
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
+from fleet.generation.multinode.nodecheck import last_words
+from fleet.generation.multinode.quarantine import Quarantine, set_aside, wait_and_check
 from fleet.generation.data.objstore import Store, is_url
 from fleet.generation.data.manifest import MANIFEST_FILE
 from fleet.generation.job.progress import PROGRESS_FILE
@@ -69,6 +71,8 @@ log = logging.getLogger("fleet.generation.multinode.controller")
 
 MAX_FAILED_ATTEMPTS = 3
 IDLE_MAX_S = 8.0   # the longest an idle node waits before asking again when nothing it waits on changed
+LOGS_DIR = "_logs"   # under a store job's --output: the runner logs of failed attempts (`_keep_log`)
+LOG_KEPT_BYTES = 256 * 1024
 STORE_FILE = "store.json"   # in the plan directory of a job whose output is on object storage: its URL
 
 
@@ -265,6 +269,10 @@ class Controller:
         # changed under it, the store refused; one line with its remedy (flows/multinode.py says it)
         self.failure: FleetError | None = None
         self._view = RateView(list(nodes))
+        # nodes whose chunks failed for a reason of their own: no chunk until their check passes (quarantine.py)
+        self.quarantine = Quarantine(probe_s)
+        self.set_aside: dict[str, str] = {}   # nodes left out before the job (their store check failed): the cause
+        self.node_check: Callable[[str], str | None] = self._node_check
         for w in nodes.values():
             w.changed = self._view.dirty
         # The chunk runners read the whole chunk: the job's --limit was applied when cutting.
@@ -413,6 +421,8 @@ class Controller:
         work = self.nodes[name]
         lost_since: float | None = None
         while not self._stop.is_set() and not self.assign.all_done():
+            if self.quarantine.holds(name) and not self._quarantined(name):
+                continue
             if lost_since is not None:
                 if self._stop.wait(self.probe_s):
                     break
@@ -425,10 +435,10 @@ class Controller:
                 lost_since = None
             try:
                 lost_since = self._turn(name, run, work, lost_since)
-            except (InputChanged, StoreError) as exc:   # no other node or attempt reads it better: the job ends
+            except (InputChanged, StoreError) as exc:   # the job's own (its input, the controller's store): it ends
                 self.fail_job(exc)
                 break
-        if work.state != "gone":
+        if work.state not in ("gone", "quarantined"):
             work.state = "finished"
         return {"node": name, "rows": work.rows_done, "tokens": work.tokens, "busy_s": round(work.busy_s, 2),
                 "state": work.state}
@@ -473,7 +483,36 @@ class Controller:
                                  f"{exc.one_line()})",
                                  remedy="read the runner logs under the nodes' workdir/jobs, fix the cause, "
                                         "then run the same command again: finished chunks are kept") from exc
+            self._set_aside(name, f"chunk {index} failed there: {exc.one_line()}")
+        except (JobConflict, Stopped, ConfigError, InputChanged, StoreError):
+            raise   # the job's, not the node's: another controller runs it, a stop, a setting, its input, its store
+        except FleetError as exc:   # the node's own: its runner could not be started there
+            if self.assign.chunks[index].state == "running" and self.assign.chunks[index].node == name:
+                self.assign.finish(index, name, "failed", exc.one_line())
+            work.progress, work.chunk = None, None
+            if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
+                self.stop()
+                raise FatalError(f"chunk {index} could not start {MAX_FAILED_ATTEMPTS} times (last on {name}: "
+                                 f"{exc.one_line()})") from exc
+            self._set_aside(name, f"chunk {index} could not start there: {exc.one_line()}")
         return lost_since
+
+    def _node_check(self, name: str) -> str | None:
+        """Why node `name` cannot take chunks now (None: it can): with a store, the node check of its
+        runner's store access (nodecheck.py); else whether it answers."""
+        assert self.plan is not None
+        if self.store is not None:
+            from fleet.generation.multinode.nodecheck import check_node
+
+            return check_node(self.cfg, self.node_cfg(name), self.plan.input, self.output,
+                              timeout_s=max(self.node_lost_s, 60.0))
+        return None if self._probe(name) else "it does not answer"
+
+    def _set_aside(self, name: str, cause: str) -> None:
+        set_aside(self, name, cause)
+
+    def _quarantined(self, name: str) -> bool:
+        return wait_and_check(self, name)
 
     def node_rate(self, name: str) -> float | None:
         """The node's measured rate (input lines/s): the lines of the chunks it finished over the time it
@@ -768,14 +807,32 @@ class Controller:
         detail = final.get("detail") or final.get("state") or failure.get("cause") or "exited without a manifest"
         self.assign.finish(index, name, "failed", detail)
         work.progress, work.chunk = None, None
-        if failure.get("kind") in ("input_changed", "store"):   # the same on any node, at any attempt: the job ends
-            cls = InputChanged if failure["kind"] == "input_changed" else StoreError
-            err = cls(str(failure.get("cause")), remedy=failure.get("remedy"))
+        if failure.get("kind") == "input_changed":   # the same on any node, at any attempt: the job ends
+            err = InputChanged(str(failure.get("cause")), remedy=failure.get("remedy"))
             err.logged = True   # node_loop says it once (fail_job): no task traceback for it
             raise err
-        tail = node.read_text(handle.log, tail_bytes=600) if handle.log else ""
-        cause = f"{failure['cause']} — {failure.get('remedy')}" if failure.get("cause") else f"log tail: {tail[-300:]!r}"
-        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; {cause}")
+        # a store the runner could not use (kind "store") may be this node's own (its credentials): a failed
+        # chunk, so the node is set aside and the chunk goes to the others; when every node fails so, the
+        # job ends with each one's cause (quarantine.py)
+        tail = node.read_text(handle.log, tail_bytes=LOG_KEPT_BYTES) if handle.log else ""
+        kept = self._keep_log(name, index, tail)
+        cause = (f"{failure['cause']} — {failure.get('remedy')}" if failure.get("cause") else
+                 f"its log ends: {last_words(tail[-4000:])}")
+        raise ChunkFailed(f"runner of chunk {index} ended: {detail}; {cause}" + (f" (the log: {kept})" if kept else ""))
+
+    def _keep_log(self, name: str, index: int, tail: str) -> str | None:
+        """A failed attempt's runner log (its last LOG_KEPT_BYTES) put under `<output>/_logs/` of a store job:
+        the nodes' job directories are removed once the job is merged, and a quarantined node's logs with them."""
+        if self.store is None or not tail:
+            return None
+        assert self.assign is not None
+        rel = f"{LOGS_DIR}/{name}/{self.chunk(index).name}-{len(self.assign.chunks[index].attempts)}.log"
+        try:
+            self.store.write_bytes(rel, tail.encode())
+            return self.store.url(rel)
+        except Exception as exc:   # the cause of the failure is what matters: the log stays on the node
+            log.warning("could not keep the log of chunk %d on %s in the store: %s", index, name, exc)
+            return None
 
     def _prestart(self, node: Node, name: str) -> bool:
         """Start the node's next chunk while the current one drains (its input all sent, the last rows in
@@ -877,7 +934,12 @@ class Controller:
                              max_tokens=self.cfg.generation.max_tokens)
         oldest = [p["oldest_in_flight_s"] for p in running if p.get("oldest_in_flight_s") is not None]
         counts = self.assign.counts()
+        states = [n["state"] for n in nodes if n["node"] in self.nodes]
         return {"state": "done" if self.assign.all_done() else "running", "rows_total": total,
+                "nodes_up": sum(1 for s in states if s in ("idle", "running", "finished")),
+                "nodes_lost": sum(1 for s in states if s in ("lost", "gone")),
+                "nodes_quarantined": sum(1 for s in states if s == "quarantined"),
+                "nodes_set_aside": dict(sorted(self.set_aside.items())),
                 "rows_done": min(done_all, total), "percent": round(100 * min(done_all, total) / total, 2) if total else None,
                 "rows_per_s": round(rate_all, 2), "tok_s": round(tok_s_all, 1),
                 "eta_s": round(eta) if eta is not None else None, "eta_basis": basis,
@@ -887,8 +949,15 @@ class Controller:
                 "chunks_total": len(self.plan.chunks), "nodes": nodes, "updated_at": time.time()}
 
     def write_progress(self) -> dict[str, Any]:
+        """The job's progress.json in the plan directory and, for a store job, at `<output>/_control/`:
+        where anyone with the store's credentials sees the whole job, whichever machine runs the controller."""
         p = self.progress()
         write_json_atomic(self.plan_dir / PROGRESS_FILE, p)
+        if self.store is not None:
+            try:
+                self.store.write_bytes(f"{CONTROL_DIR}/{PROGRESS_FILE}", json.dumps(p).encode())
+            except Exception as exc:   # progress must never stop the job; the local copy is written
+                log.warning("could not put the job's progress in the store: %s", exc)
         return p
 
     def finalize(self, dest: str | Path) -> dict[str, Any]:

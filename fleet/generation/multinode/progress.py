@@ -31,11 +31,17 @@ def job_eta(remaining: int, running: Iterable[dict[str, Any]], *, tok_s: float, 
 
 
 def format_line(p: dict[str, Any]) -> str:
-    """The CLI's one line for a multi-node job (no ETA without a rate to base it on)."""
+    """The CLI's one line for a multi-node job: the same width at any node count (counts of nodes by state;
+    each node's detail is in progress.json and the `<fleet>-job-nodes` table: with every node listed it
+    was ≈ 1.6 KB at 40 nodes), and no ETA without a rate to base it on."""
     pct = f" ({p['percent']:.1f}%)" if p.get("percent") is not None else ""
-    nodes = " | ".join(f"{n['node']} {n['state']} {n['rows_done']:,} rows ({(n['share'] or 0) * 100:.0f}%) "
-                       f"{n['rows_per_s']:.1f} rows/s" for n in p["nodes"])
     c = p["chunks"]
+    nodes = f"nodes {p.get('nodes_up', 0)} up"
+    for key, word in (("nodes_lost", "lost"), ("nodes_quarantined", "quarantined")):
+        if p.get(key):
+            nodes += f", {p[key]} {word}"
+    if p.get("nodes_set_aside"):
+        nodes += f", {len(p['nodes_set_aside'])} set aside"
     flight = (f" | in flight {p['rows_in_flight']:,}" if p.get("rows_in_flight") else "") + (
         f", oldest {fmt_s(p['oldest_in_flight_s'])}" if p.get("rows_in_flight") and p.get("oldest_in_flight_s") else "")
     rate = f" | {p['tok_s']:,.0f} tok/s" if p.get("tok_s") else ""
