@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
-from conftest import free_port, processes, seed_prefect_home
+from conftest import free_port, processes, scaled, seed_prefect_home
 from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
@@ -157,6 +157,7 @@ class Hook:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_for(self, *needles: str, timeout: float = 45) -> dict[str, Any]:
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         seen = []
         while time.monotonic() < deadline:
