@@ -159,14 +159,16 @@ def kind_of(argv: list[str]) -> str:
         return "prefect worker"
     if "/bin/prefect " in line or "-m prefect " in line:
         return "prefect command"
-    if "/bin/fleet" in line or "-m flows.cli" in line or "flows.cli" in line:
+    if (len(argv) > 1 and argv[1].endswith("/bin/fleet")) or "-m flows.cli" in line:
         return "fleet command"
-    if "execnet" in line or "xdist" in line or "-c import sys;exec(eval(sys.stdin.readline()))" in line:
+    if "exec(eval(sys.stdin.readline()))" in line:
         return "pytest worker"
-    if "fleet.generation" in line or "runner" in line:
-        return "runner"
-    if "fleet.sim" in line or " sim " in line:
+    if "fleet.generation.job.runner" in line or "multinode" in line:
+        return "runner or controller"
+    if "fleet_sim.pyz" in line or "fleet.cli sim" in line:
         return "sim server"
+    if "fleet_stage.py" in line:
+        return "staging helper"
     return "other python"
 
 

@@ -87,18 +87,31 @@ def test_a_start_is_tried_again_with_a_longer_wait_then_fails_with_its_log_tail(
     assert "attempt 2 (2 s)" in msg and msg.endswith("sqlite3.OperationalError: unable to open database file")
 
 
+# In the sub-run's processes: a Prefect server (uvicorn's `…:create_app`) exits at once, as one that
+# cannot open its database or import its app does; every other process runs as usual.
+BROKEN_SERVER = """
+import os, sys
+if any("create_app" in a for a in sys.orig_argv):
+    sys.stderr.write("stand-in fault: this Prefect server cannot start (tests/test_harness.py)\\n")
+    sys.stderr.flush()
+    os._exit(1)
+"""
+
+
 def test_a_prefect_server_that_cannot_start_fails_only_its_tests_with_its_log(tmp_path: Path) -> None:
-    """End to end through conftest.py's own `prefect_api` in a pytest run of its own: a session
-    Prefect server that cannot open its database fails the two tests that use it — each with the
-    server's log tail and both attempts — and not the one beside them that does not; and it is not
-    started again for the second test."""
+    """End to end through conftest.py's own `prefect_api` in a pytest run of its own, where every
+    Prefect server exits as it starts: the two tests that use it fail, each with both attempts and the
+    server's own log line, and the one beside them passes. (Before: Prefect's harness polled a server
+    that had exited for its whole 120 s and raised `RuntimeError: Timed out while attempting to connect
+    to ephemeral Prefect API server`, with nothing of the server's log, in every test that used it.)"""
     (tmp_path / "test_sub.py").write_text(
         "def test_one(prefect_api):\n    pass\n\n"
         "def test_two(prefect_api):\n    pass\n\n"
         "def test_beside_them():\n    pass\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTEST_", "FLEET_TEST_"))}
-    env.update(PYTHONPATH=f"{TESTS}{os.pathsep}{ROOT}", FLEET_TEST_SLOWDOWN="1",
-               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BROKEN_SERVER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTEST_", "FLEET_TEST_", "SUITE_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(TESTS), str(ROOT)]), FLEET_TEST_SLOWDOWN="1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "0",
                         "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_sub.py")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=harness.scaled(600))
@@ -110,5 +123,5 @@ def test_a_prefect_server_that_cannot_start_fails_only_its_tests_with_its_log(tm
     for e in errors:   # each: both attempts, the server's own log tail, and not the harness's traceback
         assert "the session's Prefect server (flows/localserver.py) did not start, tried twice" in e, e
         assert "attempt 1 (45 s)" in e and "attempt 2 (90 s)" in e, e
-        assert "--- its log, last lines ---" in e and "unable to open database file" in e, e
+        assert "--- its log, last lines ---\nstand-in fault: this Prefect server cannot start" in e, e
         assert "conftest.py:" not in e and "harness.py:" not in e, e

@@ -23,9 +23,13 @@ def _write(kind: str) -> None:
 
 
 class _FirstPrefectImport:
+    # Stays on sys.meta_path (a flag, not a removal): removing itself while the import system walks
+    # the list would skip the finder after it for that import.
+    seen = False
+
     def find_spec(self, name, path=None, target=None):
-        if name == "prefect" or name.startswith("prefect."):
-            sys.meta_path.remove(self)
+        if not self.seen and (name == "prefect" or name.startswith("prefect.")):
+            self.seen = True
             _write("prefect-import")
         return None
 
