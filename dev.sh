@@ -2,8 +2,14 @@
 # One entry point for a fresh machine.
 #   ./dev.sh setup        create .venv (uv), install fleet with its test + transformers extras
 #   ./dev.sh demo [ARGS]  setup, then `fleet demo ARGS` (the main job on the embedded Prefect server)
-#   ./dev.sh test [ARGS]  setup, install openssh-server, sshfs and chromium when missing, then run the whole test suite
-#                         in 4 parallel workers (ARGS -n N: N workers; -n 0: serially)
+#   ./dev.sh test [ARGS]  setup, install openssh-server, sshfs and chromium when missing, then two steps, both
+#                         reported at the end: the type check (mypy, strict on fleet/, cached), then the test
+#                         suite in 4 parallel workers. ARGS go to pytest (-n N: N workers; -n 0: serially; a
+#                         path: only those tests); the type check runs whatever ARGS say (seconds when its cache
+#                         is warm). Exit status: non-zero when either step failed. FLEET_TEST_MYPY=0 skips the
+#                         type check; FLEET_TEST_SLOWDOWN=F fixes the factor every test deadline is multiplied by
+#                         (default: measured from the machine's load at start; README, Tests).
+#   ./dev.sh typecheck    setup, then only the type check
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${FLEET_VENV:-.venv}
@@ -67,6 +73,17 @@ need_test_tools() {
   }
 }
 
+typecheck() {
+  # Its own step, not a test: a cold run is ≈ 75 s of CPU (minutes of wall on a loaded 2-core machine),
+  # and no deadline belongs on it. The cache is one per user in the temp dir, shared by every checkout and
+  # run on the machine under an flock (CI's fresh clone has no .mypy_cache/); mypy keys it by each file's
+  # contents and the options, so a warm run finds what a cold one does.
+  local cache="${TMPDIR:-/tmp}/fleet-test-mypy-$(id -u)"
+  mkdir -p -m 700 "$cache"
+  echo "dev.sh: type check: mypy, strict on fleet/ (pyproject.toml), cache $cache/cache" >&2
+  flock "$cache/.lock" "$VENV/bin/python" -m mypy --cache-dir "$cache/cache"
+}
+
 cmd=${1:-help}; shift || true
 case "$cmd" in
   setup) setup ;;
@@ -78,7 +95,19 @@ case "$cmd" in
     # conftest.py orders the longest tests first (hence no reordering here). A later -n wins.
     # --timeout: pytest-timeout's hang guard (300 s in pyproject) with room for a long test slowed by
     # the others beside it (the deployment tests reached 290 s with 4 workers on a busy machine).
-    exec "$VENV/bin/python" -m pytest -n 4 --dist loadgroup --no-loadscope-reorder --timeout 900 "$@" ;;
+    # --timeout is scaled by the slowdown factor too (tests/harness.py).
+    mypy_rc=skipped
+    if [ "${FLEET_TEST_MYPY:-1}" != 0 ]; then
+      mypy_rc=0; typecheck || mypy_rc=$?
+    fi
+    pytest_rc=0
+    "$VENV/bin/python" -m pytest -n 4 --dist loadgroup --no-loadscope-reorder --timeout 900 "$@" || pytest_rc=$?
+    word() { case "$1" in 0) echo passed ;; skipped) echo "skipped (FLEET_TEST_MYPY=0)" ;; *) echo "FAILED (exit $1)" ;; esac; }
+    echo "dev.sh: type check $(word "$mypy_rc"); tests $(word "$pytest_rc")" >&2
+    [ "$pytest_rc" = 0 ] || exit "$pytest_rc"
+    [ "$mypy_rc" = 0 ] || [ "$mypy_rc" = skipped ] || exit 1
+    ;;
+  typecheck) setup; typecheck ;;
   help|-h|--help) usage ;;
   *) echo "dev.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
 esac

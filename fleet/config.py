@@ -452,6 +452,9 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_WHEELS": "local wheel directories dev.sh installs from",
     "FLEET_TEST_SEED": "seed of the randomized store test (tests/test_gen_store.py)",
     "FLEET_FUZZ_EXAMPLES": "jobs of the answer fuzz test (tests/test_gen_answers.py)",
+    "FLEET_TEST_SLOWDOWN": "factor the test suite's deadlines are multiplied by (tests/harness.py; default measured)",
+    "FLEET_TEST_SLOWDOWN_MEASURED": "the factor the test suite measured at its start (tests/harness.py; set by it)",
+    "FLEET_TEST_MYPY": "0: `./dev.sh test` skips its type check step (dev.sh)",
     "FLEET_PREFECT_SERVER_IDLE_S": "idle seconds before the shared local Prefect server stops (flows/localserver.py)",
     "FLEET_PREFECT_PORT": "the port of the shared local Prefect server, int 1024-65535 (flows/localserver.py)",
     "FLEET_PREFECT_PORTS": "ports the shared local Prefect server may use, lo-hi within 1024-65535, the first free "

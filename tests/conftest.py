@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 from typing import Any
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,13 @@ os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-r
 # The CLI tests run `fleet ...` as subprocesses; the first on a PREFECT_HOME starts its local
 # Prefect server, which Prefect's default 20 s does not cover on a loaded 2-core CI machine
 # ("Timed out while attempting to connect to ephemeral Prefect API server"). Inherited by them.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# (Scaled, like every deadline of the suite, by the slowdown factor measured here once a run, in the
+# xdist controller or the one process, and inherited by the workers and everything they start.)
+import harness  # noqa: E402
+
+if not os.environ.get(harness.MEASURED_ENV):
+    os.environ[harness.MEASURED_ENV] = f"{harness.measure():.2f}"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", f"{harness.scaled(120):.0f}")
 # Those commands share one local Prefect server per PREFECT_HOME (flows/localserver.py), which
 # outlives them by design; the session stops its own at the end (`_local_prefect_servers_stop`),
 # and one left by a killed run stops itself after this many idle seconds instead of ten minutes.
@@ -111,19 +116,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
-def wait_until(check, *, timeout: float = 30.0, interval: float = 0.02, what: str = "condition"):
-    """Poll `check` until it returns a truthy value (returned) or fail after `timeout` s.
-
-    The timeout is a deadline for something broken, not a speed check: keep it generous (the
-    suite runs on busy machines), it costs nothing when the condition comes true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+# Waits and starts take their deadlines from one slowdown factor (tests/harness.py): re-exported here,
+# where the tests have always imported them from.
+from harness import StartFailed, scaled, start_twice, tail_of, wait_until  # noqa: E402,F401
 
 
 # Ports. The suite runs in parallel (pytest-xdist workers) beside other runs of it on the same
@@ -301,40 +296,57 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     unauthorized = d / "stranger_ed25519"
     _keygen(unauthorized)
     (d / "authorized_keys").write_text("\n".join(authorized) + "\n")
-    port = free_port()
-    config = d / "sshd_config"
-    config.write_text("\n".join([
-        f"Port {port}",
-        "ListenAddress 127.0.0.1",
-        f"HostKey {host_key_file}",
-        f"PidFile {d / 'sshd.pid'}",
-        f"AuthorizedKeysFile {d / 'authorized_keys'}",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "StrictModes no",  # keys under /tmp would be refused otherwise
-        "PermitRootLogin prohibit-password",
-        "Subsystem sftp internal-sftp",
-        "AllowTcpForwarding yes",
-        "MaxStartups 100",
-        "LogLevel VERBOSE",
-    ]) + "\n")
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
     log = d / "sshd.log"
-    proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    started: list[subprocess.Popen[bytes]] = []
 
-    def listening() -> bool:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            pytest.fail(f"sshd exited with {proc.returncode}: {err}\n{log.read_text() if log.exists() else ''}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return True
-        except OSError:
-            return False
+    def start(limit: float) -> tuple[subprocess.Popen[bytes], int]:
+        port = free_port()   # a new one per attempt: the last one may have been taken meanwhile
+        config = d / "sshd_config"
+        config.write_text("\n".join([
+            f"Port {port}",
+            "ListenAddress 127.0.0.1",
+            f"HostKey {host_key_file}",
+            f"PidFile {d / 'sshd.pid'}",
+            f"AuthorizedKeysFile {d / 'authorized_keys'}",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",  # keys under /tmp would be refused otherwise
+            "PermitRootLogin prohibit-password",
+            "Subsystem sftp internal-sftp",
+            "AllowTcpForwarding yes",
+            "MaxStartups 100",
+            "LogLevel VERBOSE",
+        ]) + "\n")
+        proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started.append(proc)
 
-    wait_until(listening, timeout=60, what=f"sshd on 127.0.0.1:{port}")
+        def listening() -> bool:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"sshd exited with {proc.returncode}: {err.strip()}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return True
+            except OSError:
+                return False
+
+        wait_until(listening, timeout=limit, scale=False, what=f"sshd on 127.0.0.1:{port}")
+        return proc, port
+
+    def stop_started() -> None:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    try:
+        proc, port = start_twice(start, what="the session's sshd", timeout=60, log_tail=lambda: tail_of(log),
+                                 cleanup=stop_started)
+    except StartFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
     import getpass
 
     try:
@@ -350,14 +362,32 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
-    """A throwaway Prefect API for the whole session (slow to start: ~10-20 s here), shared
-    by every test that needs real blocks, flows or artifacts."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api() -> Iterator[str]:
+    """A Prefect API for the whole session, shared by every test that needs real blocks, flows or
+    artifacts: this test process's local server (flows/localserver.py, on the session's PREFECT_HOME and
+    its migrated database), the same one the `fleet` commands of this worker attach to. One server per
+    worker, not two: Prefect's test harness started a second one (≈ 8 s of CPU to start, and its
+    services' polling for the whole run). This process holds the server's client lock for its life, so
+    it never stops idle under the session; `_local_prefect_servers_stop` stops it at the end.
 
-    # Prefect's default 30 s is too tight on a loaded 2-core CI machine (seen failing there)
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    Started with `start_twice`: a start that fails twice (the one in a busy CI run took over its
+    120 s) fails the tests that ask for it with the server's log tail, and starts nothing more."""
+    import prefect.settings
+
+    import flows.localserver as localserver
+
+    attempts = localserver.ATTEMPTS
+    localserver.ATTEMPTS = 1   # start_twice's two tries, the second with a longer wait, not attach's 2 × 2
+    try:
+        url = start_twice(lambda limit: localserver.attach(timeout=limit), what="the session's Prefect server "
+                          "(flows/localserver.py)", timeout=45,
+                          log_tail=lambda: tail_of(localserver.state_dir() / "server.log"))
+    except StartFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        localserver.ATTEMPTS = attempts
+    with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
+        yield url
 
 
 # Every Prefect server the suite starts (the session's test server, the local server of `fleet`
@@ -376,9 +406,13 @@ def prefect_db_template() -> Path:
     import hashlib
     from importlib.metadata import version
 
-    import prefect.server.database as db_pkg
+    import importlib.util
 
-    migrations = sorted(p.name for p in (Path(db_pkg.__file__).parent / "_migrations").rglob("*.py"))
+    # found, not imported: importing prefect.server.database costs ≈ 4.7 s of CPU, in every test process
+    spec = importlib.util.find_spec("prefect")
+    assert spec is not None and spec.origin is not None, "prefect is not installed"
+    db_pkg = Path(spec.origin).parent / "server" / "database"
+    migrations = sorted(p.name for p in (db_pkg / "_migrations").rglob("*.py"))
     key = hashlib.sha256("\n".join([version("prefect"), *migrations]).encode()).hexdigest()[:16]
     _PREFECT_DB_TEMPLATES.mkdir(mode=0o700, exist_ok=True)
     path = _PREFECT_DB_TEMPLATES / f"prefect-{key}.db"
@@ -410,13 +444,6 @@ def seed_prefect_home(home: Path) -> Path:
     return home
 
 
-def _seeded_mkdtemp() -> str:
-    """prefect_test_harness's temp dir, its database (`prefect-test.db`) already migrated."""
-    d = tempfile.mkdtemp()
-    seed_prefect_db(Path(d) / "prefect-test.db")
-    return d
-
-
 def compile_sources(root: Path) -> None:
     """Write the bytecode of fleet's packages under `root`. The suite starts hundreds of Python processes
     on them (`fleet` commands, flow runs, workers, runners), and with PYTHONDONTWRITEBYTECODE set (as on
@@ -428,24 +455,68 @@ def compile_sources(root: Path) -> None:
             compileall.compile_dir(root / pkg, quiet=2)
 
 
+@pytest.hookimpl(trylast=True)   # after pytest-timeout's, whose timeout it scales
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):   # once a run: the xdist controller, or the one process
         compile_sources(Path(__file__).resolve().parents[1])
-    # Prefect's temporary servers take a port from bind(0) (prefect_test_harness) or a random one in
-    # 8000-8999 after a bind check (a flow called with no API, and the retry after a failed bind):
-    # if another process takes it first, the server's health check can be answered by that
-    # process's server (another database). Take their ports from this process's block instead.
+    # pytest-timeout's hang guard is a deadline too: scaled like the waits (a test's own
+    # `@pytest.mark.timeout` in pytest_collection_modifyitems)
+    if getattr(config, "_env_timeout", None):
+        config._env_timeout = float(config._env_timeout) * harness.factor()   # type: ignore[attr-defined]
+    # Prefect's temporary servers take a random port in 8000-8999 after a bind check (a flow called
+    # with no API, and the retry after a failed bind): if another process takes it first, the server's
+    # health check can be answered by that process's server (another database). Take their ports
+    # from this process's block instead.
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # the xdist controller runs no test (and need not import Prefect's server)
-    import prefect.testing.utilities
-    from prefect.server.api.server import SubprocessASGIServer
-
-    prefect.testing.utilities._find_available_port = free_port
-    SubprocessASGIServer.find_available_port = lambda self: free_port()  # type: ignore[method-assign]
-    # and every server on this process's PREFECT_HOME (the test harness's, `fleet` commands' local one)
-    # starts on a migrated database
-    prefect.testing.utilities.mkdtemp = _seeded_mkdtemp  # type: ignore[attr-defined]
+    # Patched when something imports it, not imported here: Prefect's server module costs ≈ 7.6 s of CPU
+    # to import (2,165 modules; Prefect's client ≈ 2.5 s), once per test process, and the servers the tests
+    # use run in processes of their own.
+    _when_imported("prefect.server.api.server", _server_ports_from_our_block)
+    # and every server on this process's PREFECT_HOME (the `fleet` commands' and `prefect_api`'s local
+    # one) starts on a migrated database
     seed_prefect_home(Path(os.environ["PREFECT_HOME"]))
+
+
+def _server_ports_from_our_block(mod: Any) -> None:
+    mod.SubprocessASGIServer.find_available_port = lambda self: free_port()
+
+
+def _when_imported(name: str, patch: Any) -> None:
+    """Run `patch(module)` right after `name` is first imported in this process (at once if it is)."""
+    import importlib.machinery
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder:
+        done = False   # a flag: removing itself while the import system walks sys.meta_path skips a finder
+
+        def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+            if self.done or fullname != name:
+                return None
+            self.done = True
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return None
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, Finder())  # type: ignore[arg-type]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    given = os.environ.get(harness.ENV)
+    how = f"{harness.ENV}={given}" if given else (
+        f"measured at start: load {os.getloadavg()[0]:.1f} on {harness._cpus()} cores; set {harness.ENV} to fix it")
+    return f"fleet: deadlines × slowdown {harness.factor():.2g} ({how})"
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
@@ -575,6 +646,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    slowdown = harness.factor()
+    for item in items:   # a test's own hang guard, scaled like every deadline (pytest-timeout reads the closest)
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and slowdown > 1:
+            item.add_marker(pytest.mark.timeout(float(mark.args[0]) * slowdown, *mark.args[1:], **mark.kwargs),
+                            append=False)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run keeps pytest's order (and module fixtures set up once)
     unit_cost: dict[str, float] = {}

@@ -13,6 +13,9 @@ own and that of the children it waited for (getrusage), which misses servers it 
 
     .venv/bin/python -m pytest -n 0 tests/test_x.py --cpu-report /tmp/cpu.jsonl
     .venv/bin/python tests/cpu_report.py /tmp/cpu.jsonl      # per module and the top tests
+
+It also counts the run's Python processes by kind, and which imported Prefect (tests/proccount/:
+PATH.procs), for the processes that inherit the run's environment (not those started over SSH).
 """
 
 from __future__ import annotations
@@ -89,6 +92,11 @@ _METER_KEY = pytest.StashKey[_Meter]()
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--cpu-report")
+    if path and not hasattr(config, "workerinput") and not os.environ.get("SUITE_PROC_LOG"):
+        # every Python process of the run from here on (the workers too) counts itself: proccount/
+        os.environ["SUITE_PROC_LOG"] = str(Path(path).resolve()) + ".procs"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent / "proccount"), *filter(None, [os.environ.get("PYTHONPATH")])])
     if not path or (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")):
         return   # off, or the xdist controller (it runs no test)
     config.stash[_METER_KEY] = _Meter(Path(path))
@@ -140,5 +148,47 @@ def report(path: Path, top: int = 40) -> None:
         print(f"{r['test'][:100]:100} {r['wall']:7.1f} {r['user'] + r['sys']:7.1f}")
 
 
+def kind_of(argv: list[str]) -> str:
+    """What a Python process of the run was, from its interpreter's argv (`sys.orig_argv`)."""
+    line = " ".join(argv)
+    if "create_app" in line:
+        return "Prefect server (uvicorn)"
+    if "prefect.engine" in line:
+        return "flow run (prefect.engine)"
+    if " worker start" in line:
+        return "prefect worker"
+    if "/bin/prefect " in line or "-m prefect " in line:
+        return "prefect command"
+    if (len(argv) > 1 and argv[1].endswith("/bin/fleet")) or "-m flows.cli" in line:
+        return "fleet command"
+    if "exec(eval(sys.stdin.readline()))" in line:
+        return "pytest worker"
+    if "fleet.generation.job.runner" in line or "multinode" in line:
+        return "runner or controller"
+    if "fleet_sim.pyz" in line or "fleet.cli sim" in line:
+        return "sim server"
+    if "fleet_stage.py" in line:
+        return "staging helper"
+    return "other python"
+
+
+def count_report(path: Path) -> dict[str, tuple[int, int]]:
+    """Per kind of process: how many started, how many of them imported Prefect (from PATH.procs)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    started = {r["pid"]: kind_of(r.get("orig") or r["argv"]) for r in rows if r["kind"] == "start"}
+    imported = {r["pid"] for r in rows if r["kind"] == "prefect-import"}
+    out: dict[str, tuple[int, int]] = {}
+    for pid, kind in started.items():
+        n, p = out.get(kind, (0, 0))
+        out[kind] = (n + 1, p + (pid in imported))
+    print(f"\n{'python processes':30} {'started':>8} {'imported prefect':>17}")
+    for kind, (n, p) in sorted(out.items(), key=lambda kv: -kv[1][0]):
+        print(f"{kind:30} {n:8d} {p:17d}")
+    print(f"{'all':30} {sum(n for n, _ in out.values()):8d} {sum(p for _, p in out.values()):17d}")
+    return out
+
+
 if __name__ == "__main__":
     report(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3]))
+    if Path(sys.argv[1] + ".procs").exists():
+        count_report(Path(sys.argv[1] + ".procs"))

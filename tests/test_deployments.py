@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from fleet.node import LocalNode
-from conftest import free_port, processes, seed_prefect_home
+from conftest import free_port, processes, scaled, seed_prefect_home
 from conftest import wait_until as poll
 
 pytestmark = pytest.mark.prefect
@@ -53,7 +53,7 @@ class PrefectServer:
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
         res = subprocess.run([PY, "-m", "prefect", *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=scaled(timeout))
         if check and res.returncode != 0:
             pytest.fail(f"prefect {' '.join(args)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return res
@@ -157,6 +157,7 @@ class Hook:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_for(self, *needles: str, timeout: float = 45) -> dict[str, Any]:
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         seen = []
         while time.monotonic() < deadline:
@@ -184,7 +185,7 @@ def deployed(prefect_server: PrefectServer, hook: Hook) -> Iterator[PrefectServe
     s.cli("work-pool", "create", "fleet-pool", "--type", "process")
     s.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     res = subprocess.run([PY, "deployments/automation.py", "--webhook-url", hook.url], cwd=ROOT, env=s.env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert res.returncode == 0, res.stderr
     log = open(s.home / "worker.log", "wb")
     worker = subprocess.Popen([PY, "-m", "prefect", "worker", "start", "--pool", "fleet-pool"], cwd=ROOT, env=s.env,
@@ -407,7 +408,7 @@ def test_fleet_deploy_one_config_block_four_deployments_schedules_act_on_that_fl
     from fleet.demo import to_toml
     cfg_path.write_text(to_toml(data))
     res = subprocess.run([PY, "-m", "flows.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "3600"],
-                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
+                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=scaled(180))
     assert res.returncode == 0, res.stderr
     assert "config saved as block fleet-config/dep-block" in res.stdout
 
@@ -496,7 +497,7 @@ def test_alert_for_a_run_of_a_fresh_schedule_comes_at_once(deployed: PrefectServ
     from fleet.demo import to_toml
     cfg_path.write_text(to_toml(data))
     res = subprocess.run([PY, "-m", "flows.cli", "deploy", "-c", str(cfg_path), "--revalidate-every", "30"],
-                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=180)
+                         cwd=tmp_path, env=s.env, capture_output=True, text=True, timeout=scaled(180))
     assert res.returncode == 0, res.stderr
     try:
         def first_run_ended() -> dict[str, Any] | None:
@@ -573,7 +574,7 @@ def test_interrupted_up_on_a_real_server_leaves_no_lock(prefect_server: PrefectS
         assert killed and all(r["state"]["type"] == "CRASHED" for r in killed)  # nothing left "Running"
     finally:
         subprocess.run([PY, "-m", "flows.cli", "down", "-c", str(cfg_path)], cwd=ROOT, env=env, capture_output=True,
-                       timeout=120)
+                       timeout=scaled(120))
 
 
 def slots(s: PrefectServer, limit: str) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import wait_until
+from conftest import scaled, wait_until
 from fleet.config import FleetConfig
 from fleet.errors import JobConflict
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
@@ -130,7 +130,7 @@ def test_the_rows_a_full_disk_keeps_are_the_rows_it_says(tmp_path: Path, tmpfs: 
         wait_until(lambda: (p := progress(out)) and (p.get("committed") or 0) >= 50, timeout=60,
                    what="a few committed rows")
         fill(tmpfs)
-        rc = runner.wait(timeout=60)
+        rc = runner.wait(timeout=scaled(60))
     finally:
         if runner.poll() is None:
             runner.kill()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import port_block, processes, seed_prefect_home, wait_until
+from conftest import port_block, processes, scaled, seed_prefect_home, wait_until
 from fleet.demo import to_toml
 
 pytestmark = pytest.mark.prefect
@@ -112,7 +112,7 @@ def embedded_servers(home: str) -> list[int]:
 
 def down(env: dict[str, str], cfg: Path) -> None:
     subprocess.run([sys.executable, "-m", "flows.cli", "down", "-c", str(cfg)], cwd=ROOT, env=env,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=scaled(120))
 
 
 @pytest.mark.parametrize("sig,when", [
@@ -229,7 +229,7 @@ def test_two_commands_at_once_both_work_and_the_second_names_the_holder(env: dic
         # what the runs recorded, read straight from the database (the command path)
         t0 = time.monotonic()
         rep = subprocess.run([sys.executable, "-m", "flows.cli", "report", "-c", str(a)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=scaled(120))
         print(f"\nfleet report took {time.monotonic() - t0:.2f} s")
         assert rep.returncode == 0 and rep.stderr == "", rep.stderr  # no warnings, no telemetry errors
         assert rep.stdout.startswith("bringup-ta  Completed")
@@ -252,7 +252,7 @@ def test_embedded_server_that_cannot_start_is_one_line_with_the_remedy(env: dict
              PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db")
     # a bound only: two starts that each import Prefect's server took 53 s at load 25
     r = subprocess.run([sys.executable, "-m", "flows.cli", "up", "-c", str(cfg)], cwd=ROOT, env=e,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 2, r.stdout + r.stderr
     # one line, after the lines that said a server was being started
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("fleet: starting the local")]

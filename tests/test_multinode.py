@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import scaled
 from fleet.config import FleetConfig
 from fleet.generation.multinode.chunks import read_state
 from test_bringup import port_block, sim_config
@@ -183,7 +184,7 @@ def _run_to_end(proc: subprocess.Popen, log: Path, timeout: float = 400) -> str:
 
 
 def _wait(proc: subprocess.Popen, log: Path, check, what: str, timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         got = check()
         if got:
