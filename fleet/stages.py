@@ -235,3 +235,9 @@ class Generated:
         if self.error is None:
             del d["error"]
         return d
+
+
+def is_up(state: str | None) -> bool:
+    """A summary row's state for a server that serves: started, adopted, or started in place of the
+    slot's old server ("replaced (port 35600 → 35601)")."""
+    return state in ("up", "adopted") or (state or "").startswith("replaced")

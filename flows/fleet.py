@@ -30,7 +30,7 @@ from fleet.generation.data.objstore import is_url
 from fleet.interrupt import clear_stop, installed, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
-from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow
+from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow, is_up
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
 from flows.cancel import end_cancelled
@@ -84,12 +84,6 @@ class ServerRow:
 
 
 SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
-
-
-def is_up(state: str | None) -> bool:
-    """A summary row's state for a server that serves: started, adopted, or started in place of the
-    slot's old server ("replaced (port 35600 → 35601)")."""
-    return state in ("up", "adopted") or (state or "").startswith("replaced")
 
 
 @dataclass

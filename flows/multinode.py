@@ -22,6 +22,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from fleet.config import FleetConfig
 from fleet.errors import ConfigError, FleetError, InputChanged, InputError, StoreError
 from fleet.engines import ServerSpec
+from fleet.stages import is_up
 from fleet.generation.multinode.chunks import ControllerLock, plan_dir_for
 from fleet.generation.multinode.controller import Controller, NodeWork, plan_root
 from fleet.generation.data.objstore import is_url
@@ -31,7 +32,6 @@ from tasks.states import failed
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
                    retry_errors: bool, failures: list[str] | None = None) -> Any:
-    from flows.fleet import is_up
     from tasks.multinode import say
 
     logger = get_run_logger()

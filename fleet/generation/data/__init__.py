@@ -21,6 +21,8 @@
     plan.py     wall time and $ per M tokens of a job, before it runs
     objstore.py the Store seam: a local directory or an fsspec URL (s3://, gs://, hf://), files visible whole
       ranges.py     a JSONL input on object storage cut into byte ranges, read in place
+      pin.py        the input's version pinned at plan time (ETag, VersionId, generation, commit; a file's stat)
+      storeerrors.py  a store's refusals as one line with its cause and remedy, secrets masked
 
 May import: the core (fleet.config, fleet.errors, …) and itself; nothing of hotpath, job or multinode
 (tests/test_layers.py).
