@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import wait_until
+from conftest import scaled, wait_until
 from fleet.config import FleetConfig
 from test_gen_dispatch import sims  # noqa: F401  (the fixture is re-used)
 
@@ -307,4 +307,55 @@ def test_the_console_line_names_the_servers_out_and_why() -> None:
                          "endpoint/b: 3 rows it refused were answered by others"), line
     line = Progress.line(p("running", 1, [{"name": "endpoint/c", "state": "up"}, b]))
     assert line.endswith(" | out: endpoint/b: 3 rows it refused were answered by others"), line
-    assert "out:" not in Progress.line(p("done", 1, [{"name": "endpoint/c", "state": "up"}, b]))
+    # the last line too says which server was out and why (a job of seconds prints no other)
+    line = Progress.line(p("done", 1, [{"name": "endpoint/c", "state": "up"}, b]))
+    assert line.endswith(" | out: endpoint/b: 3 rows it refused were answered by others"), line
+    assert "out:" not in Progress.line(p("done", 1, [{"name": "endpoint/c", "state": "up"}]))
+
+
+# ---------------------------------------------------------------------------- through `fleet generate`
+
+@pytest.mark.usefixtures("prefect_api")
+def test_fleet_generate_sets_a_fast_failing_server_aside_and_waits_for_a_busy_one(tmp_path: Path, sims) -> None:
+    """Items 1 and 2 through the command a user runs (`fleet generate`, its flow, its detached runner):
+    three `[[endpoints]]` — a healthy sim, one that answers every chat with HTTP 400 "maximum context
+    length" (before: most rows ended in errors.jsonl, exit 0) and one that answers its first six chats
+    429 with Retry-After (before: each 429 charged to the row, the job failed). Every row ends done,
+    none in errors (with max_attempts = 1, so no 429 was charged to a row); the 400 server is out with
+    its reason, said in the command's output."""
+    import os
+    import subprocess
+
+    from fleet.demo import to_toml
+
+    good = sims("--tokens-per-s", "400")
+    bad = GarbageServer([CONTEXT_400])
+    busy = GarbageServer([rate_limit("1")] * 6, then=VALID)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_rows(inp, 60)
+    cfg = {"name": "others", "nodes": [{"name": "local", "workdir": str(tmp_path / "work")}],
+           "servers": {"count": 0}, "engine": {"kind": "sim"},
+           "endpoints": [{"name": n, "url": u, "model": "sim-model", "engine": "sim", "max_in_flight": 4}
+                         for n, u in (("good", good.url), ("bad", bad.url), ("busy", busy.url))],
+           "generation": {"max_tokens": 8, "max_attempts": 1, "retry_after_max_s": 2}}
+    path = tmp_path / "others.toml"
+    path.write_text(to_toml(cfg))
+    try:
+        r = subprocess.run([sys.executable, "-m", "flows.cli", "generate", "-c", str(path), "--input", str(inp),
+                            "--output", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=scaled(240), env={**os.environ, "PYTHONPATH": str(ROOT)})
+        served_busy = list(busy.served)
+    finally:
+        bad.close()
+        busy.close()
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["completed"] == 60 and not manifest["counts"].get("errors"), manifest["counts"]
+    servers = {s["name"]: s for s in manifest["servers"]}
+    b = servers["endpoint/bad"]
+    assert b["requests"] == 0 and b["downs"] >= 1 and "maximum context length" in (b.get("down_reason") or ""), b
+    # max_attempts = 1: a 429 charged to its row would have put that row in errors.jsonl
+    n429 = served_busy.count("429")
+    assert n429 >= 1 and servers["endpoint/busy"]["rate_limits"] == n429, (served_busy, servers["endpoint/busy"])
+    assert "endpoint/bad" in text and "rows it refused were answered by other servers" in text, text[-4000:]

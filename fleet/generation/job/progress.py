@@ -176,11 +176,12 @@ class Progress:
 
 def _servers_out(p: dict[str, Any]) -> str:
     """Why servers are out, on the console line: each one's reason when every server is down (a
-    pause never silent), else the first one taken out (the job goes on without it)."""
+    pause never silent), else the first one taken out (the job goes on without it; its last line
+    still says which one was out and why)."""
     out = [s for s in p["servers"] if s.get("state") in ("down", "recovering")]
-    if not out or p["state"] in ("done", "stopped", "failed"):
+    if not out:
         return ""
-    if not p["servers_up"]:
+    if not p["servers_up"] and p["state"] not in FINAL:
         return " | all servers down: " + "; ".join(f"{s['name']}: {(s.get('down_reason') or s['state'])[:300]}"
                                                     for s in out)
     more = f" (+{len(out) - 1} more)" if len(out) > 1 else ""
