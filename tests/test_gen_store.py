@@ -388,14 +388,16 @@ def test_nested_columns_read_as_lists_and_structs_by_pandas_and_datasets(tmp_pat
 
     row = read_results(out).to_pylist()[0]
     back = [message_from_arrow(m) for m in row["messages"]]
-    assert back[0] == TOOL_MSGS[0] and back[1] == TOOL_MSGS[1] and back[3] == TOOL_MSGS[3]
-    assert back[2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'  # the wire format: a string
+    # every message back as given (issue 34: arguments given as an object come back as one) ...
+    assert back == TOOL_MSGS
     assert params_from_arrow(row["params"]) == {**params, "stop": ["END"]}
     assert row["flags"] == ["truncated"] and row["turns"] == 2 and json.loads(row["extra"]) == {"source": "x"}
 
     df = pq.read_table(shard_paths(out)[0]).to_pandas()
     msgs = df.loc[0, "messages"]
     assert msgs[0]["role"] == "system" and msgs[3]["tool_call_id"] == "c1"
+    # ... while the typed column a Parquet reader sees holds the OpenAI wire format: arguments as a string
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'
     assert df.loc[0, "tool_calls"][0]["function"]["name"] == "get" and df.loc[0, "params"]["max_tokens"] == 64
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -462,7 +462,7 @@ class Dispatcher:
                 return None
             srv.gate.clear()
             try:
-                await asyncio.wait_for(srv.gate.wait(), min(wait, 1.0))
+                await asyncio.wait_for(srv.gate.wait(), min(wait, 1.0))   # bounded: wait_for, ≤ 1 s
             except asyncio.TimeoutError:
                 pass
         return None

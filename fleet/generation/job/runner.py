@@ -307,11 +307,13 @@ class _Run:
             try:
                 now = time.monotonic()
                 self._check_output()
+                # progress first: a commit slowed by a busy disk (fsync) must not leave progress.json
+                # still, which a controller takes for a lost node after node_lost_s
+                p = self.progress.write(self.disp)
                 if now - last_flush >= every:
                     await asyncio.to_thread(self.guarded.flush)   # thread-safe store; the loop keeps serving
                     last_flush = now
                     self._publish_shards()
-                p = self.progress.write(self.disp)
                 if console and now - last_console >= job.console_interval_s:
                     print(Progress.line(p), flush=True)
                     last_console = now
