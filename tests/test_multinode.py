@@ -184,6 +184,8 @@ def _run_to_end(proc: subprocess.Popen, log: Path, timeout: float = 400) -> str:
 
 
 def _wait(proc: subprocess.Popen, log: Path, check, what: str, timeout: float = 240) -> Any:
+    """`check()`'s first truthy answer, while `proc` runs. A falsy answer is "not yet": a check that
+    finds a chunk index returns it in a tuple (chunk 0 is falsy)."""
     deadline = time.monotonic() + scaled(timeout)
     while True:
         got = check()

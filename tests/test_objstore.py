@@ -144,11 +144,13 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
                         return int(idx)
             return None
 
-        def frozen_mid_chunk() -> int | None:
+        def frozen_mid_chunk() -> tuple[int] | None:
             """Freeze the slow node while its runner is mid-chunk. The controller's state lags the
             runner (a chunk it still calls running may be finished): after the SIGSTOP the scene is
             checked — that chunk's runner alive (stopped) and its manifest not in the store — and
-            otherwise let go, and the next chunk on the slow node is tried."""
+            otherwise let go, and the next chunk on the slow node is tried. The chunk comes back in a
+            tuple: `_wait` takes a falsy answer for "not yet", and chunk 0 is falsy (when the slow
+            node drew chunk 0, this wait froze it again and again until the job ended without it)."""
             idx = slow_chunk_with_published_shards()
             if idx is None:
                 return None
@@ -158,14 +160,14 @@ def test_node_lost_and_controller_killed_every_id_once_in_the_store(tmp_path: Pa
             frozen[:] = pids
             if slow_runner_of(idx) in pids and \
                     Store(f"{out}/_parts/slow/chunk-{idx:05d}").read_bytes("manifest.json") is None:
-                return idx
+                return (idx,)
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
             frozen.clear()
             tried.add(idx)
             return None
 
-        idx = _wait(first, log1, frozen_mid_chunk, "the slow node to put shards in the store, caught mid-chunk")
+        (idx,) = _wait(first, log1, frozen_mid_chunk, "the slow node to put shards in the store, caught mid-chunk")
 
         def seeded_takeover() -> bool:
             """The chunk handed to the other node, whose runner starts from the lost node's shards in the
