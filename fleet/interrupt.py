@@ -43,6 +43,8 @@ Cancelled, not waiting for Prefect's runner: flows/cancel.py).
 from __future__ import annotations
 
 import atexit
+import contextvars
+import functools
 import os
 import signal
 import sys
@@ -76,8 +78,10 @@ _installed = threading.Event()  # install() ran: this process is a command, not 
 
 def on_interrupt(name: str, fn: Callable[[], None], *, order: int = 0) -> Callable[[], None]:
     """Run `fn` (bounded, best effort) when the user presses Ctrl-C; returns an unregister function.
-    Lower `order` runs first; cleanups of the same order run at the same time."""
-    entry = (order, name, fn)
+    Lower `order` runs first; cleanups of the same order run at the same time. `fn` runs in the
+    caller's context (contextvars): a cleanup that talks to Prefect reaches the server the flow
+    used (a settings context, not only the environment), not a temporary one of its own."""
+    entry = (order, name, functools.partial(contextvars.copy_context().run, fn))
     with _lock:
         _cleanups.append(entry)
 

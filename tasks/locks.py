@@ -31,6 +31,7 @@ each with its own embedded server but the same PREFECT_HOME, exclude each other 
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import re
@@ -367,7 +368,12 @@ class _Held:
         self._stop = threading.Event()
         self._released = threading.Lock()
         self._done = False
-        self._beat = threading.Thread(target=self._beat_loop, name="fleet-lock-heartbeat", daemon=True)
+        # in this context: a plain thread starts with none, and Prefect's client there reads only the
+        # environment — with the API set by a settings context (a flow called in-process under
+        # `temporary_settings`) the heartbeat started a temporary server of its own and renewed the
+        # lease there, not on the server that holds the lock
+        self._beat = threading.Thread(target=contextvars.copy_context().run, args=(self._beat_loop,),
+                                      name="fleet-lock-heartbeat", daemon=True)
         self._beat.start()
         # Ctrl-C ends the command with os._exit (fleet/interrupt.py): give the slot back first,
         # at the same time as the flow run is marked Crashed (flows/api.py, also order 50).

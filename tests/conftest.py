@@ -361,6 +361,22 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
             proc.wait()
 
 
+def global_api(url: str | None) -> None:
+    """Set the Prefect API of this process's global settings (what a thread with no context reads),
+    leaving the environment as it was."""
+    import prefect.context
+
+    before = os.environ.pop("PREFECT_API_URL", None)
+    if url is not None:
+        os.environ["PREFECT_API_URL"] = url
+    try:
+        prefect.context.refresh_global_settings_context()
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        if before is not None:
+            os.environ["PREFECT_API_URL"] = before
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     """A Prefect API for the whole session, shared by every test that needs real blocks, flows or
@@ -386,6 +402,12 @@ def prefect_api() -> Iterator[str]:
         pytest.fail(str(exc), pytrace=False)
     finally:
         localserver.ATTEMPTS = attempts
+    # The process's global settings too, not only this thread's context: a plain thread starts with no
+    # context, and Prefect's client there (its log worker; before tasks/locks ran its heartbeat in its
+    # creator's context, the lock's too) found no API and started a temporary server of its own on
+    # this PREFECT_HOME's database, one per pytest worker (≈ 20–30 s of CPU each over a run). The
+    # environment is left as it was: the `fleet` commands the tests start attach as a user's would.
+    global_api(url)
     with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
         yield url
 

@@ -312,3 +312,61 @@ def test_a_ctrl_c_during_the_slot_request_never_leaves_the_slot_held_by_a_run_go
     finally:
         taking.done()
         signal.signal(signal.SIGINT, before)
+
+
+def _temporary_servers_of_this_process() -> list[int]:
+    """Prefect's own temporary API servers (`prefect.server.api.server:create_app` under uvicorn) that
+    this test process started (its children)."""
+    me, found = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == me and b"prefect.server.api.server" in cmd:
+            found.append(int(d))
+    return found
+
+
+def test_the_heartbeat_renews_the_lease_on_the_flows_server_not_a_temporary_one(
+        monkeypatch: pytest.MonkeyPatch, prefect_api: str) -> None:
+    """Fault: the lock's heartbeat ran in a plain thread, which starts with no context; with the API
+    set by a settings context (a flow called in-process under `temporary_settings`, as this suite and
+    a user's own script do) Prefect's client there found no API and started a temporary server of its
+    own, one more server on the database, and renewed the lease through it. Now the heartbeat runs in
+    its creator's context: the beats reach the flow's server and no temporary server is started. The
+    process's global settings are emptied here, as a plain script's are."""
+    from conftest import global_api
+    from conftest import wait_until as poll
+
+    monkeypatch.setattr(locks, "BEAT_S", 0.2)
+    global_api(None)
+    try:
+        cfg = cfg_for("beat.example")
+        name = locks.lock_names(cfg)[0]
+        from prefect import flow
+
+        @flow(name="lock-beat-test")
+        def holder() -> list[float]:
+            with locks.hold_nodes(cfg, wait_s=10, purpose="bringup"):
+                beats: list[float] = []
+
+                def beat_moved() -> bool:
+                    with client() as c:
+                        v = c.read_variable_by_name(locks.record_name(name))
+                    b = (v.value or {}).get("beat") if v is not None else None
+                    if b is not None and b not in beats:
+                        beats.append(b)
+                    return len(beats) >= 3   # the record's first write and two heartbeats
+
+                poll(beat_moved, timeout=60, what="two heartbeats on the flow's server", state=lambda: beats)
+                return beats
+
+        beats = holder()
+        assert beats == sorted(beats)
+        assert _temporary_servers_of_this_process() == [], "the heartbeat started a temporary Prefect server"
+    finally:
+        global_api(prefect_api)
