@@ -108,7 +108,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
             return failed(f"generation: {(ctl.failure or exc).one_line()}",
                           {"plan_dir": str(pdir), "could_not_run": isinstance(ctl.failure, InputChanged)})
         # the fence (fence.py): late runners stopped, abandoned parts removed, what may still run named
-        fence = _fence(cfg, ctl, manifest)
+        fence = _fence(cfg, ctl)
         cleaned = None
         if ctl.store is not None and manifest.get("complete") and ctl.assign.all_done():
             from fleet.generation.multinode.cleanup import clean_nodes, job_copies
@@ -150,7 +150,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                      data=result)
 
 
-def _fence(cfg: FleetConfig, ctl: Controller, manifest: dict[str, Any]) -> Any:
+def _fence(cfg: FleetConfig, ctl: Controller) -> Any:
     """The job's end (fence.py): every node's abandoned runners stopped, each line of what may still run
     (a node that does not answer, servers kept up) said; None when that could not be looked at."""
     from fleet.generation.multinode.fence import fence_job
@@ -169,8 +169,10 @@ def _fence(cfg: FleetConfig, ctl: Controller, manifest: dict[str, Any]) -> Any:
     for name, chunks in sorted(fence.stopped.items()):
         logger.warning("node %s: stopped the runner(s) of chunk(s) %s, which another node finished", name,
                        ", ".join(map(str, chunks)))
-    for line in fence.lines():
+    for line in fence.warnings():   # out of the operator's sight unless said
         logger.warning("%s", line)
+    if fence.servers_up:   # as after any job: kept up for the next one
+        logger.info("servers still run on %s (`fleet down` stops them)", ", ".join(sorted(fence.servers_up)))
     return fence
 
 
