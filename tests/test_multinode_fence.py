@@ -106,8 +106,6 @@ def test_a_lost_nodes_prestarted_runner_is_stopped_and_its_late_parts_count_for_
     there = {f"{n}/{c}" for n in parts.names() for c in parts.child(n).names()
              if Store(f"{out}/_parts/{n}/{c}").names()}
     assert there == counted, (there, counted)
-    # the chunk started early is stopped at the loss (the node still answers), not left to run on
-    assert "node slow: stopped the runner(s) of chunk(s)" in text, text[-3000:]
     # a late runner that could not be stopped publishes into its abandoned prefix after the end: a merge
     # from the store (`fleet fetch`) reads the counted parts only, so the output's ids do not change
     late = Store(f"{out}/_parts/slow/chunk-{chunks[0]:05d}")
@@ -119,6 +117,8 @@ def test_a_lost_nodes_prestarted_runner_is_stopped_and_its_late_parts_count_for_
     fetched = [i for p in sorted((tmp_path / "fetched" / "shards").glob("*.parquet"))
                for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
     assert sorted(fetched) == sorted(ids)
+    # the chunk started early is stopped at the loss (the node still answers), not left to run on
+    assert "node slow: stopped the runner(s) of chunk(s)" in text, text[-3000:]
     # the job's cost: per node, for the time the job held it (bring-up start to release), on that basis
     _check_cost(manifest)
 
@@ -162,13 +162,14 @@ def test_cost_counts_each_node_for_the_time_the_job_held_it_idle_and_set_aside_n
     assert again[0].since == 1000.0 and again[0].held_s == 4000.0
 
 
-def _assign(tmp_path: Path, attempts: dict[int, list[tuple[str, str, str | None]]]) -> Any:
+def _assign(plan_dir: Path, attempts: dict[int, list[tuple[str, str, str | None]]]) -> Any:
     """Assignments of a plan of len(attempts) chunks whose chunk i had `attempts[i]`: (node, output, outcome)."""
     from fleet.generation.multinode.chunks import Assignments, Attempt, Chunk, ChunkState, Plan
 
     plan = Plan(input="x", input_id={}, total_lines=10 * len(attempts), chunk_rows=10, nodes=["a", "b"],
                 chunks=[Chunk(i, 1 + 10 * i, 10, "") for i in attempts], fmt="jsonl")
-    assign = Assignments(tmp_path, plan)
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    assign = Assignments(plan_dir, plan)
     for i, atts in attempts.items():
         c = ChunkState(attempts=[Attempt(node=n, output=o, started_at=float(k), ended_at=float(k + 1) if oc else None,
                                          outcome=oc) for k, (n, o, oc) in enumerate(atts)])
@@ -223,3 +224,26 @@ def test_a_late_node_that_does_not_answer_is_named_with_what_may_still_run(tmp_p
     assert fence.warnings() == ["slow: runner of chunk 1 may still run; its servers may still run "
                                 "(it does not answer; `fleet down` once it does)"]
     assert fence.lines()[-1] == "servers still run on fast (`fleet down` stops them)"
+
+
+def test_a_late_publish_into_an_abandoned_prefix_adds_nothing_to_the_merge(tmp_path: Path) -> None:
+    """A lost node's runner that could not be stopped puts a shard into its abandoned prefix after its chunk
+    was finished elsewhere: the merge from the store reads each done chunk's counted attempt alone, so the
+    late rows are not in the output (on main they were merged: every attempt's part was a source)."""
+    from test_bringup import port_block, sim_config
+
+    from fleet.generation.multinode.controller import merge_job
+
+    out = tmp_path / "store"   # a local directory is a store too (objstore.Store)
+    assign = _assign(tmp_path / "plan", {0: [("slow", "/w/slow/chunk-00000", "lost"),
+                                             ("fast", "/w/fast/chunk-00000", "done")]})
+    for node, ids in (("fast", ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]), ("slow", ["late-0"])):
+        part = out / "_parts" / node / "chunk-00000"
+        (part / "shards").mkdir(parents=True)
+        pq.write_table(pa.table({"id": ids, "completion": ["x"] * len(ids)}), part / "shards" / "part-000001.parquet")
+        (part / "manifest.json").write_text(json.dumps({"complete": True, "state": "done", "accounted": len(ids)}))
+    cfg = sim_config(tmp_path, port_block(1), n=1)
+    merge_job(cfg, tmp_path / "plan", assign.plan, assign, tmp_path / "dest", store=str(out))
+    merged = [i for p in sorted((tmp_path / "dest" / "shards").glob("*.parquet"))
+              for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+    assert sorted(merged) == list("abcdefghij")
