@@ -55,7 +55,8 @@ from fleet.generation.multinode.chunks import (
     load_plan, split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
-from fleet.generation.multinode.fence import attempt_name, attempt_part, counted_attempts
+from fleet.generation.multinode.cost import stored_holds
+from fleet.generation.multinode.fence import attempt_name, attempt_part, counted_attempts, stop_abandoned_on
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
 from fleet.generation.multinode.nodecheck import last_words
 from fleet.generation.multinode.quarantine import Quarantine, set_aside, wait_and_check
@@ -518,20 +519,11 @@ class Controller:
         return lost_since
 
     def _stop_abandoned(self, name: str) -> None:
-        """Node `name` answers again: the runners of its attempts that are over (its chunk went elsewhere
-        while it was lost) are stopped now, before it takes a chunk (fence.py)."""
-        from fleet.generation.multinode.fence import abandoned_on, stop_abandoned
-
+        """Node `name` was just lost, or answers again: the runners of its attempts that are over (a chunk
+        started there while the lost one drained; a chunk that went elsewhere) are stopped now, before it
+        takes a chunk (fence.py). A node that does not answer: tried again at rejoin and at the job's end."""
         assert self.assign is not None
-        try:
-            node = connect(self.node_cfg(name))
-            try:
-                stopped = stop_abandoned(self.cfg, node, name, abandoned_on(self.assign, name))
-            finally:
-                node.close()
-        except Exception as exc:   # tried again at the job's end (fence_job), and named there if it fails
-            log.warning("could not stop the abandoned runners on %s: %s", name, exc)
-            return
+        stopped = stop_abandoned_on(self.cfg, self.assign, name, connect)
         if stopped:
             self.say(logging.WARNING, f"node {name}: stopped the runner(s) of chunk(s) {', '.join(map(str, stopped))}, "
                                       "which went to other nodes while it was lost")
@@ -1009,7 +1001,7 @@ class Controller:
     def holds(self) -> list[Any]:
         """Each node's hold (cost.py) as of now, the first `since` of an earlier controller kept; written
         to the plan directory's held.json (what `fleet fetch` and a next controller read)."""
-        from fleet.generation.multinode.cost import HELD_FILE, merged_holds, node_holds
+        from fleet.generation.multinode.cost import record_holds
 
         assert self.assign is not None
         now, mono = time.time(), time.monotonic()
@@ -1018,23 +1010,8 @@ class Controller:
                     if r.get("state") == "lost" and n in self.nodes}
         quarantined = {n: now - (mono - h.since) for n, h in self.quarantine.held.items()}
         gpus = {**self.node_gpus, **{n: w.gpus for n, w in self.nodes.items()}}
-        holds = node_holds(gpus, self.held_since or self.assign.started_at, now, set_aside=self.aside_at,
-                           quarantined=quarantined, lost=lost)
-        holds = merged_holds(holds, _read_holds(self.plan_dir))
-        from dataclasses import asdict
-
-        write_json_atomic(self.plan_dir / HELD_FILE, [asdict(h) for h in holds])
-        return holds
-
-
-def _read_holds(plan_dir: Path) -> list[dict[str, Any]] | None:
-    from fleet.generation.multinode.cost import HELD_FILE
-
-    try:
-        got = json.loads((plan_dir / HELD_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return got if isinstance(got, list) else None
+        return record_holds(self.plan_dir, gpus, self.held_since or self.assign.started_at, now,
+                            set_aside=self.aside_at, quarantined=quarantined, lost=lost)
 
 
 def part_url(output: str, node: str, chunk: Chunk) -> str:
@@ -1070,7 +1047,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         "timings": {"started_at": first_start, "finished_at": last_end, "wall_s": round(wall, 3)},
         "throughput": {"completion_tokens": ct, "prompt_tokens": pt,
                        "completion_tok_s": round(ct / wall, 2), "rows_per_s": None},
-        "cost": _job_cost(cfg, per_node, wall, ct, holds if holds is not None else _stored_holds(plan_dir)),
+        "cost": _job_cost(cfg, per_node, wall, ct, holds if holds is not None else stored_holds(plan_dir)),
         "events": assign.events[-200:],
     }
     manifest = merge(sources, dest, extra_manifest=extra)
@@ -1158,16 +1135,6 @@ def _node_rates(per_node: _Rows, per_server: _Rows) -> None:
     for s in per_server.values():
         busy = per_node.get(s["node"], {}).get("busy_s") or 0
         s["completion_tok_s"] = round(s["completion_tokens"] / busy, 2) if busy else None
-
-
-def _stored_holds(plan_dir: Path) -> list[Any] | None:
-    from fleet.generation.multinode.cost import Hold
-
-    got = _read_holds(plan_dir)
-    try:
-        return [Hold(**h) for h in got] if got else None
-    except TypeError:   # a record this version cannot read: the older basis below
-        return None
 
 
 def _job_cost(cfg: FleetConfig, per_node: _Rows, wall: float, ct: int, holds: list[Any] | None = None) -> dict[str, Any]:

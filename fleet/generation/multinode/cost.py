@@ -13,10 +13,12 @@ the manifest's `cost`. A job resumed by another controller keeps each node's fir
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Hold", "BASIS", "job_cost", "merged_holds", "node_holds", "HELD_FILE"]
+__all__ = ["Hold", "BASIS", "job_cost", "merged_holds", "node_holds", "record_holds", "stored_holds", "HELD_FILE"]
 
 HELD_FILE = "held.json"   # in the plan directory: each node's Hold, for `fleet fetch` and a next controller
 BASIS = ("each node's GPUs for the time the job held it: from the start of its bring-up to its release "
@@ -74,3 +76,29 @@ def job_cost(holds: list[Hold], price_per_gpu_hour: float | None, completion_tok
         if completion_tokens:
             cost["usd_per_m_completion_tokens"] = round(usd / (completion_tokens / 1e6), 4)
     return cost
+
+
+def _read(plan_dir: Path) -> list[dict[str, Any]] | None:
+    try:
+        got = json.loads((plan_dir / HELD_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return got if isinstance(got, list) else None
+
+
+def record_holds(plan_dir: Path, gpus: dict[str, int], since: float, end: float, **released: Any) -> list[Hold]:
+    """`node_holds` with an earlier controller's first `since` kept (`merged_holds`), written to held.json."""
+    from fleet.generation.data.durable import write_json_atomic
+
+    holds = merged_holds(node_holds(gpus, since, end, **released), _read(plan_dir))
+    write_json_atomic(plan_dir / HELD_FILE, [asdict(h) for h in holds])
+    return holds
+
+
+def stored_holds(plan_dir: Path) -> list[Hold] | None:
+    """The holds the job's controller recorded (held.json), or None (a job recorded before them)."""
+    got = _read(plan_dir)
+    try:
+        return [Hold(**h) for h in got] if got else None
+    except TypeError:   # a record this version cannot read
+        return None

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from fleet.generation.multinode.chunks import Assignments, Attempt, Chunk
     from fleet.node import Node
 
-__all__ = ["Fence", "attempt_name", "attempt_part", "counted_attempts", "abandoned_on", "stop_abandoned",
+__all__ = ["Fence", "attempt_name", "attempt_part", "counted_attempts", "abandoned_on", "stop_abandoned", "stop_abandoned_on",
            "remove_leftovers", "PARTS_DIR"]
 
 log = logging.getLogger("fleet.generation.multinode.fence")
@@ -101,6 +101,21 @@ def stop_abandoned(cfg: FleetConfig, node: Node, node_name: str, attempts: list[
             node.stop(int(pid), grace_s=5.0)
             stopped.append(dirs[d])
     return sorted(stopped)
+
+
+def stop_abandoned_on(cfg: FleetConfig, assign: Assignments, name: str, connect: Any) -> list[int]:
+    """Node `name`'s abandoned runners stopped (`stop_abandoned`) over a connection of its own: the chunks
+    whose runner was stopped; none when the node does not answer (tried again at the job's end, and named
+    there if it still does not)."""
+    try:
+        node = connect(cfg.node(name))
+        try:
+            return stop_abandoned(cfg, node, name, abandoned_on(assign, name))
+        finally:
+            node.close()
+    except Exception as exc:
+        log.warning("could not stop the abandoned runners on %s: %s", name, exc)
+        return []
 
 
 def remove_leftovers(output: str, assign: Assignments) -> int:
