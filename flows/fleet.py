@@ -284,7 +284,7 @@ def _write_summary(cfg: FleetConfig, rows: list[ServerRow], failures: list[str],
 
 
 def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], specs: list[ServerSpec],
-                    input: str, output: str, retry_errors: bool) -> Any:
+                    input: str, output: str, retry_errors: bool, held_since: float | None = None) -> Any:
     """Push the job through the servers that came up and the config's [[endpoints]]: one runner,
     on the node that has the servers (endpoints only: the config's node)."""
     from tasks.generate import generate
@@ -304,7 +304,8 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
         if failures:
             logger.warning("generating with the servers that are up; not up: %s", " | ".join(failures))
         try:
-            return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures)
+            return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures,
+                                  held_since=held_since)
         except JobConflict as exc:   # another controller runs this job: it could not run (exit 2)
             return failed(f"generation: {exc.one_line()}", {"conflict": True})
     node_name = max(by_node, key=lambda n: len(by_node[n]))
@@ -433,13 +434,14 @@ def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, nod
         rows: list[ServerRow] = []
         failures: list[str] = []
         specs: list[ServerSpec] = []
+        held_since = time.time()   # the nodes are the job's from their bring-up on: its cost counts from here
         if cfg.launches_servers:   # servers.count = 0: the [[endpoints]] only, nothing to bring up
             # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not: it
             # would block bring-ups and revalidations for days.
             with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
                 rows, failures, specs = bringup(cfg)
             _write_summary(cfg, rows, failures, t0)
-        result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors)
+        result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors, held_since)
         if interrupted():
             # The job phase holds no node lock (whose release parks the bring-up): a job that ended
             # after a Ctrl-C stops here too, so its run is not set Completed over the Crashed the

@@ -31,7 +31,7 @@ from tasks.states import failed
 
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
-                   retry_errors: bool, failures: list[str] | None = None) -> Any:
+                   retry_errors: bool, failures: list[str] | None = None, held_since: float | None = None) -> Any:
     from tasks.multinode import say
 
     logger = get_run_logger()
@@ -57,8 +57,11 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                  for r in rows if r["node"] == name and is_up(r["state"])}
         nodes[name] = NodeWork(name, node_specs, facts)
     aside: dict[str, str] = {}
+    gpus = {n: w.gpus for n, w in nodes.items()}   # every node taken for the job: its cost counts (cost.py)
+    aside_at = time.time()
     if is_url(output):   # every node proves its store access first; one that cannot is left out
         aside = _check_nodes(cfg, sorted(nodes), input, output)
+        aside_at = time.time()
         for name, cause in sorted(aside.items()):
             logger.warning("node %s set aside: %s", name, cause)
             del nodes[name]
@@ -72,6 +75,9 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     pdir = plan_dir_for(plan_root(), cfg.name, output)
     ctl = Controller(cfg, pdir, output, nodes, say=say)
     ctl.set_aside = dict(aside)
+    ctl.held_since = held_since
+    ctl.node_gpus = gpus
+    ctl.aside_at = {n: aside_at for n in aside}
     t0 = time.monotonic()
     with ControllerLock(pdir):   # a gzip input on the store is staged in prepare: under the lock, one copy
         try:
@@ -101,6 +107,8 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
             ctl.fail_job(exc)
             return failed(f"generation: {(ctl.failure or exc).one_line()}",
                           {"plan_dir": str(pdir), "could_not_run": isinstance(ctl.failure, InputChanged)})
+        # the fence (fence.py): late runners stopped, abandoned parts removed, what may still run named
+        fence = _fence(cfg, ctl)
         cleaned = None
         if ctl.store is not None and manifest.get("complete") and ctl.assign.all_done():
             from fleet.generation.multinode.cleanup import clean_nodes, job_copies
@@ -112,12 +120,16 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
                             "".join(f"; kept {k}: {v}" for k, v in sorted(cleaned.kept.items())[:10]))
             except Exception as exc:   # the job is done and merged: a cleanup that fails leaves copies, not a failure
                 logger.warning("could not clean the nodes' working copies: %s: %s", type(exc).__name__, exc)
+            if fence is not None:   # after the copies: an abandoned part is the last trace of a late attempt
+                fence.removed_objects = _remove_leftovers(output, ctl)
     counts = manifest["counts"]
     result = {"output": str(dest), "remote_output": output, "plan_dir": str(pdir), "state": manifest["state"],
               "rows_total": plan.total_lines, "completed": counts["completed"], "errors": counts["errors"],
               "rejects": counts["rejects"], "throughput": manifest.get("throughput"), "cost": manifest.get("cost"),
               "checks": manifest.get("checks"), "nodes": manifest.get("nodes"), "shares": shares,
-              "seconds": round(time.monotonic() - t0, 1), "node_copies": cleaned.to_dict() if cleaned else None}
+              "seconds": round(time.monotonic() - t0, 1), "node_copies": cleaned.to_dict() if cleaned else None,
+              "fence": fence.to_dict() if fence is not None else None}
+    still = "; ".join(fence.warnings()) if fence is not None else ""
     if ctl.failure is not None:   # the input changed under the job (exit 2), the store refused: one line, its remedy
         return failed(f"generation: {ctl.failure.one_line()}",
                       {**result, "could_not_run": isinstance(ctl.failure, InputChanged)})
@@ -133,8 +145,49 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     per = ", ".join(f"{n['node']} {n['rows']} ({n['share'] * 100:.0f}%)" for n in manifest.get("nodes") or [])
     return Completed(message=f"generated {counts['completed']} row(s), {counts['errors']} error(s), "
                              f"{counts['rejects']} reject(s) over {len(nodes)} node(s) [{per}] into {dest}"
-                             + (f"; not up: {' | '.join(failures)}" if failures else ""),
+                             + (f"; not up: {' | '.join(failures)}" if failures else "")
+                             + (f"; {still}" if still else ""),
                      data=result)
+
+
+def _fence(cfg: FleetConfig, ctl: Controller) -> Any:
+    """The job's end (fence.py): every node's abandoned runners stopped, each line of what may still run
+    (a node that does not answer, servers kept up) said; None when that could not be looked at."""
+    from fleet.generation.multinode.fence import fence_job
+
+    assert ctl.assign is not None
+    logger = get_run_logger()
+    with ctl.assign._lock:   # a node lost at the end says "finished" in its loop; the state says lost
+        states = {n: "lost" if ctl.assign.nodes.get(n, {}).get("state") == "lost" else w.state
+                  for n, w in ctl.nodes.items()}
+    states.update({n: "set aside" for n in ctl.set_aside})
+    try:
+        fence = fence_job(cfg, ctl.assign, states, None)
+    except Exception as exc:   # the job's rows are merged: a fence that fails is said, never a failure
+        logger.warning("could not stop the late nodes' runners: %s: %s", type(exc).__name__, exc)
+        return None
+    for name, chunks in sorted(fence.stopped.items()):
+        logger.warning("node %s: stopped the runner(s) of chunk(s) %s, which another node finished", name,
+                       ", ".join(map(str, chunks)))
+    for line in fence.warnings():   # out of the operator's sight unless said
+        logger.warning("%s", line)
+    if fence.servers_up:   # as after any job: kept up for the next one
+        logger.info("servers still run on %s (`fleet down` stops them)", ", ".join(sorted(fence.servers_up)))
+    return fence
+
+
+def _remove_leftovers(output: str, ctl: Controller) -> int:
+    from fleet.generation.multinode.fence import remove_leftovers
+
+    assert ctl.assign is not None
+    try:
+        n = remove_leftovers(output, ctl.assign)
+    except Exception as exc:   # leftovers cost storage, never rows
+        get_run_logger().warning("could not remove the abandoned attempts' parts: %s: %s", type(exc).__name__, exc)
+        return 0
+    if n:
+        get_run_logger().info("removed %d object(s) of abandoned attempts from %s/_parts", n, output)
+    return n
 
 
 def _run_nodes(cfg: FleetConfig, ctl: Controller) -> tuple[list[dict[str, Any]], list[str]]:

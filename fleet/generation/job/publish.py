@@ -9,8 +9,9 @@ the store, by the runner itself, so no controller is in the data path:
   a JSONL input, only its rows of a Parquet one (the row groups that hold them).
 - `seed`: a fresh attempt of a chunk first copies the shards that earlier attempts (on other
   nodes, maybe lost ones) put in the store, so its resume skips their ids. Their names are kept in
-  `.seeded.json` and not published again: those rows are already in the store, under the attempt
-  that generated them.
+  `.seeded.json`; they are published with the attempt's own shards, so an attempt's part holds
+  every row of its chunk: the job counts one attempt per chunk and reads no other prefix, and what
+  a lost node puts in its own prefix later adds nothing (multinode/fence.py).
 - `Publisher.sync_shards`: after every commit, each committed shard not yet in the store is put
   there whole (an object is visible only once complete: a shard in the store is a complete shard).
 - `Publisher.finish`: at the end of a finished run, errors, rejects and quality rejects, then
@@ -102,10 +103,6 @@ class Publisher:
     def __init__(self, out: Path, url: str) -> None:
         self.out = out
         self.store = Store(url)
-        try:
-            self.skip = set(json.loads((out / SEEDED_FILE).read_text()))
-        except FileNotFoundError:
-            self.skip = set()
         self._there: set[str] | None = None
 
     def sync_shards(self) -> int:
@@ -121,7 +118,7 @@ class Publisher:
             self._there = set(self.store.names(SHARDS_DIR))
         n = 0
         for path in shard_paths(self.out):
-            if path.name in self.skip or path.name in self._there:
+            if path.name in self._there:
                 continue
             self.store.put_file(str(path), f"{SHARDS_DIR}/{path.name}")
             self._there.add(path.name)

@@ -7,6 +7,8 @@
     progress.py    the job's ETA (tokens, as a node's) and its console line, from the nodes' progress files
     nodecheck.py   each node's store check before a job (job/storecheck.py on the node), messages whole and masked
     quarantine.py  a node whose chunks fail is set aside, checked again, rejoins; the job fails when none is healthy
+    fence.py       only a chunk's counted attempt adds to the output; a late node's runners stopped, its parts removed
+    cost.py        the job's cost: each node's GPUs for the time the job held it
 
 May import: the core and every other generation sub-package; nothing imports it but the CLI, tasks
 and flows (tests/test_layers.py).

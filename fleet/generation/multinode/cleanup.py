@@ -12,7 +12,8 @@ input and its job directory only when:
 
 - its runner is not alive (a lost node's runner that came back may still be writing);
 - every committed shard in it is in the store: in that attempt's part (`_parts/<node>/<chunk>/`,
-  where the runner put it) or one it was seeded with from an earlier attempt's part;
+  where the runner put it) or one it was seeded with from an earlier attempt's part — or the
+  attempt is abandoned (its chunk counts another attempt: fence.py), so nothing in it is needed;
 - its record files (errors, rejects, quality rejects), if it holds any, are in the store: the
   part's manifest is there (the runner puts them before it).
 
@@ -65,6 +66,7 @@ class Copy:
     output: str      # the working copy (the runner's output directory) on the node
     job_dir: str     # the runner's job directory on the node
     part: str        # the attempt's part in the store (its URL)
+    abandoned: bool = False   # not its done chunk's counted attempt (fence.py): none of its rows is needed
 
 
 @dataclass
@@ -80,9 +82,10 @@ class Cleaned:
 def job_copies(cfg: FleetConfig, output: str, assign: Assignments) -> list[Copy]:
     """Every attempt of the job at `output` (state.json's), as a working copy on its node."""
     from fleet.errors import ConfigError
-    from fleet.generation.multinode.controller import part_url
+    from fleet.generation.multinode.fence import attempt_part, counted_attempts
     from fleet.jobs import job_dir
 
+    counted = counted_attempts(assign)
     copies = []
     for chunk, attempts in assign.sources():
         for a in attempts:
@@ -90,7 +93,8 @@ def job_copies(cfg: FleetConfig, output: str, assign: Assignments) -> list[Copy]
                 node_cfg = cfg.node(a.node)
             except ConfigError:   # a node no longer in the config: nothing to reach it with
                 continue
-            copies.append(Copy(a.node, a.output, job_dir(node_cfg, cfg, a.output), part_url(output, a.node, chunk)))
+            copies.append(Copy(a.node, a.output, job_dir(node_cfg, cfg, a.output), attempt_part(output, a.node, a.output),
+                               abandoned=chunk.index in counted and counted[chunk.index] is not a))
     return copies
 
 
@@ -124,10 +128,12 @@ def _survey(node: Node, copies: list[Copy]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _why_kept(info: dict[str, Any], part: Store) -> str | None:
-    """Why a copy must stay (None: everything in it is in the store)."""
+def _why_kept(info: dict[str, Any], part: Store, abandoned: bool = False) -> str | None:
+    """Why a copy must stay (None: everything in it is in the store, or, `abandoned`, none of it counts)."""
     if info["alive"]:
         return "its runner is still running"
+    if abandoned:   # its chunk's rows are all in the counted attempt's part
+        return None
     stored = set(part.names(SHARDS_DIR))
     missing = sorted(info["shards"] - info["seeded"] - stored)
     if missing:
@@ -174,7 +180,7 @@ def _clean_node(node: Node, name: str, copies: list[Copy], result: Cleaned) -> N
     for c in copies:
         key = f"{name}:{c.output}"
         info = survey.get(c.output)
-        why = "the node did not report it" if info is None else _why_kept(info, Store(c.part))
+        why = "the node did not report it" if info is None else _why_kept(info, Store(c.part), c.abandoned)
         if why is not None:
             result.kept[key] = why
             continue

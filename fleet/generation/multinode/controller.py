@@ -50,11 +50,13 @@ from fleet.config import FleetConfig, NodeConfig
 from fleet.engines import ServerSpec
 from fleet.errors import ConfigError, FatalError, FleetError, InputChanged, JobConflict, StoreError, Stopped
 from fleet.generation.multinode.chunks import (
-    MIN_CHUNK_S, Assignments, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
+    MIN_CHUNK_S, Assignments, Attempt, Chunk, Plan, Source, attempt_spans, chunk_rows_for, chunks_before,
     merge,
     load_plan, split_input,
 )
 from fleet.generation.data.durable import write_json_atomic
+from fleet.generation.multinode.cost import stored_holds
+from fleet.generation.multinode.fence import attempt_name, attempt_part, counted_attempts, stop_abandoned_on
 from fleet.generation.multinode.journal import CONTROL_DIR, pull
 from fleet.generation.multinode.nodecheck import last_words
 from fleet.generation.multinode.quarantine import Quarantine, set_aside, wait_and_check
@@ -272,6 +274,11 @@ class Controller:
         # nodes whose chunks failed for a reason of their own: no chunk until their check passes (quarantine.py)
         self.quarantine = Quarantine(probe_s)
         self.set_aside: dict[str, str] = {}   # nodes left out before the job (their store check failed): the cause
+        # the job's cost per node (cost.py): when the nodes were taken (the bring-up's start, wall clock; None:
+        # the state's start), the GPUs of every node taken (set aside ones too), when each set-aside one was let go
+        self.held_since: float | None = None
+        self.node_gpus: dict[str, int] = {n: w.gpus for n, w in nodes.items()}
+        self.aside_at: dict[str, float] = {}
         self.node_check: Callable[[str], str | None] = self._node_check
         for w in nodes.values():
             w.changed = self._view.dirty
@@ -335,14 +342,24 @@ class Controller:
 
     def chunk_output(self, node: str, chunk: Chunk) -> str:
         """The chunk's output directory on the node (with a store: a working copy under the node's workdir)."""
-        if self.store is not None:
+        if self.store is not None:   # one per attempt (fence.py): the node's running one, else a new name
             key = hashlib.sha256(self.output.encode()).hexdigest()[:10]
-            return f"{self.node_cfg(node).workdir.rstrip('/')}/objstore/{key}/{node}/{chunk.name}"
+            return f"{self.node_cfg(node).workdir.rstrip('/')}/objstore/{key}/{node}/{self._attempt_name(node, chunk)}"
         return f"{self.output}/{node}/{chunk.name}"
 
-    def part_url(self, node: str, chunk: Chunk) -> str:
-        """Where node `node`'s attempt at `chunk` puts its committed output in the store."""
-        return part_url(self.output, node, chunk)
+    def _attempt_name(self, node: str, chunk: Chunk) -> str:
+        """The working copy's name of node `node`'s running attempt at `chunk`, or of its next one."""
+        assert self.assign is not None
+        with self.assign._lock:
+            c = self.assign.chunks.get(chunk.index)
+            mine = [a for a in (c.attempts if c is not None else []) if a.node == node]
+            if mine and mine[-1].outcome is None and c is not None and c.state == "running" and c.node == node:
+                return posixpath.basename(mine[-1].output)
+            return attempt_name(chunk, len(mine) + 1)
+
+    def part_url(self, node: str, out: str) -> str:
+        """Where node `node`'s attempt whose working copy is `out` puts its committed output in the store."""
+        return attempt_part(self.output, node, out)
 
     def store_args(self, node: str, index: int, out: str) -> dict[str, Any]:
         """start_job's store arguments: where this attempt publishes, and the earlier attempts (other
@@ -351,8 +368,8 @@ class Controller:
             return {}
         assert self.assign is not None
         chunk = self.chunk(index)
-        mine = self.part_url(node, chunk)
-        earlier = [self.part_url(a.node, chunk) for a in self.assign.chunks[index].attempts if a.output != out]
+        mine = self.part_url(node, out)
+        earlier = [self.part_url(a.node, a.output) for a in self.assign.chunks[index].attempts if a.output != out]
         assert self.plan is not None
         rows = [chunk.first_line - 1, chunk.first_line - 1 + chunk.lines] \
             if not chunk.file and self.plan.fmt == "parquet" else None   # rows of a Parquet input, read in place
@@ -432,6 +449,7 @@ class Controller:
                         break
                     continue
                 self.say(logging.WARNING, f"node {name} answers again: it rejoins the job")
+                self._stop_abandoned(name)
                 lost_since = None
             try:
                 lost_since = self._turn(name, run, work, lost_since)
@@ -475,6 +493,9 @@ class Controller:
             work.state, work.progress, work.chunk = "lost", None, None
             lost_since = time.monotonic()
             self.say(logging.WARNING, f"node {name} lost ({exc.one_line()}): chunk {index} goes back to the queue")
+            # a chunk started there while the lost one drained goes back too: its runner must not go on
+            # generating (and publishing) for nothing — stopped now when the node still answers, else at rejoin
+            self._stop_abandoned(name)
         except ChunkFailed as exc:
             self.say(logging.WARNING, f"chunk {index} failed on {name}: {exc.one_line()}")
             if self.assign.attempts_failed(index) >= MAX_FAILED_ATTEMPTS:
@@ -496,6 +517,16 @@ class Controller:
                                  f"{exc.one_line()})") from exc
             self._set_aside(name, f"chunk {index} could not start there: {exc.one_line()}")
         return lost_since
+
+    def _stop_abandoned(self, name: str) -> None:
+        """Node `name` was just lost, or answers again: the runners of its attempts that are over (a chunk
+        started there while the lost one drained; a chunk that went elsewhere) are stopped now, before it
+        takes a chunk (fence.py). A node that does not answer: tried again at rejoin and at the job's end."""
+        assert self.assign is not None
+        stopped = stop_abandoned_on(self.cfg, self.assign, name, connect)
+        if stopped:
+            self.say(logging.WARNING, f"node {name}: stopped the runner(s) of chunk(s) {', '.join(map(str, stopped))}, "
+                                      "which went to other nodes while it was lost")
 
     def _node_check(self, name: str) -> str | None:
         """Why node `name` cannot take chunks now (None: it can): with a store, the node check of its
@@ -780,7 +811,7 @@ class Controller:
         if self.store is not None:   # done means done in the store: its manifest is put there last
             from fleet.generation.data.storeerrors import translated
 
-            part = Store(self.part_url(name, self.chunk(index)))
+            part = Store(self.part_url(name, out))
             with translated(part.root, "reading"):
                 stored = _retry(lambda: part.read_bytes(MANIFEST_FILE))
             manifest = json.loads(stored) if stored else {}
@@ -965,18 +996,35 @@ class Controller:
         assert self.plan is not None and self.assign is not None
         self.assign.compact()   # the whole state in state.json (and the store's copy) at the job's end
         return merge_job(self.cfg, self.plan_dir, self.plan, self.assign, dest,
-                         store=self.output if self.store is not None else None)
+                         store=self.output if self.store is not None else None, holds=self.holds())
+
+    def holds(self) -> list[Any]:
+        """Each node's hold (cost.py) as of now, the first `since` of an earlier controller kept; written
+        to the plan directory's held.json (what `fleet fetch` and a next controller read)."""
+        from fleet.generation.multinode.cost import record_holds
+
+        assert self.assign is not None
+        now, mono = time.time(), time.monotonic()
+        with self.assign._lock:
+            lost = {n: float(r.get("since") or now) for n, r in self.assign.nodes.items()
+                    if r.get("state") == "lost" and n in self.nodes}
+        quarantined = {n: now - (mono - h.since) for n, h in self.quarantine.held.items()}
+        gpus = {**self.node_gpus, **{n: w.gpus for n, w in self.nodes.items()}}
+        return record_holds(self.plan_dir, gpus, self.held_since or self.assign.started_at, now,
+                            set_aside=self.aside_at, quarantined=quarantined, lost=lost)
 
 
 def part_url(output: str, node: str, chunk: Chunk) -> str:
-    """Where node `node`'s attempt at `chunk` of the job whose --output is the URL `output` puts its commits."""
-    return f"{output.rstrip('/')}/_parts/{node}/{chunk.name}"
+    """Where node `node`'s first attempt at `chunk` of the job whose --output is the URL `output` puts its
+    commits (a later attempt of that node at that chunk has its own: `fence.attempt_part`)."""
+    return attempt_part(output, node, chunk.name)
 
 
 def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments, dest: str | Path,
-              store: str | None = None) -> dict[str, Any]:
+              store: str | None = None, holds: list[Any] | None = None) -> dict[str, Any]:
     """The merge of one multi-node job (see chunks.merge) plus its manifest: per node, per server, cost.
-    `store`: the job's output URL: the attempts' outputs are read from there, not from plan_dir."""
+    `store`: the job's output URL: the attempts' outputs are read from there, not from plan_dir.
+    `holds`: each node's hold (cost.py; default: the plan directory's held.json) for the cost."""
     from fleet.generation.multinode.chunks import write_manifest_to
 
     attempts = [a for _, atts in assign.sources() for a in atts]
@@ -999,7 +1047,7 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         "timings": {"started_at": first_start, "finished_at": last_end, "wall_s": round(wall, 3)},
         "throughput": {"completion_tokens": ct, "prompt_tokens": pt,
                        "completion_tok_s": round(ct / wall, 2), "rows_per_s": None},
-        "cost": _job_cost(cfg, per_node, wall, ct),
+        "cost": _job_cost(cfg, per_node, wall, ct, holds if holds is not None else stored_holds(plan_dir)),
         "events": assign.events[-200:],
     }
     manifest = merge(sources, dest, extra_manifest=extra)
@@ -1031,11 +1079,14 @@ def _job_sources(plan_dir: Path, assign: Assignments,
     per_node: _Rows = {}
     per_server: _Rows = {}
     missing = []
+    counted = counted_attempts(assign)
     for chunk, attempts in assign.sources():
         if not any(a.outcome == "done" for a in attempts):
             missing.append(chunk.index)
+        if store is not None and chunk.index in counted:   # the fence: a done chunk is its counted part alone
+            attempts = [counted[chunk.index]]
         for a in attempts:
-            src = _attempt_source(plan_dir, chunk, a.node, store)
+            src = _attempt_source(plan_dir, chunk, a, store)
             if src is None:
                 continue
             sources.append(src)
@@ -1062,14 +1113,14 @@ def _job_sources(plan_dir: Path, assign: Assignments,
     return sources, missing, per_node, per_server
 
 
-def _attempt_source(plan_dir: Path, chunk: Chunk, node: str, store: str | None) -> Source | None:
+def _attempt_source(plan_dir: Path, chunk: Chunk, a: Attempt, store: str | None) -> Source | None:
     """An attempt's output as a merge source: gathered locally, or in the store; None when there is none."""
     if store is not None:
-        url = part_url(store, node, chunk)
+        url = attempt_part(store, a.node, a.output)
         part = Store(url)
-        return Source(chunk=chunk, node=node, dir=url) if part.names() else None
-    d = plan_dir / "gathered" / node / chunk.name
-    return Source(chunk=chunk, node=node, dir=d) if d.is_dir() else None
+        return Source(chunk=chunk, node=a.node, dir=url) if part.names() else None
+    d = plan_dir / "gathered" / a.node / chunk.name
+    return Source(chunk=chunk, node=a.node, dir=d) if d.is_dir() else None
 
 
 def _node_rates(per_node: _Rows, per_server: _Rows) -> None:
@@ -1086,8 +1137,13 @@ def _node_rates(per_node: _Rows, per_server: _Rows) -> None:
         s["completion_tok_s"] = round(s["completion_tokens"] / busy, 2) if busy else None
 
 
-def _job_cost(cfg: FleetConfig, per_node: _Rows, wall: float, ct: int) -> dict[str, Any]:
-    """GPU hours of every node that ran a chunk over the whole wall time, and their price when known."""
+def _job_cost(cfg: FleetConfig, per_node: _Rows, wall: float, ct: int, holds: list[Any] | None = None) -> dict[str, Any]:
+    """Each node's GPUs for the time the job held it (cost.py), and their price when known; without the
+    holds (a job recorded before them), every node that ran a chunk over the whole wall time."""
+    if holds:
+        from fleet.generation.multinode.cost import job_cost
+
+        return job_cost(holds, cfg.generation.price_per_gpu_hour, ct)
     gpus = sum(n["gpus"] for n in per_node.values())
     gpu_hours = gpus * wall / 3600
     cost: dict[str, Any] = {"gpus": gpus, "gpu_hours": round(gpu_hours, 4),
