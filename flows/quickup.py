@@ -128,28 +128,93 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+class ApiError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
 class Api:
-    """The few Prefect REST calls a run's records need (loopback: this PREFECT_HOME's local server)."""
+    """The few Prefect REST calls a run's records need, over the standard library's HTTP client (loopback:
+    this PREFECT_HOME's local server): importing httpx (and the command-line tools it loads) cost ≈ 0.5 s
+    of CPU on a loaded machine, a status command's worth. One keep-alive connection per thread."""
 
     def __init__(self, url: str) -> None:
-        import httpx
+        from urllib.parse import urlsplit
 
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/", timeout=60.0)
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.base = parts.path.rstrip("/")
+        self._local = threading.local()
+
+    def _conn(self, fresh: bool = False) -> Any:
+        import http.client
+
+        conn = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        return conn
 
     def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
         for attempt in range(6):
-            resp = self.http.request(method, path.lstrip("/"), json=body)
-            if resp.status_code == 503 and attempt < 5:   # SQLite "database is locked": as Prefect's client does
+            try:
+                conn = self._conn(fresh=attempt > 0)
+                conn.request(method, self.base + "/" + path.lstrip("/"), body=data, headers=headers)
+                resp = conn.getresponse()
+                status, text = resp.status, resp.read().decode("utf-8", "replace")
+            except (ConnectionError, OSError) as exc:   # a kept-alive connection the server closed: once more
+                if attempt < 2:
+                    continue
+                raise ApiError(0, str(exc)) from exc
+            if status == 503 and attempt < 5:   # SQLite "database is locked": as Prefect's client does
                 time.sleep(0.2 * (attempt + 1))
                 continue
             break
-        if resp.status_code in ok:
-            return resp
-        resp.raise_for_status()
-        return resp.json() if resp.content else None
+        if status in ok:
+            return None
+        if status >= 400:
+            raise ApiError(status, text)
+        return json.loads(text) if text else None
 
     def close(self) -> None:
-        self.http.close()
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+
+
+def attach_running() -> str:
+    """flows/localserver.py `attach` for a server that runs and answers (the common case), without the
+    httpx client and TLS context its health probe builds (≈ 0.4 s of CPU here); anything else — no
+    server, one starting, one that does not answer — goes through `attach` itself."""
+    import fcntl
+    import http.client
+
+    import flows.localserver as ls
+
+    d = ls.state_dir()
+    rec = ls.read_record(d)
+    if rec is None or not ls.is_live(rec) or not ls._listening(rec.port):
+        return ls.attach()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", rec.port, timeout=5)
+        conn.request("GET", "/api/health")
+        healthy = conn.getresponse().status == 200
+        conn.close()
+    except OSError:
+        healthy = False
+    if not healthy or d in ls._client_fds:
+        return ls.attach()
+    ls.port_range(os.environ)   # a bad setting is the same error it is to attach
+    fd = os.open(d / "clients.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)   # a client for this process's life, as attach makes it
+    ls._client_fds[d] = fd
+    (d / "used").touch()
+    again = ls.read_record(d)   # the server stopped between the look and the lock: attach decides
+    return rec.url if again == rec and ls.is_live(rec) else ls.attach()
 
 
 @dataclass
@@ -196,9 +261,16 @@ class QuickRun:
         self.lines: list[Line] = []
         self.tasks: list[TaskRec] = []
         self.artifacts: list[dict[str, Any]] = []
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self.writer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleet-quick-api")
+        self.writes: list[Future[None]] = []
+        self.artifact_ids: list[str] = []
+        self._said = threading.Lock()
 
     def say(self, level: int, message: str, task: TaskRec | None = None) -> None:
-        self.lines.append(Line(level, message, time.time(), task))
+        with self._said:   # stages run side by side
+            self.lines.append(Line(level, message, time.time(), task))
 
     def logger(self, task: TaskRec | None = None) -> _Logger:
         return _Logger(self, task)
@@ -209,7 +281,8 @@ class QuickRun:
 
     def task(self, kind: str, name: str, **inputs: list[TaskRec]) -> TaskRec:
         rec = TaskRec(name, self.keys[kind], {k: [t.id for t in v] for k, v in inputs.items()}, started=time.time())
-        self.tasks.append(rec)
+        with self._said:
+            self.tasks.append(rec)
         return rec
 
     def stage(self, rec: TaskRec, key_parts: tuple[object, ...], title: str,
@@ -231,6 +304,36 @@ class QuickRun:
     def done(self, rec: TaskRec) -> None:
         rec.ended = time.time()
         self.say(20, "Finished in state Completed()", rec)
+        # Written now, while the next stages run (the server answers on the other core). A fallback
+        # deletes them: the artifacts one by one (the server then makes each key's previous version the
+        # latest again), then the flow run, and its task runs with it.
+        self.writes.append(self.writer.submit(self._task_run, rec))
+
+    def _task_run(self, t: TaskRec) -> None:
+        # Created Running, then Completed: the run count, start and end the engine's two transitions leave.
+        self.api.call("POST", "/task_runs/", {
+            "id": t.id, "name": t.name, "flow_run_id": self.id, "task_key": t.key, "dynamic_key": str(uuid.uuid4()),
+            "empirical_policy": TASK_POLICY, "tags": [], "labels": {},
+            "task_inputs": {k: [{"input_type": "task_run", "id": i} for i in v] for k, v in t.inputs.items()},
+            "state": _state("RUNNING")})
+        for art in t.artifacts:
+            made = self.api.call("POST", "/artifacts/", {**art, "flow_run_id": self.id, "task_run_id": t.id})
+            with self._said:
+                self.artifact_ids.append(str(made["id"]))
+        self.api.call("POST", f"/task_runs/{t.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
+
+    def undo(self) -> None:
+        """What a fallback leaves: nothing (the lock is the caller's)."""
+        self.writer.shutdown(wait=True)
+        for art_id in self.artifact_ids:
+            self.api.call("DELETE", f"/artifacts/{art_id}", ok=(404,))
+        if self.id:
+            self.api.call("DELETE", f"/flow_runs/{self.id}", ok=(404,))
+
+    def settle(self) -> None:
+        """Every write started so far has ended (raises the first one's error)."""
+        for f in self.writes:
+            f.result()
 
     def markdown(self, key_parts: tuple[object, ...], title: str, seconds: float, result: dict[str, Any],
                  log: str | None) -> dict[str, Any]:
@@ -331,61 +434,83 @@ class Lock:
 
 
 def _bringup(run: QuickRun, lock: Lock, nodes: dict[str, Any], t0: float) -> tuple[list[ServerRow], int]:
-    """flows/fleet.py `bringup`, one node after another, every stage adopt-only."""
+    """flows/fleet.py `bringup`, every stage adopt-only, side by side where the flow's tasks are: the
+    nodes' provisions, each node's venv and model copy, every server's launch, then its smoke."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fleet import bringup as steps
     from fleet.servers import plan_servers
     from fleet.smoke import compare_kv
 
     cfg = run.cfg
     run.say(20, f"bringup: holding {', '.join(lock.names)}")
-    prov: dict[str, tuple[TaskRec, Any]] = {}
-    for n in cfg.nodes:
-        t = run.task("provision", f"provision-{n.name}", cfg=[], node_name=[])
-        prov[n.name] = (t, run.stage(t, (n.name, "provision"), f"provision {n.name}",
-                                     lambda: steps.provision_body(nodes[n.name], cfg, n.name)))
+    pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="fleet-quick")
+
+    def stage(kind: str, name: str, key_parts: tuple[object, ...] | None, title: str,
+              body: Callable[[TaskRec], Any], **inputs: list[TaskRec]) -> tuple[TaskRec, Any]:
+        t = run.task(kind, name, **inputs)
+        if key_parts is None:   # retire: no artifact, no "done" line
+            try:
+                out = body(t)
+            except Exception as exc:
+                raise Fallback(f"{title}: {exc}") from exc
+        else:
+            out = run.stage(t, key_parts, title, lambda: body(t))
         run.done(t)
-    specs: list[tuple[Any, TaskRec, TaskRec]] = []
-    for n in cfg.nodes:
-        pt, p = prov[n.name]
-        vt = run.task("venv", f"venv-{n.name}", cfg=[], node_name=[], provisioned=[pt])
-        v = run.stage(vt, (n.name, "venv"), f"venv {n.name}",
-                      lambda: steps.venv_body(nodes[n.name], cfg, n.name, p, run.logger(vt), adopt_only=True))
-        run.done(vt)
-        st = run.task("stage", f"stage-{n.name}", cfg=[], node_name=[], provisioned=[pt])
-        s = run.stage(st, (n.name, "stage"), f"stage {n.name}",
-                      lambda: steps.stage_body(nodes[n.name], cfg, n.name, adopt_only=True))
-        run.done(st)
-        specs += [(spec, vt, st) for spec in plan_servers(cfg, cfg.node(n.name), p.gpu_ids, model_path=s.model_path,
-                                                          python=v.python)]
-    for n in cfg.nodes:
-        planned = [sp.index for sp, _, _ in specs if sp.node == n.name]
-        if not planned:
-            continue
-        rt = run.task("retire", f"retire-{n.name}", cfg=[], node_name=[], planned=[])
-        try:
-            steps.retire_body(nodes[n.name], cfg, n.name, planned, run.logger(rt), adopt_only=True)
-        except steps.NotAdopted:
-            raise
-        except Exception as exc:
-            raise Fallback(f"retire {n.name}: {exc}") from exc
-        run.done(rt)
-    run.say(20, f"launching {len(specs)} server(s) on {len(cfg.nodes)} node(s)")
-    rows: list[ServerRow] = []
-    for spec, vt, st in specs:
-        lt = run.task("launch", f"launch-{spec.node}-{spec.index}", cfg=[], spec=[vt, st])
-        lr = run.stage(lt, (spec.node, "server", spec.index, "launch"), f"launch {spec.node} server {spec.index}",
-                       lambda: steps.launch_body(nodes[spec.node], cfg, spec, adopt_only=True))
-        run.done(lt)
-        kt = run.task("smoke", f"smoke-{spec.node}-{spec.index}", cfg=[], spec=[vt, st], launched=[lt])
-        smoked = run.stage(kt, (spec.node, "server", spec.index, "smoke"), f"smoke {spec.node} server {spec.index}",
-                           lambda: steps.smoke_body(nodes[spec.node], cfg, spec, lr, run.logger(kt)))
-        run.done(kt)
-        rows.append(ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, pid=lr.pid,
-                              ready_s=lr.ready_s, kv_cache_tokens=lr.fact_int("kv_cache_tokens"),
-                              max_running_requests=smoked.max_running_requests or lr.fact_int("max_running_requests"),
-                              state="adopted",
-                              smoke_latency_s=round(smoked.latency_s, 3) if smoked.latency_s is not None else None,
-                              proof=smoked.proof))
+        return t, out
+
+    try:
+        provs = {n.name: pool.submit(stage, "provision", f"provision-{n.name}", (n.name, "provision"),
+                                     f"provision {n.name}",
+                                     lambda t, name=n.name: steps.provision_body(nodes[name], cfg, name),
+                                     cfg=[], node_name=[])
+                 for n in cfg.nodes}
+        prov = {name: f.result() for name, f in provs.items()}
+        prep = {}
+        for n in cfg.nodes:
+            pt, p = prov[n.name]
+            prep[n.name] = (
+                pool.submit(stage, "venv", f"venv-{n.name}", (n.name, "venv"), f"venv {n.name}",
+                            lambda t, name=n.name, p=p: steps.venv_body(nodes[name], cfg, name, p, run.logger(t),
+                                                                        adopt_only=True),
+                            cfg=[], node_name=[], provisioned=[pt]),
+                pool.submit(stage, "stage", f"stage-{n.name}", (n.name, "stage"), f"stage {n.name}",
+                            lambda t, name=n.name: steps.stage_body(nodes[name], cfg, name, adopt_only=True),
+                            cfg=[], node_name=[], provisioned=[pt]))
+        specs: list[tuple[Any, TaskRec, TaskRec]] = []
+        for n in cfg.nodes:
+            (vt, v), (st, s) = prep[n.name][0].result(), prep[n.name][1].result()
+            specs += [(spec, vt, st) for spec in plan_servers(cfg, cfg.node(n.name), prov[n.name][1].gpu_ids,
+                                                              model_path=s.model_path, python=v.python)]
+        retires = [pool.submit(stage, "retire", f"retire-{n.name}", None, f"retire {n.name}",
+                               lambda t, name=n.name: steps.retire_body(
+                                   nodes[name], cfg, name, [sp.index for sp, _, _ in specs if sp.node == name],
+                                   run.logger(t), adopt_only=True),
+                               cfg=[], node_name=[], planned=[])
+                   for n in cfg.nodes if any(sp.node == n.name for sp, _, _ in specs)]
+        for f in retires:
+            f.result()
+        run.say(20, f"launching {len(specs)} server(s) on {len(cfg.nodes)} node(s)")
+
+        def server(spec: Any, vt: TaskRec, st: TaskRec) -> ServerRow:
+            lt, lr = stage("launch", f"launch-{spec.node}-{spec.index}", (spec.node, "server", spec.index, "launch"),
+                           f"launch {spec.node} server {spec.index}",
+                           lambda t: steps.launch_body(nodes[spec.node], cfg, spec, adopt_only=True),
+                           cfg=[], spec=[vt, st])
+            _, smoked = stage("smoke", f"smoke-{spec.node}-{spec.index}", (spec.node, "server", spec.index, "smoke"),
+                              f"smoke {spec.node} server {spec.index}",
+                              lambda t: steps.smoke_body(nodes[spec.node], cfg, spec, lr, run.logger(t)),
+                              cfg=[], spec=[vt, st], launched=[lt])
+            return ServerRow(spec.node, spec.index, gpus=list(spec.gpus), port=spec.port, pid=lr.pid,
+                             ready_s=lr.ready_s, kv_cache_tokens=lr.fact_int("kv_cache_tokens"),
+                             max_running_requests=smoked.max_running_requests or lr.fact_int("max_running_requests"),
+                             state="adopted",
+                             smoke_latency_s=round(smoked.latency_s, 3) if smoked.latency_s is not None else None,
+                             proof=smoked.proof)
+
+        rows = [f.result() for f in [pool.submit(server, *sp) for sp in specs]]
+    finally:
+        pool.shutdown(wait=True)
     flags = compare_kv({r.label: r.kv_cache_tokens for r in rows if r.up}, cfg.smoke.kv_cache_min_ratio)
     for r in rows:
         if flags.get(r.label):
@@ -414,25 +539,7 @@ def _commit(run: QuickRun, rows: list[ServerRow], up: int, t0: float) -> str:
     """Every record of the run, once it is known to be adopt-only: task runs, artifacts, logs, the end."""
     api, cfg = run.api, run.cfg
 
-    def task_run(t: TaskRec) -> None:
-        # Created Running, then Completed: the run count, start and end the engine's two transitions leave.
-        api.call("POST", "/task_runs/", {"id": t.id, "name": t.name, "flow_run_id": run.id, "task_key": t.key,
-                                         "dynamic_key": str(uuid.uuid4()), "empirical_policy": TASK_POLICY,
-                                         "tags": [], "labels": {},
-                                         "task_inputs": {k: [{"input_type": "task_run", "id": i} for i in v]
-                                                         for k, v in t.inputs.items()},
-                                         "state": _state("RUNNING")})
-        for art in t.artifacts:
-            api.call("POST", "/artifacts/", {**art, "flow_run_id": run.id, "task_run_id": t.id})
-        api.call("POST", f"/task_runs/{t.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
-
-    # The task runs side by side, as the engine's threads write them: each is a few round trips the
-    # server answers one by one (≈ 30 ms each on a loaded machine), so in a row they were most of the wall.
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for f in [pool.submit(task_run, t) for t in run.tasks]:
-            f.result()
+    run.settle()
     api.call("POST", "/artifacts/", {**run.table(("summary",), [r.as_dict() for r in rows],
                                                  f"{cfg.name}: {up} server(s) up, 0 failure(s), "
                                                  f"{time.monotonic() - t0:.1f} s"), "flow_run_id": run.id})
@@ -469,10 +576,9 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
     from fleet.interrupt import on_interrupt
     from fleet.node import connect
     from flows.api import prefect_env
-    from flows.localserver import attach
 
     prefect_env()
-    api = Api(attach())
+    api = Api(attach_running())
     run = QuickRun(cfg, api, keys)
     lock = Lock(api, cfg, run)
     nodes: dict[str, Any] = {}
@@ -489,21 +595,20 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
         rows, up = _bringup(run, lock, nodes, t0)
         lock.release()
     except (Fallback, NotAdopted, Exception) as exc:
-        # Nothing changed on a node; the run's lock and its two states are all that was written: undone.
-        try:
-            lock.release()
-        finally:
-            if run.id:
-                api.call("DELETE", f"/flow_runs/{run.id}", ok=(404,))
-            unregister()
-            _close(nodes)
-            api.close()
+        # Nothing changed on a node; the lock, the run's states and its task runs so far are all that was
+        # written: undone (the task runs go with their flow run).
+        for undo in (lock.release, run.undo, unregister, lambda: _close(nodes), api.close):
+            try:
+                undo()
+            except Exception:   # best effort: the flow's path next reports what is wrong with the API
+                pass
         if environ.get("FLEET_QUICK_UP_DEBUG"):
             print(f"fleet up: the flow's path: {exc}", file=sys.stderr)
         return None
     try:
         message = _commit(run, rows, up, t0)
     finally:
+        run.writer.shutdown(wait=True)
         unregister()
         _close(nodes)
         api.close()
