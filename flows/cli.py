@@ -48,7 +48,10 @@ def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
         state = run_flow(fleet, config=cfg, action="bringup")
     from flows.quickup import save_task_keys
 
-    save_task_keys()   # what the next adopt-only `fleet up` records its task runs under (flows/quickup.py)
+    try:
+        save_task_keys()   # what the next adopt-only `fleet up` records its task runs under (flows/quickup.py)
+    except OSError:
+        pass   # not written: the next `fleet up` takes the flow's path again, nothing worse
     data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
     rows = data if isinstance(data, list) else []
     print_rows(rows, SUMMARY_COLUMNS)
