@@ -248,3 +248,59 @@ def test_the_task_keys_are_the_tasks_own_and_follow_the_code(tmp_path: Path, mon
     data = json.loads((tmp_path / "task-keys.json").read_text())
     (tmp_path / "task-keys.json").write_text(json.dumps({**data, "source": "other-code"}))
     assert quickup.task_keys() is None
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_during_a_quick_fleet_up_gives_the_lock_back_and_marks_the_run(tmp_path: Path) -> None:
+    """As the flow's path does (flows/api.py, tasks/locks.py): a Ctrl-C while the quick path smokes
+    ends the command (130), its run Crashed ("interrupted …"), the node's slot and holder record gone."""
+    import signal
+    import time
+
+    from fleet.demo import to_toml
+    from fleet.node import LocalNode
+    from fleet.servers import stop_servers
+    from flows.quickup import save_task_keys
+    from tasks.locks import lock_names, record_name
+
+    from test_bringup import port_block, sim_config
+
+    # One token a second, every answer max_tokens long: the smoke (16 tokens) takes ≈ 16 s.
+    cfg = sim_config(tmp_path, port_block(1), n=1, name="qint",
+                     engine={"kind": "sim", "sim": {"startup_s": 0.3, "tokens_per_s": 1.0},
+                             "extra_args": ["--lengths", "lognormal:1000:0"]},
+                     smoke={"first_timeout_s": 120, "timeout_s": 120, "attempts": 1})
+    path = tmp_path / "fleet.toml"
+    path.write_text(to_toml(cfg.model_dump(mode="json", exclude_none=True)))
+    save_task_keys()
+    try:
+        _fleet_up(path)   # launches (the flow)
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "up", "-c", str(path)], env=_env(), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with _api() as api:
+            deadline = time.monotonic() + 240
+
+            def smoking() -> dict[str, Any] | None:
+                for run in _runs(api, "bringup-qint"):
+                    if run["state_name"] == "Running":
+                        tasks = api.post("task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+                        if any(t["name"] == "launch-local-0" and t["state_name"] == "Completed" for t in tasks):
+                            return run
+                return None
+
+            run = smoking()
+            while run is None and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                run = smoking()
+            assert run is not None, proc.communicate(timeout=60)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 130, out + err
+            assert "Beginning flow run" not in err, err   # the quick path prints the run's lines only at its end
+            ended = api.get(f"flow_runs/{run['id']}").json()
+            assert ended["state_name"] == "Crashed" and ended["state"]["message"].startswith("interrupted"), ended
+            for name in lock_names(cfg):
+                assert api.get(f"v2/concurrency_limits/{name}").json()["active_slots"] == 0
+                assert api.get(f"variables/name/{record_name(name)}").status_code == 404
+    finally:
+        stop_servers(LocalNode(), cfg, cfg.nodes[0])
