@@ -540,9 +540,10 @@ def _commit(run: QuickRun, rows: list[ServerRow], up: int, t0: float) -> str:
     api, cfg = run.api, run.cfg
 
     run.settle()
-    api.call("POST", "/artifacts/", {**run.table(("summary",), [r.as_dict() for r in rows],
-                                                 f"{cfg.name}: {up} server(s) up, 0 failure(s), "
-                                                 f"{time.monotonic() - t0:.1f} s"), "flow_run_id": run.id})
+    made = api.call("POST", "/artifacts/", {**run.table(("summary",), [r.as_dict() for r in rows],
+                                                        f"{cfg.name}: {up} server(s) up, 0 failure(s), "
+                                                        f"{time.monotonic() - t0:.1f} s"), "flow_run_id": run.id})
+    run.artifact_ids.append(str(made["id"]))
     message = f"{up} server(s) up in {time.monotonic() - t0:.1f} s"
     run.say(20, "Running hook 'clear_cause' in response to entering state 'Completed'")
     run.say(20, "Hook 'clear_cause' finished running successfully")
@@ -594,9 +595,12 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
             nodes[n.name] = connect(n)
         rows, up = _bringup(run, lock, nodes, t0)
         lock.release()
+        # a write the server refused (or a bug) before the run's end: undone below, and the flow runs
+        message = _commit(run, rows, up, t0)
     except (Fallback, NotAdopted, Exception) as exc:
-        # Nothing changed on a node; the lock, the run's states and its task runs so far are all that was
-        # written: undone (the task runs go with their flow run).
+        # Nothing changed on a node; the lock, the run's states, its task runs and artifacts so far are all
+        # that was written: undone (the key's previous artifact is the latest again; the task runs go with
+        # their flow run).
         for undo in (lock.release, run.undo, unregister, lambda: _close(nodes), api.close):
             try:
                 undo()
@@ -605,13 +609,11 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
         if environ.get("FLEET_QUICK_UP_DEBUG"):
             print(f"fleet up: the flow's path: {exc}", file=sys.stderr)
         return None
-    try:
-        message = _commit(run, rows, up, t0)
-    finally:
-        run.writer.shutdown(wait=True)
-        unregister()
-        _close(nodes)
-        api.close()
+    for end in (run.writer.shutdown, unregister, lambda: _close(nodes), api.close):
+        try:
+            end()
+        except Exception:
+            pass
     _print_lines(run)
     return True, [r.as_dict() for r in rows], message
 

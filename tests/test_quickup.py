@@ -124,6 +124,31 @@ def test_an_adopt_only_fleet_up_writes_the_records_the_flow_writes(tmp_path: Pat
                 limit = api.get(f"v2/concurrency_limits/{name}").json()
                 assert limit["active_slots"] == 0 and limit["limit"] == 1
                 assert api.get(f"variables/name/{record_name(name)}").status_code == 404
+
+            # A write refused at the run's end (its log lines): the try is undone — no flow run, every
+            # key's latest artifact the previous run's again — and the caller runs the flow.
+            def refuse_logs(self: Any, method: str, path: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
+                if path == "/logs/":
+                    raise quickup.ApiError(500, "refused")
+                return real(self, method, path, body, ok)
+
+            import flows.quickup as quickup
+
+            real = quickup.Api.call
+            def latest_ids() -> dict[str, str]:
+                got = api.post("artifacts/latest/filter", json={"artifacts": {"key": {"like_": "qeq-"}}}).json()
+                return {a["key"]: a["id"] for a in got if a["key"].startswith("qeq-")}
+
+            latest = latest_ids()
+            assert len(latest) == 8, latest
+            quickup.Api.call = refuse_logs   # type: ignore[method-assign]
+            try:
+                assert quick_up(cfg, environ=_env()) is None
+            finally:
+                quickup.Api.call = real   # type: ignore[method-assign]
+            assert len(_runs(api, "bringup-qeq")) == 3
+            assert latest_ids() == latest
+            assert all(api.get(f"v2/concurrency_limits/{n}").json()["active_slots"] == 0 for n in lock_names(cfg))
     finally:
         stop_servers(LocalNode(), cfg, cfg.nodes[0])
 
