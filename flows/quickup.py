@@ -4,18 +4,21 @@ An adopt-only `fleet up` (every server running with its spec, venv and model cop
 seconds of work in ≈ 9 s on a loaded 2-core machine, 6× a `fleet status`; most of it was importing
 Prefect (≈ 2.5 s of CPU alone) and its flow engine. This path imports neither: it runs the same
 stage bodies as the flow's tasks (fleet/bringup.py, with `adopt_only`: a stage with work to do stops
-before doing it) under the same node lock, and writes the same records through Prefect's REST API
-with httpx: the flow run `bringup-<fleet>` (its parameters, version, states and message), one task
-run per stage with its name, key and states, every artifact with the text tasks/audit.py writes
-(fleet/artifacts.py), the run's log lines (also printed as Prefect prints them), and the lock's slot,
-lease and holder record through the calls tasks/locks.py makes.
+before doing it), side by side as the flow runs them, under the same node lock, and writes the same
+records through Prefect's REST API (the standard library's HTTP client): the flow run
+`bringup-<fleet>` (its parameters, version, states and message), one task run per stage with its
+name, key, policy and states, every artifact with the text tasks/audit.py writes (fleet/artifacts.py),
+the run's log lines (also printed as Prefect prints them), and the lock's slot, lease and holder
+record through the calls tasks/locks.py makes.
 
 Anything else takes the flow's path (`refusal` says why): a config whose nodes or secrets come from
-Prefect blocks, a Prefect API other than this PREFECT_HOME's local server, a busy or widened lock,
-task keys not yet learned from a run of this code. And so does any stage with work to do or any
-failure here (a server down, a changed config, a smoke that fails): this run's flow run is then
-deleted — only its lock and its Running state were written, no task run, artifact or log — and the
-flow runs as always, so failures and launches are recorded by the one path that handles them.
+Prefect blocks, a Prefect API other than this PREFECT_HOME's local server, Prefect settings that
+change a run's records, a busy or widened lock, task keys not yet learned from a run of this code.
+And so does any stage with work to do or any failure here (a server down, a changed config, a smoke
+that fails, a write the server refuses): nothing was changed on a node, and what this try wrote is
+undone — its artifacts deleted (each key's previous version is the latest again), then its flow run
+with its task runs, the lock given back — before the flow runs as always, so failures and launches
+are recorded by the one path that handles them.
 """
 
 from __future__ import annotations
