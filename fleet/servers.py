@@ -187,7 +187,8 @@ def _record_port(rec: dict[str, Any]) -> int | None:
     return int(rec["port"]) if str(rec.get("port", "")).isdigit() else None
 
 
-def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned: set[int]) -> list[dict[str, Any]]:
+def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned: set[int],
+                     dry_run: bool = False) -> list[dict[str, Any]]:
     """Stop the recorded servers of this fleet on the node whose slot the config no longer plans
     (servers.count lowered, fewer GPUs): one server per slot the config names, none left running
     on GPUs the remaining slots may now be given. Their pid file and record go with them, so
@@ -198,6 +199,9 @@ def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned
         if index in planned or rec.get("node") not in (None, node_cfg.name):
             continue
         pid = recorded_pid(node, node_cfg.workdir, cfg.name, rec)
+        if dry_run:   # what would be retired, nothing stopped or removed
+            out.append({"node": node_cfg.name, "index": index, "port": _record_port(rec), "pid": pid})
+            continue
         if pid is not None:
             for job in live_jobs(node, node_cfg.workdir, cfg.name):
                 if any(s.get("index") == index and s.get("node") in (None, node_cfg.name) for s in job.servers):
@@ -211,6 +215,24 @@ def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned
         node.run(["rm", "-f", "--", paths.pid, paths.record], check=False, timeout=30)
         out.append({"node": node_cfg.name, "index": index, "port": _record_port(rec), "pid": pid})
     return out
+
+
+def _launch_key(cfg: FleetConfig, spec: ServerSpec) -> str:
+    profile = get_profile(cfg.engine.kind)
+    return launch_hash([str(a) for a in profile.argv(cfg, spec)], dict(profile.env(cfg, spec)))
+
+
+def _same_launch(record: dict[str, Any], key: str, spec: ServerSpec) -> bool:
+    """The recorded server was started with this very spec (command, env, port): `launch` adopts it."""
+    return record.get("hash") == key and _record_port(record) == spec.port
+
+
+def adoptable(node: Node, cfg: FleetConfig, spec: ServerSpec) -> bool:
+    """Would `launch` adopt a live server for `spec` (the same check, nothing changed)?"""
+    record = read_record(node, server_paths(spec.workdir, cfg.name, spec.index))
+    if not _same_launch(record, _launch_key(cfg, spec), spec):
+        return False
+    return recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index}) is not None
 
 
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
@@ -233,7 +255,7 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     pid = recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index})
     replaced = replaced_port = None
     if pid is not None:
-        if record.get("hash") == key and _record_port(record) == spec.port:
+        if _same_launch(record, key, spec):
             return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), pid, True, None, shown,
                                 paths.log, time.monotonic() - t0)
         # Same slot, different spec (config changed): replace it rather than run two on one GPU —

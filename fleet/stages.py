@@ -9,7 +9,7 @@ its work already done.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from fleet.config import NodeConfig
@@ -241,3 +241,41 @@ def is_up(state: str | None) -> bool:
     """A summary row's state for a server that serves: started, adopted, or started in place of the
     slot's old server ("replaced (port 35600 → 35601)")."""
     return state in ("up", "adopted") or (state or "").startswith("replaced")
+
+
+@dataclass
+class ServerRow:
+    """One row of the summary table: a server, or (server "-") a node that failed before its servers."""
+
+    node: str
+    server: int | str
+    # state and error come first after the server: Prefect's UI shows a table's first columns
+    # without scrolling, so a failed server's cause is read at a glance (issue 21, item 5)
+    state: str | None = None
+    error: str | None = None
+    gpus: list[int] | None = None
+    port: int | None = None
+    pid: int | None = None
+    ready_s: float | None = None
+    smoke_latency_s: float | None = None
+    proof: str | None = None   # "smoke", or the live job's progress through it (no smoke request sent)
+    kv_cache_tokens: int | None = None
+    max_running_requests: int | None = None
+    flag: str | None = None
+
+    @property
+    def up(self) -> bool:
+        return is_up(self.state)
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}/{self.server}"
+
+    def sort_key(self) -> tuple[str, int]:
+        return self.node, self.server if isinstance(self.server, int) else -1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]

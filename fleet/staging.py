@@ -192,15 +192,20 @@ def _failed(node: Node, exc_or_code: CommandFailed | int, *, argv: list[str], st
     return CommandFailed(reason, host=node.host, command=argv, exit_code=code, stderr=stderr, remedy=remedy)
 
 
+class NotStaged(Exception):
+    """`stage_model(adopt_only=True)` found something to copy (and copied nothing)."""
+
+
 def stage_model(node: Node, *, source: str, ramdisk: str, fleet: str, workdir: str, python: str = "python3",
                 streams: int = 8, verify: bool = False, margin_bytes: int = 4 * GiB,
-                timeout: float = 6 * 3600) -> StageResult:
+                timeout: float = 6 * 3600, adopt_only: bool = False) -> StageResult:
     """Copy the model directory `source` into this fleet's part of `ramdisk` on `node` once; adopt a
     finished copy of the same source state. `StageResult.dst` is where (serve the model from there).
 
     Raises PreflightFailed before copying anything when the RAM disk cannot hold what is
     left to copy plus `margin_bytes`; CommandFailed (with a remedy) when the copy fails;
     CommandTimeout past `timeout` (transient: a retry resumes where the copy stopped).
+    `adopt_only`: raise NotStaged after the plan, copying nothing, unless every byte is staged already.
     """
     t0 = time.monotonic()
     _check_source(source)
@@ -209,6 +214,8 @@ def stage_model(node: Node, *, source: str, ramdisk: str, fleet: str, workdir: s
     argv = stage_argv(python, script, source=source, ramdisk=ramdisk, fleet=fleet, streams=streams, plan_only=True)
     plan = _plan(node, argv, source=source, dst=where, ramdisk=ramdisk, timeout=timeout)
     _check_room(node, plan, source=source, ramdisk=ramdisk, margin_bytes=margin_bytes)
+    if adopt_only and int(plan["bytes_total"]) - int(plan["already_staged_bytes"]) != 0:
+        raise NotStaged(f"[{node.name}] {source}: not staged yet (nothing copied)")
     report = _copy(node, stage_argv(python, script, source=source, ramdisk=ramdisk, fleet=fleet, streams=streams,
                                     verify=verify),
                    source=source, dst=str(plan.get("dst") or where), ramdisk=ramdisk, timeout=timeout)

@@ -96,6 +96,23 @@ def time_import(node: Node, python: str, module: str) -> float:
         return -1.0
 
 
+def venv_adoptable(node: Node, cfg: FleetConfig, import_module: str) -> bool:
+    """Would `ensure_venv` adopt what is there (nothing built, nothing removed)?"""
+    path = cfg.venv.path.rstrip("/")
+    if cfg.venv.use_existing:
+        return node.exists(f"{path}/bin/python")
+    return _stamp_matches(node, path, request_hash(request_of(cfg, import_module)))
+
+
+def _stamp_matches(node: Node, path: str, key: str) -> bool:
+    stamp = node.read_text(f"{path}/{STAMP}")
+    try:
+        old = json.loads(stamp) if stamp else {}
+    except json.JSONDecodeError:
+        old = {}
+    return isinstance(old, dict) and old.get("hash") == key and node.exists(f"{path}/bin/python")
+
+
 def ensure_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_module: str,
                 network_fs: bool = False) -> VenvResult:
     """Create (or adopt) the engine venv on the node; time an import of the engine."""

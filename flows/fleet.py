@@ -15,7 +15,7 @@ never launch onto the same GPUs at once: a second one waits for the first, then 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefect import get_run_logger
@@ -30,7 +30,9 @@ from fleet.generation.data.objstore import is_url
 from fleet.interrupt import clear_stop, installed, interrupted, park, request_stop
 from fleet.servers import plan_servers
 from fleet.smoke import compare_kv
-from fleet.stages import Launched, ModelPlace, Provisioned, Smoked, TeardownRow, is_up
+from fleet.stages import SUMMARY_COLUMNS, Launched, ModelPlace, Provisioned, ServerRow, Smoked, TeardownRow
+
+__all__ = ["SUMMARY_COLUMNS", "ServerRow", "fleet"]
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
 from flows.cancel import end_cancelled
@@ -46,44 +48,6 @@ from tasks.states import failed, outcome
 quiet_expected_failures()
 
 Action = Literal["bringup", "revalidate", "teardown", "generate"]
-
-
-@dataclass
-class ServerRow:
-    """One row of the summary table: a server, or (server "-") a node that failed before its servers."""
-
-    node: str
-    server: int | str
-    # state and error come first after the server: Prefect's UI shows a table's first columns
-    # without scrolling, so a failed server's cause is read at a glance (issue 21, item 5)
-    state: str | None = None
-    error: str | None = None
-    gpus: list[int] | None = None
-    port: int | None = None
-    pid: int | None = None
-    ready_s: float | None = None
-    smoke_latency_s: float | None = None
-    proof: str | None = None   # "smoke", or the live job's progress through it (no smoke request sent)
-    kv_cache_tokens: int | None = None
-    max_running_requests: int | None = None
-    flag: str | None = None
-
-    @property
-    def up(self) -> bool:
-        return is_up(self.state)
-
-    @property
-    def label(self) -> str:
-        return f"{self.node}/{self.server}"
-
-    def sort_key(self) -> tuple[str, int]:
-        return self.node, self.server if isinstance(self.server, int) else -1
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-SUMMARY_COLUMNS = [f.name for f in fields(ServerRow)]
 
 
 @dataclass

@@ -14,32 +14,15 @@ run, so an older run's OK never sits beside the latest FAILED as if it were curr
 
 from __future__ import annotations
 
-import json
-import re
-import time
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from fleet.artifacts import (artifact_key, redact_text, run_line, run_markdown, stage_description, stage_markdown,
+                             stamp, table_rows)
 from fleet.config import FleetConfig
 
-_KEY_BAD = re.compile(r"[^a-z0-9-]+")
-
-
-def artifact_key(cfg: FleetConfig, *parts: object) -> str:
-    raw = "-".join([cfg.name, *[str(p) for p in parts]]).lower()
-    return _KEY_BAD.sub("-", raw).strip("-")[:100]
-
-
-def redact_text(text: str, cfg: FleetConfig) -> str:
-    """Every secret of the config (API key, engine.env values) replaced by ***."""
-    for secret in cfg.secrets():
-        text = text.replace(secret, "***")
-    return text
-
-
-def _utc(ts: float | None = None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+__all__ = ["artifact_key", "redact_text", "run_label", "write_not_run", "write_stage", "write_table"]
 
 
 def run_label() -> tuple[str, str]:
@@ -47,36 +30,23 @@ def run_label() -> tuple[str, str]:
     from prefect.runtime import flow_run
     from prefect.settings import PREFECT_UI_URL
 
-    name = flow_run.name or "(no flow run)"
-    ui = PREFECT_UI_URL.value()
-    url = f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}" if ui and flow_run.id else None
-    run_id = str(flow_run.id or "")[:8]
-    return name, (f"[{name}]({url})" if url else f"**{name}**" + (f" (flow run `{run_id}`)" if run_id else ""))
+    return run_markdown(flow_run.name, str(flow_run.id) if flow_run.id else None, PREFECT_UI_URL.value())
 
 
 def _stamp(description: str) -> str:
-    name, _ = run_label()
-    return f"{description} — {name}, {_utc()[11:]}"
+    return stamp(description, run_label()[0])
 
 
 def _run_line(cfg: FleetConfig) -> str:
-    _, md = run_label()
-    return f"Run {md} at {_utc()}; the fleet's state after this run: artifact `{artifact_key(cfg, 'summary')}`."
+    return run_line(cfg, run_label()[1])
 
 
 def write_stage(cfg: FleetConfig, key_parts: tuple[object, ...], title: str, *, ok: bool, seconds: float,
                 result: dict[str, Any] | None = None, error: str | None = None, log: str | None = None) -> None:
     """One markdown artifact for one stage: status, run, timing, the result as JSON, a log excerpt."""
-    status = "OK" if ok else "FAILED"
-    parts = [f"## {title}: {status} in {seconds:.2f} s", _run_line(cfg)]
-    if error:
-        parts.append(f"**Error**\n\n```\n{error}\n```")
-    if result is not None:
-        parts.append("**Result**\n\n```json\n" + json.dumps(result, indent=2, default=str) + "\n```")
-    if log:
-        parts.append("**Log excerpt** (head and tail)\n\n```\n" + log[-20000:] + "\n```")
-    create_markdown_artifact(redact_text("\n\n".join(parts), cfg), key=artifact_key(cfg, *key_parts),
-                             description=redact_text(_stamp(f"{status}: {title}"), cfg))
+    name, md = run_label()
+    create_markdown_artifact(stage_markdown(cfg, title, md, ok=ok, seconds=seconds, result=result, error=error, log=log),
+                             key=artifact_key(cfg, *key_parts), description=stage_description(cfg, title, name, ok))
 
 
 def write_not_run(cfg: FleetConfig, key_parts: tuple[object, ...], title: str, why: str) -> None:
@@ -87,5 +57,5 @@ def write_not_run(cfg: FleetConfig, key_parts: tuple[object, ...], title: str, w
 
 
 def write_table(cfg: FleetConfig, key_parts: tuple[object, ...], rows: list[dict[str, Any]], description: str) -> None:
-    clean = [{k: redact_text(str(v), cfg) if isinstance(v, str) else v for k, v in r.items()} for r in rows]
-    create_table_artifact(clean, key=artifact_key(cfg, *key_parts), description=redact_text(_stamp(description), cfg))
+    create_table_artifact(table_rows(cfg, rows), key=artifact_key(cfg, *key_parts),
+                          description=redact_text(_stamp(description), cfg))
