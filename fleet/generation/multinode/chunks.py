@@ -169,6 +169,9 @@ class Chunk:
     lines: int          # input lines (or rows) in the chunk, blank lines included
     file: str           # the chunk's input file, relative to the plan directory ("" when read in place)
     span: list[int] | None = None   # [start, end) bytes of the plan's JSONL input URL, read in place (ranges.py)
+    # a size-cut chunk (ranges.size_cut): `first_line` and `lines` are estimates from the input's bytes per
+    # line, its span is cut at any byte, and the lines it holds are the split rule's (those starting in it)
+    approx: bool = False
     # ("" file and no span in a Parquet plan: rows first_line … of its input URL, read in place)
 
     @property
@@ -346,8 +349,16 @@ def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int |
 def _grow_jsonl_in_place(url: str, plan: Plan, limit: int | None) -> None:
     """The JSONL input's lines after the plan's last chunk, up to `limit` rows in all, as new byte-range
     chunks: one pass over those lines only (it starts where the plan's lines end)."""
-    from fleet.generation.data.ranges import cut, scan
+    from fleet.generation.data.ranges import cut, scan, size_cut
 
+    if limit is None and not plan.chunks:   # the whole input: cut from its size, nothing of it read here
+        total, spans = size_cut(url, plan.input_id, lambda n: plan_sizes(n, len(plan.nodes), plan.chunk_rows))
+        for first, lines, span in spans:
+            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=lines, file="", span=span,
+                                     approx=True))
+        plan.total_lines = plan.rows = total
+        return
+    # a --limit counts rows: the lines up to it are scanned (and a plan cut to a limit grows from its end)
     start = max((c.span[1] for c in plan.chunks if c.span is not None), default=0)
     ix = scan(url, limit, first_line=plan.total_lines + 1, start=start, rows=plan.rows or 0, pin=plan.input_id)
     if ix.lines and ix.rows > (plan.rows or 0):   # not only blank lines after the plan's
@@ -431,12 +442,18 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int,
         (commit or (lambda h, r: write_json_atomic(pdir / PLAN_FILE, plan.to_dict())))(head, rest)
 
     if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, the commit the only write
-        from fleet.generation.data.ranges import split_span
+        from fleet.generation.data.ranges import cut_bytes, split_span
 
-        head_span, rest_span = split_span(plan.input, c.span, rows, plan.input_id) if c.span is not None else (None, None)
+        if c.span is None:
+            head_span, rest_span = None, None
+        elif c.approx:   # cut at a byte, nothing read: the halves own the whole's lines between them
+            head_span, rest_span = cut_bytes(c.span, rows, c.lines)
+        else:
+            head_span, rest_span = split_span(plan.input, c.span, rows, plan.input_id)
         new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
-                    span=rest_span)
-        record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span), new)
+                    span=rest_span, approx=c.approx)
+        record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span,
+                     approx=c.approx), new)
         return new
     new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
                 file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
@@ -1058,23 +1075,33 @@ def _merged_errors(stores: list[tuple[Source, Store]], seen: set[int]) -> Iterat
             if d in seen:
                 continue
             seen.add(d)
-            rec = dict(rec)
-            if isinstance(rec.get("line"), int):
-                rec["line"] = rec["line"] + src.chunk.first_line - 1
+            rec = _job_line(dict(rec), src.chunk)
             rec["chunk"] = src.chunk.index
             yield rec
 
 
+def _job_line(rec: dict[str, Any], chunk: Chunk) -> dict[str, Any]:
+    """`rec`'s `line` (of the chunk's input) made the job input's. A size-cut chunk does not know its
+    first line (nothing counted the lines before it): `line` is None and `chunk_line` the chunk's line."""
+    if isinstance(rec.get("line"), int):
+        if chunk.approx:
+            rec["chunk_line"], rec["line"] = rec["line"], None
+        else:
+            rec["line"] = rec["line"] + chunk.first_line - 1
+    return rec
+
+
 def _merged_by_line(stores: list[tuple[Source, Store]], name: str) -> Iterator[dict[str, Any]]:
     """The records of file `name` (rejects, quality rejects), one per job line, lines made the job's."""
-    lines: set[int] = set()
+    lines: set[tuple[int, int]] = set()   # (the chunk's first byte in a size-cut plan, else 0; the line)
     for src, store in stores:
         for rec in _jsonl(store, name):
-            rec = dict(rec)
-            if isinstance(rec.get("line"), int):
-                rec["line"] = rec["line"] + src.chunk.first_line - 1
-                if rec["line"] in lines:
+            rec = _job_line(dict(rec), src.chunk)
+            line = rec.get("chunk_line") if src.chunk.approx else rec.get("line")
+            if isinstance(line, int):
+                key = ((src.chunk.span or [0])[0] if src.chunk.approx else 0, line)
+                if key in lines:
                     continue
-                lines.add(rec["line"])
+                lines.add(key)
             rec["chunk"] = src.chunk.index
             yield rec
