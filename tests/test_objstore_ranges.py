@@ -163,3 +163,99 @@ def test_fleet_generate_over_a_size_cut_store_input_every_id_once(tmp_path: Path
     got = store_ids(out)
     assert sorted(got) == sorted(want) and len(got) == len(set(got)) == len(want)
     assert len(data) > SAMPLE and input_bytes[0] <= SAMPLE + 4
+    # the data checks are the runners' own, summed: the same numbers as reading the output's check columns
+    from fleet.generation.data.checks import data_checks
+
+    manifest = json.loads(Store(out).read_bytes("manifest.json") or b"{}")
+    assert manifest["checks_basis"].startswith("summed"), manifest.get("checks_basis")
+    assert manifest["checks"] == data_checks(out) and manifest["checks"]["rows"] == len(want)
+
+
+def _results(d: Path, ids: list[int], shard_rows: int = 4) -> None:
+    from fleet.generation.data.store import ResultStore
+
+    s = ResultStore(d, shard_rows=shard_rows)
+    for i in ids:
+        s.add_result({"id": f"r{i}", "completion": "" if i % 7 == 0 else f"<think>x</think> answer {i}",
+                      "finish_reason": "length" if i % 5 == 0 else "stop", "completion_tokens": (i * 31) % 17,
+                      "prompt_tokens": 1})
+    s.close()
+
+
+def test_the_job_checks_are_the_chunks_checks_summed_exactly(s3: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller read the whole output's check columns again after the merge (issue 35: part of
+    its 7.06 MB, and of the 94 s after the last row). Each chunk's runner already checks its own output
+    for its manifest; the job's checks are now their sum — exact, the token quantiles too (from summed
+    histograms), equal to reading the merged rows — and nothing is read for them. When the merge dropped
+    a row (an id twice) or kept one from an abandoned attempt, the sum would be wrong: then they are read."""
+    from fleet.config import FleetConfig
+    from fleet.generation.data import checks as checks_mod
+    from fleet.generation.data.checks import data_checks, sum_checks
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode.chunks import Assignments, split_input
+    from fleet.generation.multinode.controller import merge_job, part_url
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "q"}) + "\n" for i in range(45)))
+    plan = split_input(inp, tmp_path / "plan", ["a"], chunk_rows=15)
+    out = f"{s3}/summed"
+
+    def attempt(assign: Assignments, c: Any, node: str, ids: list[int]) -> None:
+        d = tmp_path / f"{node}-{c.name}"
+        _results(d, ids)
+        part = Store(part_url(out, node, c))
+        for p in sorted((d / "shards").glob("part-*.parquet")):
+            part.put_file(str(p), f"shards/{p.name}")
+        part.write_bytes("manifest.json", json.dumps({"complete": True, "state": "done", "accounted": len(ids),
+                                                      "checks": data_checks(d)}).encode())
+        assign.start(c.index, node, str(d))
+        assign.finish(c.index, node, "done")
+
+    assign = Assignments(tmp_path / "plan", plan)
+    for c in plan.chunks:
+        attempt(assign, c, "a", list(range(c.first_line - 1, c.first_line - 1 + c.lines)))
+    parts = [data_checks(tmp_path / f"a-{c.name}") for c in plan.chunks]
+    cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(tmp_path / "w")}], engine={"kind": "sim"})
+
+    def no_read(*a: object, **kw: object) -> None:
+        raise AssertionError("the output was read for the checks")
+
+    with monkeypatch.context() as m:
+        m.setattr(checks_mod, "data_checks", no_read)
+        manifest = merge_job(cfg, tmp_path / "plan", plan, assign, out, store=out)
+    whole = data_checks(out)
+    assert "error" not in manifest["checks"], manifest["checks"]   # before: the output read again here
+    assert manifest["checks_basis"].startswith("summed")
+    assert manifest["checks"] == whole == sum_checks(parts)
+    assert whole["rows"] == 45 and whole["completion_tokens"]["p95"] is not None
+    # the same id on two lines in two chunks: the merge drops the second copy, the sum would count it
+    (tmp_path / "in.jsonl").write_text(inp.read_text())
+    plan2 = split_input(inp, tmp_path / "plan2", ["a"], chunk_rows=15)
+    assign2 = Assignments(tmp_path / "plan2", plan2)
+    out = f"{s3}/dup"
+    for c in plan2.chunks:
+        first = c.first_line - 1
+        attempt(assign2, c, "a", list(range(first, first + c.lines)) + ([0] if c.index == 1 else []))
+    manifest = merge_job(cfg, tmp_path / "plan2", plan2, assign2, out, store=out)
+    assert manifest["checks_basis"] == "read from the merged output"
+    assert manifest["checks"] == data_checks(out) and manifest["checks"]["rows"] == 45
+
+
+def test_sum_checks_of_parts_is_data_checks_of_the_whole(tmp_path: Path) -> None:
+    """Pure: the checks of any split of the rows sum to the checks of all of them, quantiles exactly
+    (pyarrow's linear interpolation, from the histograms); a part without a histogram (an older
+    runner's) or with an error cannot be summed."""
+    from fleet.generation.data.checks import data_checks, sum_checks
+
+    _results(tmp_path / "all", list(range(50)))
+    cuts = [0, 1, 2, 17, 33, 50]
+    parts = []
+    for a, b in zip(cuts, cuts[1:]):
+        _results(tmp_path / f"p{a}", list(range(a, b)))
+        parts.append(data_checks(tmp_path / f"p{a}"))
+    whole = data_checks(tmp_path / "all")
+    assert sum_checks(parts) == whole
+    assert whole["completion_tokens"]["p50"] == 8.0 and whole["completion_tokens"]["rows"] == 50
+    old = {k: v for k, v in parts[0].items() if k != "completion_tokens_hist"}
+    assert sum_checks([old, *parts[1:]]) is None and sum_checks([{"error": "x"}]) is None

@@ -971,20 +971,23 @@ def write_manifest_to(dest: Store, manifest: dict[str, Any]) -> None:
         dest.write_bytes(MANIFEST_FILE, (json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n").encode())
 
 
-def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None,
+          kept: list[int] | None = None) -> dict[str, Any]:
     """Merge chunk outputs (in merge order, see the module docstring) into `dest`; return its manifest.
 
     `dest` gets shards/part-NNNNNN.parquet (a shard with no duplicate is copied as it is — on one
     object store, a server-side copy — one with duplicates is rewritten without them), errors.jsonl,
     rejects.jsonl, quality_rejects.jsonl and manifest.json (last) — the layout of a single-node
-    output. Sources and `dest` may be local directories or object-storage URLs."""
+    output. Sources and `dest` may be local directories or object-storage URLs. `kept`, when given, gets
+    the completed rows kept from each source, in the sources' order (the job's summed checks are exact
+    only when every row of the counting attempts is kept and no other)."""
     from fleet.generation.data.results import QUALITY_REJECTS
 
     out = Store(str(dest))
     _clear_shards(out)
     seen: set[int] = set()   # digests of the ids written: first wins
     stores = [(src, Store(str(src.dir))) for src in sources]
-    n_shard, completed, dropped = _merge_shards(stores, out, seen)
+    n_shard, completed, dropped = _merge_shards(stores, out, seen, kept)
     n_err = _write_lines(out, "errors.jsonl", _merged_errors(stores, seen))
     n_rej = _write_lines(out, "rejects.jsonl", _merged_by_line(stores, "rejects.jsonl"))
     n_qrej = _write_lines(out, QUALITY_REJECTS, _merged_by_line(stores, QUALITY_REJECTS))
@@ -1018,8 +1021,10 @@ def _clear_shards(out: Store) -> None:
         out.fs.rm(f"{out.path}/{SHARDS_DIR}/{name}")
 
 
-def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]) -> tuple[int, int, int]:
-    """Every source's shards into `out`'s shards/, each id once (`seen`); (shards, rows, duplicates dropped)."""
+def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int],
+                  kept: list[int] | None = None) -> tuple[int, int, int]:
+    """Every source's shards into `out`'s shards/, each id once (`seen`); (shards, rows, duplicates dropped).
+    `kept`: filled with the rows kept from each source."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1030,6 +1035,8 @@ def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]
     n_shard = 0
     completed = 0
     for _, store in stores:
+        if kept is not None:
+            kept.append(0)
         for name in store_shards(store):
             with store.open_read(f"shards/{name}") as f:
                 ids = pq.read_table(f, columns=["id"]).column(0).to_pylist()
@@ -1053,6 +1060,8 @@ def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]
                 with out.open_write(target) as g:
                     pq.write_table(table.take(pa.array(keep, type=pa.int64())), g)
             completed += len(keep)
+            if kept is not None:
+                kept[-1] += len(keep)
     return n_shard, completed, dropped
 
 
