@@ -1038,8 +1038,10 @@ def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]
         if kept is not None:
             kept.append(0)
         for name in store_shards(store):
-            with store.open_read(f"shards/{name}") as f:
-                ids = pq.read_table(f, columns=["id"]).column(0).to_pylist()
+            # only the footer and the id column's pages: through s3fs's default read-ahead cache a
+            # shard was fetched whole (in 50 MB blocks) to read its ids (issue 35's request log)
+            with store.fs.open(store._p(f"shards/{name}"), "rb", cache_type="none") as f:
+                ids = pq.ParquetFile(f, pre_buffer=True).read(columns=["id"]).column(0).to_pylist()
             keep = []
             for i, rid in enumerate(ids):
                 d = digest(rid)
