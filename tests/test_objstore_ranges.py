@@ -40,32 +40,33 @@ def _mem(data: bytes) -> tuple[Any, str]:
 
 
 def test_byte_ranges_cut_anywhere_hold_every_line_once() -> None:
-    """The split rule at every cut point (pure, over an in-memory file): two ranges cut at any byte —
-    inside a line, exactly at a newline, inside a run of blank lines, inside the long line — and three
-    ranges cut at any two bytes hold between them every line once, in order; the last line, which has
-    no newline, ends with one."""
-    from fleet.generation.data.ranges import _align
+    """The split rule at every cut point (pure, over an in-memory file read as a store URL): two ranges
+    cut at any byte — inside a line, exactly at a newline, inside a run of blank lines, inside the long
+    line — and three ranges cut at any two bytes hold between them every line once, in order, each
+    range whole lines; the last line, which has no newline, ends with one. (A range read as its bytes,
+    as before, split lines in two wherever a cut fell inside one.)"""
+    from fleet.generation.data.ranges import read_span
 
     data = _awkward()
-    fs, path = _mem(data)
+    _mem(data)
+    url = "memory://ranges/in.jsonl"
     whole = data + b"\n"
     size = len(data)
+    lines = set(whole.splitlines(keepends=True))
     for c in range(1, size):
-        got = _align(fs, path, {}, [0, c], size) + _align(fs, path, {}, [c, size], size)
-        assert got + (b"" if got.endswith(b"\n") else b"\n") == whole, c
-    for a in range(1, size, 3):
-        for b in range(a + 1, size, 5):
-            parts = [_align(fs, path, {}, span, size) for span in ([0, a], [a, b], [b, size])]
-            got = b"".join(parts)
-            assert got + (b"" if got.endswith(b"\n") else b"\n") == whole, (a, b)
-            # whole lines only (the last line has no newline of its own)
-            assert all(not p or p.endswith(b"\n") or data.endswith(p) for p in parts), (a, b)
+        parts = [read_span(url, [0, c]), read_span(url, [c, size])]
+        assert b"".join(parts) == whole, c
+        assert all(ln in lines for p in parts for ln in p.splitlines(keepends=True)), c   # whole lines only
+    for a in range(1, size, 7):
+        for b in range(a + 1, size, 11):
+            got = b"".join(read_span(url, span) for span in ([0, a], [a, b], [b, size]))
+            assert got == whole, (a, b)
     # a range inside one line owns nothing; a cut exactly after a newline gives the next line to the right
     start = data.index(b'"long"')
-    assert _align(fs, path, {}, [start, start + 20], size) == b""
+    assert read_span(url, [start, start + 20]) == b""
     nl = data.index(b"\n") + 1
-    assert _align(fs, path, {}, [nl, nl + 1], size).startswith(data[nl:nl + 5])
-    assert _align(fs, path, {}, [0, nl], size) == data[:nl]
+    assert read_span(url, [nl, nl + 1]).startswith(data[nl:nl + 5])
+    assert read_span(url, [0, nl]) == data[:nl]
 
 
 def test_a_size_cut_plan_reads_only_the_head_and_cuts_at_claim_time_without_a_read(
