@@ -39,14 +39,17 @@ def _mem(data: bytes) -> tuple[Any, str]:
     return fs, "/ranges/in.jsonl"
 
 
-def test_byte_ranges_cut_anywhere_hold_every_line_once() -> None:
+@pytest.mark.parametrize("ahead", [8192, 3])   # a last line finished in the range's read, or by reads past it
+def test_byte_ranges_cut_anywhere_hold_every_line_once(ahead: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The split rule at every cut point (pure, over an in-memory file read as a store URL): two ranges
     cut at any byte — inside a line, exactly at a newline, inside a run of blank lines, inside the long
     line — and three ranges cut at any two bytes hold between them every line once, in order, each
     range whole lines; the last line, which has no newline, ends with one. (A range read as its bytes,
     as before, split lines in two wherever a cut fell inside one.)"""
+    from fleet.generation.data import ranges
     from fleet.generation.data.ranges import read_span
 
+    monkeypatch.setattr(ranges, "AHEAD", ahead)
     data = _awkward()
     _mem(data)
     url = "memory://ranges/in.jsonl"

@@ -140,36 +140,44 @@ def cut(ix: LineIndex, sizes: list[int]) -> list[tuple[int, int, list[int]]]:
     return out
 
 
+AHEAD = 1 << 13   # bytes read past a range's end with it, to finish its last line in the same request
+
+
 def _align(fs: Any, path: str, kw: dict[str, Any], span: list[int], size: int | None) -> bytes:
     """The bytes of the whole lines that start in [span[0], span[1]): the standard split rule (Hadoop's
     input splits). A line starts at `start` exactly when the byte before it is a newline, so the range is
-    read with that byte, skipped to its first newline (unless `start` is 0); its last line is finished
-    by reads past its end, each twice as long, until it has ended (or the input has)."""
+    read with that byte and AHEAD bytes past its end, skipped to its first newline (unless `start` is 0),
+    and cut after the first newline at or past its last byte; a last line longer than that is finished by
+    reads past it, each twice as long, until it has ended (or the input has)."""
     start, end = span
+    if size is None:   # no pin to say it: a read past the object's end is refused (416), not short
+        size = int(fs.size(path))
     lo = start - 1 if start > 0 else 0
-    data: bytes = fs.cat_file(path, start=lo, end=end, **kw)
+    hi = min(size, end + AHEAD)
+    data: bytes = fs.cat_file(path, start=lo, end=hi, **kw)
+    begin = 0
     if start > 0:
         nl = data.find(b"\n")
         if nl < 0 or lo + nl + 1 >= end:   # no line starts in the range (one long line crosses it)
             return b""
-        data = data[nl + 1:]
-    if not data or data.endswith(b"\n"):
-        return data
-    more = 1 << 16
-    at = end
-    if size is None:   # no pin to say it: a read past the object's end is refused (416), not short
-        size = int(fs.size(path))
+        begin = nl + 1
+    if end <= lo:
+        return b""
+    k = data.find(b"\n", end - 1 - lo)
+    if k >= 0:
+        return data[begin:k + 1]
+    out, at, more = data[begin:], hi, AHEAD * 2
     while at < size:
         tail: bytes = fs.cat_file(path, start=at, end=min(size, at + more), **kw)
         if not tail:
             break
         nl = tail.find(b"\n")
         if nl >= 0:
-            return data + tail[:nl + 1]
-        data += tail
+            return out + tail[:nl + 1]
+        out += tail
         at += len(tail)
         more *= 2
-    return data
+    return out
 
 
 def read_span(url: str, span: list[int], pin: dict[str, Any] | None = None) -> bytes:
