@@ -20,7 +20,8 @@ What is new lives here:
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
   with the input's schema) and the plan, atomically. A JSONL or Parquet input on object storage is
   read in place instead: its chunks are byte ranges (JSONL) or row ranges (Parquet) of it
-  (`ranges.py`), and only plan.json is written.
+  (`ranges.py`), and only plan.json is written. Without a --limit a JSONL input's ranges are cut
+  from its size (`approx` chunks: estimated lines, each runner aligning its range by the split rule).
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
   asks for work when it has none (`claim`), so a faster node takes more chunks. Every change is a
   line appended (fsync'd) to `state.jsonl` before it is acted on, compacted now and then into the
@@ -40,7 +41,7 @@ first, then any attempt abandoned on a lost node). Then:
    id on two input lines in different chunks) and counted in `manifest.merge.duplicates_dropped`;
 2. an error is kept only for an id completed nowhere, once (the first);
 3. rejects and quality rejects are kept once per id/original line, their `line` turned from
-   the chunk file's line into the input's.
+   the chunk file's line into the input's (a size-cut chunk's: `line` null, `chunk_line` its own).
 
 So every id of the input appears exactly once, in exactly one of results / errors / rejects.
 """
