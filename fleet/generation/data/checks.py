@@ -35,7 +35,7 @@ from fleet.generation.data.results import iter_results, read_errors, read_qualit
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
 
-__all__ = ["data_checks", "account", "quality_summary", "sum_checks"]
+__all__ = ["data_checks", "account", "quality_summary", "sum_checks", "job_checks"]
 
 _THINK = ("<think>", "</think>")
 
@@ -242,3 +242,21 @@ def account(input_path: str | Path, out_dir: str | Path,
     result["ok"] = not (result["missing"] or result["duplicated"] or result["completed_and_errored"]
                         or result["unexpected"] or result["unrecorded_rejects"])
     return result
+
+
+def job_checks(dest: str | Path, sources: int, counting: dict[int, dict[str, Any]],
+               kept: list[int]) -> tuple[dict[str, Any], str]:
+    """A multi-node job's data checks and how they were had. Each chunk's runner checked its own output
+    (its manifest's `checks`: `counting`, by merge source index); their sum is the job's exactly when the
+    merge kept (`kept`: rows kept per source) every row of those attempts and none of any other (no id
+    dropped as a duplicate, no row from an abandoned attempt): then nothing of the output is read. Else
+    (or a chunk without summable checks) the output's check columns are read, as before."""
+    if len(kept) == sources and all(
+            kept[i] == (int(counting[i].get("rows") or 0) if i in counting else 0) for i in range(sources)):
+        summed = sum_checks(list(counting.values()))
+        if summed is not None:
+            return summed, "summed from each chunk's own checks (its runner's)"
+    try:   # on object storage too: the merged shards' check columns streamed from the store
+        return data_checks(dest), "read from the merged output"
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}, "read from the merged output"

@@ -1010,32 +1010,14 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         manifest.update(state="incomplete", complete=False, missing_chunks=missing)
         write_manifest_to(out, manifest)
     manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
-    manifest["checks"], manifest["checks_basis"] = _job_checks(dest, sources, counting, kept)
+    from fleet.generation.data.checks import job_checks
+
+    manifest["checks"], manifest["checks_basis"] = job_checks(dest, len(sources), counting, kept)
     write_manifest_to(out, manifest)
     return manifest
 
 
 _Rows = dict[str, dict[str, Any]]
-
-
-def _job_checks(dest: str | Path, sources: list[Source], counting: dict[int, dict[str, Any]],
-                kept: list[int]) -> tuple[dict[str, Any], str]:
-    """The job's data checks and how they were had. Each chunk's runner checked its own output (its
-    manifest's `checks`); their sum is the job's exactly when the merge kept every row of those
-    attempts and none of any other (no id dropped as a duplicate, no row from an abandoned attempt):
-    then nothing of the output is read here. Else (or a chunk without summable checks) the output's
-    check columns are read, as before: exact, at the cost of reading them."""
-    from fleet.generation.data.checks import data_checks, sum_checks
-
-    if len(kept) == len(sources) and all(
-            kept[i] == (int(counting[i].get("rows") or 0) if i in counting else 0) for i in range(len(sources))):
-        summed = sum_checks(list(counting.values()))
-        if summed is not None:
-            return summed, "summed from each chunk's own checks (its runner's)"
-    try:   # on object storage too: the merged shards' check columns streamed from the store
-        return data_checks(dest), "read from the merged output"
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}, "read from the merged output"
 
 
 def _job_sources(plan_dir: Path, assign: Assignments, store: str | None = None,
