@@ -35,7 +35,7 @@ from fleet.generation.data.results import iter_results, read_errors, read_qualit
 if TYPE_CHECKING:
     from fleet.config import GenerationConfig
 
-__all__ = ["data_checks", "account", "quality_summary"]
+__all__ = ["data_checks", "account", "quality_summary", "sum_checks", "job_checks"]
 
 _THINK = ("<think>", "</think>")
 
@@ -78,10 +78,40 @@ def data_checks(out_dir: str | Path) -> dict[str, Any]:
                 flagged[v] = flagged.get(v, 0) + c
         multi += _count(pc.greater(batch.column("turns"), 1))
     toks = pa.chunked_array(tokens, pa.int64()) if tokens else pa.chunked_array([], pa.int64())
+    hist: dict[int, int] = {}
     if len(toks):
-        q = pc.quantile(toks, q=[0.5, 0.95]).to_pylist()
-        tok_stats = {"mean": pc.mean(toks).as_py(), "p50": q[0], "p95": q[1], "max": pc.max(toks).as_py(),
-                     "total": pc.sum(toks).as_py(), "rows": len(toks)}
+        vc = pc.value_counts(toks)
+        hist = dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
+    return _checks(rows, cut, empty, think, reasoning, tools, finish, flagged, multi, hist)
+
+
+def _quantile(hist: list[tuple[int, int]], n: int, q: float) -> float:
+    """The `q` quantile of the `n` values whose (value, count) pairs are `hist` (ascending): linear
+    interpolation between the two values around position q × (n - 1), as pyarrow's `quantile` does."""
+    pos = q * (n - 1)
+    lo, frac = int(pos), pos - int(pos)
+
+    def at(k: int) -> int:
+        seen = 0
+        for v, c in hist:
+            seen += c
+            if k < seen:
+                return v
+        return hist[-1][0]
+
+    a = at(lo)
+    return float(a) if frac == 0 else a + (at(lo + 1) - a) * frac
+
+
+def _checks(rows: int, cut: int, empty: int, think: int, reasoning: int, tools: int, finish: dict[str, int],
+            flagged: dict[str, int], multi: int, hist: dict[int, int]) -> dict[str, Any]:
+    pairs = sorted(hist.items())
+    n = sum(c for _, c in pairs)
+    tok_stats: dict[str, Any]
+    if n:
+        total = sum(v * c for v, c in pairs)
+        tok_stats = {"mean": total / n, "p50": _quantile(pairs, n, 0.5), "p95": _quantile(pairs, n, 0.95),
+                     "max": pairs[-1][0], "total": total, "rows": n}
     else:
         tok_stats = {"mean": None, "p50": None, "p95": None, "max": None, "total": 0, "rows": 0}
     return {
@@ -95,7 +125,36 @@ def data_checks(out_dir: str | Path) -> dict[str, Any]:
         "flagged": dict(sorted(flagged.items())),  # quality gate -> rows stored with its flag
         "multi_turn_rows": multi,
         "completion_tokens": tok_stats,
+        # every completion's token count as [value, rows] pairs: at most max_tokens of them, so the checks
+        # of a job's chunks sum to the job's exactly, quantiles included (`sum_checks`)
+        "completion_tokens_hist": [[v, c] for v, c in pairs],
     }
+
+
+def sum_checks(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The checks of one output made of several (a multi-node job's chunks, each checked by its own
+    runner), from their counts alone: exact, the token quantiles too (from the summed histograms). None
+    when a part has none to sum (an error, or checks from before the histogram was kept)."""
+    rows = cut = empty = think = reasoning = tools = multi = 0
+    finish: dict[str, int] = {}
+    flagged: dict[str, int] = {}
+    hist: dict[int, int] = {}
+    for p in parts:
+        if not isinstance(p, dict) or "error" in p or not isinstance(p.get("completion_tokens_hist"), list):
+            return None
+        rows += int(p["rows"])
+        cut += int(p["cut_at_max_tokens"])
+        empty += int(p["empty_completions"])
+        think += int(p["think_tags"])
+        reasoning += int(p["with_reasoning"])
+        tools += int(p["with_tool_calls"])
+        multi += int(p["multi_turn_rows"])
+        for into, d in ((finish, p["finish_reasons"]), (flagged, p["flagged"])):
+            for k, v in d.items():
+                into[k] = into.get(k, 0) + int(v)
+        for v, c in p["completion_tokens_hist"]:
+            hist[int(v)] = hist.get(int(v), 0) + int(c)
+    return _checks(rows, cut, empty, think, reasoning, tools, finish, flagged, multi, hist)
 
 
 def quality_summary(out_dir: str | Path, this_run: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -183,3 +242,21 @@ def account(input_path: str | Path, out_dir: str | Path,
     result["ok"] = not (result["missing"] or result["duplicated"] or result["completed_and_errored"]
                         or result["unexpected"] or result["unrecorded_rejects"])
     return result
+
+
+def job_checks(dest: str | Path, sources: int, counting: dict[int, dict[str, Any]],
+               kept: list[int]) -> tuple[dict[str, Any], str]:
+    """A multi-node job's data checks and how they were had. Each chunk's runner checked its own output
+    (its manifest's `checks`: `counting`, by merge source index); their sum is the job's exactly when the
+    merge kept (`kept`: rows kept per source) every row of those attempts and none of any other (no id
+    dropped as a duplicate, no row from an abandoned attempt): then nothing of the output is read. Else
+    (or a chunk without summable checks) the output's check columns are read, as before."""
+    if len(kept) == sources and all(
+            kept[i] == (int(counting[i].get("rows") or 0) if i in counting else 0) for i in range(sources)):
+        summed = sum_checks(list(counting.values()))
+        if summed is not None:
+            return summed, "summed from each chunk's own checks (its runner's)"
+    try:   # on object storage too: the merged shards' check columns streamed from the store
+        return data_checks(dest), "read from the merged output"
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}, "read from the merged output"

@@ -1,6 +1,11 @@
 """Chunks of an input on object storage, read in place: byte ranges of JSONL, row ranges of Parquet.
 
-An uncompressed JSONL input at a URL is never copied by the controller. It streams the input once,
+An uncompressed JSONL input at a URL is never copied by the controller, and without a --limit never
+read either (`size_cut`): the plan is cut at byte offsets from the object's size (its pin), sized by
+the bytes per line of its first SAMPLE bytes, and each runner aligns its range to whole lines by the
+standard split rule (`read_span`: a range owns the lines that start in it), so the offsets may fall
+anywhere; a claim-time cut is a byte too (`cut_bytes`). Ids do not depend on a line's place (an id-less
+row's is its content's hash). With a --limit, which counts rows, the controller streams the input once,
 keeping counters and a sparse index of line starts (`scan`): the line count and the non-blank rows
 (the plan's sizes need the total, `--limit` counts rows), and the byte offset of every `step`-th
 line. `step` is 1 (every line) up to `INDEX_ENTRIES` lines and doubles whenever the index fills, so
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = ["INDEX_ENTRIES", "LineIndex", "cut", "in_place", "is_parquet", "parquet_rows", "read_rows", "read_span",
-           "scan", "split_span", "url_id"]
+           "scan", "size_cut", "cut_bytes", "split_span", "url_id"]
 
 INDEX_ENTRIES = 1 << 20   # line starts kept at most (8 bytes each); past it, every other one is dropped
 BLOCK = 1 << 24           # bytes read per request while scanning (fewer, larger GETs)
@@ -135,23 +140,110 @@ def cut(ix: LineIndex, sizes: list[int]) -> list[tuple[int, int, list[int]]]:
     return out
 
 
+AHEAD = 1 << 13   # bytes read past a range's end with it, to finish its last line in the same request
+
+
+def _align(fs: Any, path: str, kw: dict[str, Any], span: list[int], size: int | None) -> bytes:
+    """The bytes of the whole lines that start in [span[0], span[1]): the standard split rule (Hadoop's
+    input splits). A line starts at `start` exactly when the byte before it is a newline, so the range is
+    read with that byte and AHEAD bytes past its end, skipped to its first newline (unless `start` is 0),
+    and cut after the first newline at or past its last byte; a last line longer than that is finished by
+    reads past it, each twice as long, until it has ended (or the input has)."""
+    start, end = span
+    if size is None:   # no pin to say it: a read past the object's end is refused (416), not short
+        size = int(fs.size(path))
+    lo = start - 1 if start > 0 else 0
+    hi = min(size, end + AHEAD)
+    data: bytes = fs.cat_file(path, start=lo, end=hi, **kw)
+    begin = 0
+    if start > 0:
+        nl = data.find(b"\n")
+        if nl < 0 or lo + nl + 1 >= end:   # no line starts in the range (one long line crosses it)
+            return b""
+        begin = nl + 1
+    if end <= lo:
+        return b""
+    k = data.find(b"\n", end - 1 - lo)
+    if k >= 0:
+        return data[begin:k + 1]
+    out, at, more = data[begin:], hi, AHEAD * 2
+    while at < size:
+        tail: bytes = fs.cat_file(path, start=at, end=min(size, at + more), **kw)
+        if not tail:
+            break
+        nl = tail.find(b"\n")
+        if nl >= 0:
+            return out + tail[:nl + 1]
+        out += tail
+        at += len(tail)
+        more *= 2
+    return out
+
+
 def read_span(url: str, span: list[int], pin: dict[str, Any] | None = None) -> bytes:
-    """The bytes of one chunk, ending with a newline: of the pinned version (InputChanged when it is not there)."""
+    """The whole lines a chunk's byte range owns (the standard split rule: `_align`), ending with a
+    newline, of the pinned version (InputChanged when it is not there). A range cut at line starts (a
+    plan that scanned the input) reads exactly its bytes; one cut at any byte (`size_cut`) finds its
+    lines here, on the runner: the controller never reads the input to cut it."""
     from fleet.generation.data.pin import check, source
 
     fs, path, kw = source(url, pin)
-    data: bytes = fs.cat_file(path, start=span[0], end=span[1], **kw)
+    size = (pin or {}).get("size")
+    data = _align(fs, path, kw, span, int(size) if size else None)
     check(url, pin)
     return data if data.endswith(b"\n") or not data else data + b"\n"
 
 
 def split_span(url: str, span: list[int], rows: int, pin: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
-    """A chunk's range cut after its first `rows` lines: (head, rest)."""
+    """A chunk's range cut after its first `rows` lines: (head, rest). Reads the range: for a plan cut at
+    line starts (a --limit counts rows); a size-cut chunk is cut at a byte instead (`cut_bytes`)."""
     data = read_span(url, span, pin)
     at = 0
     for _ in range(rows):
         at = data.index(b"\n", at) + 1
     return [span[0], span[0] + at], [span[0] + at, span[1]]
+
+
+def cut_bytes(span: list[int], rows: int, lines: int) -> tuple[list[int], list[int]]:
+    """A size-cut chunk's range cut at the byte `rows / lines` of the way through it, with no read: by
+    the split rule the two halves own between them exactly the lines the whole owned."""
+    start, end = span
+    at = start + max(1, min(end - start - 1, round((end - start) * rows / max(1, lines))))
+    return [start, at], [at, end]
+
+
+SAMPLE = 1 << 16   # bytes of the input's head read to estimate its bytes per line
+
+
+def size_cut(url: str, pin: dict[str, Any], sizes_for: Any) -> tuple[int, list[tuple[int, int, list[int]]]]:
+    """A JSONL input on a store cut from its size (the pin's), not its content: (estimated lines,
+    [(estimated first line, estimated lines, [start, end) bytes)]). One read of its first SAMPLE bytes
+    estimates the bytes per line; `sizes_for(lines)` gives the chunks' sizes in lines (`plan_sizes`),
+    turned into byte offsets. The estimates steer sizing and progress only: which lines a chunk holds
+    is the split rule's (`read_span`), exact whatever the estimate."""
+    from fleet.generation.data.pin import source
+
+    size = int(pin.get("size") or 0)
+    if size <= 0:
+        return 0, []
+    fs, path, kw = source(url, pin)
+    head: bytes = fs.cat_file(path, start=0, end=min(size, SAMPLE), **kw)
+    whole = len(head) >= size   # a small input: its line count is exact
+    lines = head.count(b"\n") + (1 if whole and not head.endswith(b"\n") else 0)
+    per_line = len(head) / lines if lines else float(size)
+    total = max(1, round(size / per_line))
+    out: list[tuple[int, int, list[int]]] = []
+    at, first = 0, 1
+    sizes = sizes_for(total)
+    for i, n in enumerate(sizes):
+        end = size if i == len(sizes) - 1 else min(size, at + max(1, round(n * per_line)))
+        if end <= at:
+            continue
+        out.append((first, n, [at, end]))
+        at, first = end, first + n
+    if out and out[-1][2][1] < size:
+        out[-1][2][1] = size
+    return total, out
 
 
 # ---------------------------------------------------------------------------- Parquet

@@ -20,7 +20,8 @@ What is new lives here:
 - `split_input`: writes the chunk files (JSONL lines copied byte for byte, Parquet row slices
   with the input's schema) and the plan, atomically. A JSONL or Parquet input on object storage is
   read in place instead: its chunks are byte ranges (JSONL) or row ranges (Parquet) of it
-  (`ranges.py`), and only plan.json is written.
+  (`ranges.py`), and only plan.json is written. Without a --limit a JSONL input's ranges are cut
+  from its size (`approx` chunks: estimated lines, each runner aligning its range by the split rule).
 - `Assignments`: which chunk is pending, running where, done; which node is lost. Pull: a node
   asks for work when it has none (`claim`), so a faster node takes more chunks. Every change is a
   line appended (fsync'd) to `state.jsonl` before it is acted on, compacted now and then into the
@@ -40,7 +41,7 @@ first, then any attempt abandoned on a lost node). Then:
    id on two input lines in different chunks) and counted in `manifest.merge.duplicates_dropped`;
 2. an error is kept only for an id completed nowhere, once (the first);
 3. rejects and quality rejects are kept once per id/original line, their `line` turned from
-   the chunk file's line into the input's.
+   the chunk file's line into the input's (a size-cut chunk's: `line` null, `chunk_line` its own).
 
 So every id of the input appears exactly once, in exactly one of results / errors / rejects.
 """
@@ -169,6 +170,9 @@ class Chunk:
     lines: int          # input lines (or rows) in the chunk, blank lines included
     file: str           # the chunk's input file, relative to the plan directory ("" when read in place)
     span: list[int] | None = None   # [start, end) bytes of the plan's JSONL input URL, read in place (ranges.py)
+    # a size-cut chunk (ranges.size_cut): `first_line` and `lines` are estimates from the input's bytes per
+    # line, its span is cut at any byte, and the lines it holds are the split rule's (those starting in it)
+    approx: bool = False
     # ("" file and no span in a Parquet plan: rows first_line … of its input URL, read in place)
 
     @property
@@ -346,8 +350,16 @@ def _split_in_place(url: str, pdir: Path, nodes: list[str], *, chunk_rows: int |
 def _grow_jsonl_in_place(url: str, plan: Plan, limit: int | None) -> None:
     """The JSONL input's lines after the plan's last chunk, up to `limit` rows in all, as new byte-range
     chunks: one pass over those lines only (it starts where the plan's lines end)."""
-    from fleet.generation.data.ranges import cut, scan
+    from fleet.generation.data.ranges import cut, scan, size_cut
 
+    if limit is None and not plan.chunks:   # the whole input: cut from its size, nothing of it read here
+        total, spans = size_cut(url, plan.input_id, lambda n: plan_sizes(n, len(plan.nodes), plan.chunk_rows))
+        for first, lines, span in spans:
+            plan.chunks.append(Chunk(index=len(plan.chunks), first_line=first, lines=lines, file="", span=span,
+                                     approx=True))
+        plan.total_lines = plan.rows = total
+        return
+    # a --limit counts rows: the lines up to it are scanned (and a plan cut to a limit grows from its end)
     start = max((c.span[1] for c in plan.chunks if c.span is not None), default=0)
     ix = scan(url, limit, first_line=plan.total_lines + 1, start=start, rows=plan.rows or 0, pin=plan.input_id)
     if ix.lines and ix.rows > (plan.rows or 0):   # not only blank lines after the plan's
@@ -431,12 +443,18 @@ def split_chunk(plan_dir: str | Path, plan: Plan, index: int, rows: int,
         (commit or (lambda h, r: write_json_atomic(pdir / PLAN_FILE, plan.to_dict())))(head, rest)
 
     if not c.file:   # read in place: the cut is two byte (JSONL) or row (Parquet) ranges, the commit the only write
-        from fleet.generation.data.ranges import split_span
+        from fleet.generation.data.ranges import cut_bytes, split_span
 
-        head_span, rest_span = split_span(plan.input, c.span, rows, plan.input_id) if c.span is not None else (None, None)
+        if c.span is None:
+            head_span, rest_span = None, None
+        elif c.approx:   # cut at a byte, nothing read: the halves own the whole's lines between them
+            head_span, rest_span = cut_bytes(c.span, rows, c.lines)
+        else:
+            head_span, rest_span = split_span(plan.input, c.span, rows, plan.input_id)
         new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows, file="",
-                    span=rest_span)
-        record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span), new)
+                    span=rest_span, approx=c.approx)
+        record(Chunk(index=c.index, first_line=c.first_line, lines=rows, file="", span=head_span,
+                     approx=c.approx), new)
         return new
     new = Chunk(index=len(plan.chunks), first_line=c.first_line + rows, lines=c.lines - rows,
                 file=f"inputs/chunk-{len(plan.chunks):05d}.{'parquet' if plan.fmt == 'parquet' else 'jsonl'}")
@@ -954,20 +972,23 @@ def write_manifest_to(dest: Store, manifest: dict[str, Any]) -> None:
         dest.write_bytes(MANIFEST_FILE, (json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n").encode())
 
 
-def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+def merge(sources: list[Source], dest: str | Path, *, extra_manifest: dict[str, Any] | None = None,
+          kept: list[int] | None = None) -> dict[str, Any]:
     """Merge chunk outputs (in merge order, see the module docstring) into `dest`; return its manifest.
 
     `dest` gets shards/part-NNNNNN.parquet (a shard with no duplicate is copied as it is — on one
     object store, a server-side copy — one with duplicates is rewritten without them), errors.jsonl,
     rejects.jsonl, quality_rejects.jsonl and manifest.json (last) — the layout of a single-node
-    output. Sources and `dest` may be local directories or object-storage URLs."""
+    output. Sources and `dest` may be local directories or object-storage URLs. `kept`, when given, gets
+    the completed rows kept from each source, in the sources' order (the job's summed checks are exact
+    only when every row of the counting attempts is kept and no other)."""
     from fleet.generation.data.results import QUALITY_REJECTS
 
     out = Store(str(dest))
     _clear_shards(out)
     seen: set[int] = set()   # digests of the ids written: first wins
     stores = [(src, Store(str(src.dir))) for src in sources]
-    n_shard, completed, dropped = _merge_shards(stores, out, seen)
+    n_shard, completed, dropped = _merge_shards(stores, out, seen, kept)
     n_err = _write_lines(out, "errors.jsonl", _merged_errors(stores, seen))
     n_rej = _write_lines(out, "rejects.jsonl", _merged_by_line(stores, "rejects.jsonl"))
     n_qrej = _write_lines(out, QUALITY_REJECTS, _merged_by_line(stores, QUALITY_REJECTS))
@@ -1001,8 +1022,10 @@ def _clear_shards(out: Store) -> None:
         out.fs.rm(f"{out.path}/{SHARDS_DIR}/{name}")
 
 
-def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]) -> tuple[int, int, int]:
-    """Every source's shards into `out`'s shards/, each id once (`seen`); (shards, rows, duplicates dropped)."""
+def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int],
+                  kept: list[int] | None = None) -> tuple[int, int, int]:
+    """Every source's shards into `out`'s shards/, each id once (`seen`); (shards, rows, duplicates dropped).
+    `kept`: filled with the rows kept from each source."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1013,9 +1036,13 @@ def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]
     n_shard = 0
     completed = 0
     for _, store in stores:
+        if kept is not None:
+            kept.append(0)
         for name in store_shards(store):
-            with store.open_read(f"shards/{name}") as f:
-                ids = pq.read_table(f, columns=["id"]).column(0).to_pylist()
+            # only the footer and the id column's pages: through s3fs's default read-ahead cache a
+            # shard was fetched whole (in 50 MB blocks) to read its ids (issue 35's request log)
+            with store.fs.open(store._p(f"shards/{name}"), "rb", cache_type="none") as f:
+                ids = pq.ParquetFile(f, pre_buffer=True).read(columns=["id"]).column(0).to_pylist()
             keep = []
             for i, rid in enumerate(ids):
                 d = digest(rid)
@@ -1036,6 +1063,8 @@ def _merge_shards(stores: list[tuple[Source, Store]], out: Store, seen: set[int]
                 with out.open_write(target) as g:
                     pq.write_table(table.take(pa.array(keep, type=pa.int64())), g)
             completed += len(keep)
+            if kept is not None:
+                kept[-1] += len(keep)
     return n_shard, completed, dropped
 
 
@@ -1058,23 +1087,33 @@ def _merged_errors(stores: list[tuple[Source, Store]], seen: set[int]) -> Iterat
             if d in seen:
                 continue
             seen.add(d)
-            rec = dict(rec)
-            if isinstance(rec.get("line"), int):
-                rec["line"] = rec["line"] + src.chunk.first_line - 1
+            rec = _job_line(dict(rec), src.chunk)
             rec["chunk"] = src.chunk.index
             yield rec
 
 
+def _job_line(rec: dict[str, Any], chunk: Chunk) -> dict[str, Any]:
+    """`rec`'s `line` (of the chunk's input) made the job input's. A size-cut chunk does not know its
+    first line (nothing counted the lines before it): `line` is None and `chunk_line` the chunk's line."""
+    if isinstance(rec.get("line"), int):
+        if chunk.approx:
+            rec["chunk_line"], rec["line"] = rec["line"], None
+        else:
+            rec["line"] = rec["line"] + chunk.first_line - 1
+    return rec
+
+
 def _merged_by_line(stores: list[tuple[Source, Store]], name: str) -> Iterator[dict[str, Any]]:
     """The records of file `name` (rejects, quality rejects), one per job line, lines made the job's."""
-    lines: set[int] = set()
+    lines: set[tuple[int, int]] = set()   # (the chunk's first byte in a size-cut plan, else 0; the line)
     for src, store in stores:
         for rec in _jsonl(store, name):
-            rec = dict(rec)
-            if isinstance(rec.get("line"), int):
-                rec["line"] = rec["line"] + src.chunk.first_line - 1
-                if rec["line"] in lines:
+            rec = _job_line(dict(rec), src.chunk)
+            line = rec.get("chunk_line") if src.chunk.approx else rec.get("line")
+            if isinstance(line, int):
+                key = ((src.chunk.span or [0])[0] if src.chunk.approx else 0, line)
+                if key in lines:
                     continue
-                lines.add(rec["line"])
+                lines.add(key)
             rec["chunk"] = src.chunk.index
             yield rec

@@ -1033,7 +1033,8 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
     spans = attempt_spans(attempts)   # the duration: monotonic where it can be
     wall = max(1e-6, max(e for _, e in spans) - min(b for b, _ in spans)) if spans else \
         max(1e-6, last_end - first_start)
-    sources, missing, per_node, per_server = _job_sources(plan_dir, assign, store)
+    counting: dict[int, dict[str, Any]] = {}   # source index -> the checks of its chunk's counting attempt
+    sources, missing, per_node, per_server = _job_sources(plan_dir, assign, store, counting)
     _node_rates(per_node, per_server)
     ct = sum(n["completion_tokens"] for n in per_node.values())
     pt = sum(n["prompt_tokens"] for n in per_node.values())
@@ -1050,18 +1051,16 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
         "cost": _job_cost(cfg, per_node, wall, ct, holds if holds is not None else stored_holds(plan_dir)),
         "events": assign.events[-200:],
     }
-    manifest = merge(sources, dest, extra_manifest=extra)
+    kept: list[int] = []
+    manifest = merge(sources, dest, extra_manifest=extra, kept=kept)
     out = Store(str(dest))
     if missing:
         manifest.update(state="incomplete", complete=False, missing_chunks=missing)
         write_manifest_to(out, manifest)
     manifest["throughput"]["rows_per_s"] = round(manifest["counts"]["completed"] / wall, 3)
-    try:   # on object storage too: the merged shards' check columns streamed from the store
-        from fleet.generation.data.checks import data_checks
+    from fleet.generation.data.checks import job_checks
 
-        manifest["checks"] = data_checks(dest)
-    except Exception as exc:
-        manifest["checks"] = {"error": f"{type(exc).__name__}: {exc}"}
+    manifest["checks"], manifest["checks_basis"] = job_checks(dest, len(sources), counting, kept)
     write_manifest_to(out, manifest)
     return manifest
 
@@ -1069,11 +1068,12 @@ def merge_job(cfg: FleetConfig, plan_dir: Path, plan: Plan, assign: Assignments,
 _Rows = dict[str, dict[str, Any]]
 
 
-def _job_sources(plan_dir: Path, assign: Assignments,
-                 store: str | None = None) -> tuple[list[Source], list[int], _Rows, _Rows]:
+def _job_sources(plan_dir: Path, assign: Assignments, store: str | None = None,
+                 counting: dict[int, dict[str, Any]] | None = None) -> tuple[list[Source], list[int], _Rows, _Rows]:
     """(every gathered attempt as a merge source in merge order, the chunks no attempt finished,
     per node and per server: what the finished attempts did, from their manifests). `store`: the
-    attempts' outputs are read from the job's object storage (`part_url`) instead of plan_dir."""
+    attempts' outputs are read from the job's object storage (`part_url`) instead of plan_dir.
+    `counting`: filled with the checks of each chunk's counting attempt (its first done one), by source index."""
 
     sources: list[Source] = []
     per_node: _Rows = {}
@@ -1085,6 +1085,7 @@ def _job_sources(plan_dir: Path, assign: Assignments,
             missing.append(chunk.index)
         if store is not None and chunk.index in counted:   # the fence: a done chunk is its counted part alone
             attempts = [counted[chunk.index]]
+        took_checks = False
         for a in attempts:
             src = _attempt_source(plan_dir, chunk, a, store)
             if src is None:
@@ -1094,6 +1095,10 @@ def _job_sources(plan_dir: Path, assign: Assignments,
                 continue
             raw = Store(str(src.dir)).read_bytes(MANIFEST_FILE)
             m = json.loads(raw) if raw else {}
+            if counting is not None and not took_checks:
+                checks = m.get("checks")
+                counting[len(sources) - 1] = checks if isinstance(checks, dict) else {}
+                took_checks = True
             n = per_node.setdefault(a.node, {"node": a.node, "chunks": 0, "rows": 0, "completion_tokens": 0,
                                               "prompt_tokens": 0, "busy_s": 0.0, "gpus": 0})
             n["chunks"] += 1
