@@ -5,6 +5,7 @@ by the standard split rule (a range owns the lines that start in it). Exactly on
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,9 @@ def test_the_job_checks_are_the_chunks_checks_summed_exactly(s3: str, tmp_path: 
     out = f"{s3}/summed"
 
     def attempt(assign: Assignments, c: Any, node: str, ids: list[int]) -> None:
-        d = tmp_path / f"{node}-{c.name}"
+        d = tmp_path / node / c.name   # named as a node's first attempt: its part is part_url's (fence.attempt_part)
+        if d.exists():
+            shutil.rmtree(d)
         _results(d, ids)
         part = Store(part_url(out, node, c))
         for p in sorted((d / "shards").glob("part-*.parquet")):
@@ -219,7 +222,7 @@ def test_the_job_checks_are_the_chunks_checks_summed_exactly(s3: str, tmp_path: 
     assign = Assignments(tmp_path / "plan", plan)
     for c in plan.chunks:
         attempt(assign, c, "a", list(range(c.first_line - 1, c.first_line - 1 + c.lines)))
-    parts = [data_checks(tmp_path / f"a-{c.name}") for c in plan.chunks]
+    parts = [data_checks(tmp_path / "a" / c.name) for c in plan.chunks]
     cfg = FleetConfig(name="t", nodes=[{"name": "a", "workdir": str(tmp_path / "w")}], engine={"kind": "sim"})
 
     def no_read(*a: object, **kw: object) -> None:
