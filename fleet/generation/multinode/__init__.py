@@ -7,6 +7,9 @@
     merge.py       every chunk's output into one directory, first wins by id
     journal.py     the state on disk: a line per change (state.jsonl), a snapshot (state.json), a copy in the store
     controller.py  hands chunks to nodes, watches them, survives its own death (tasks/multinode.py wraps it)
+    nodework.py    what the controller knows of each node: its counters, the rate view, its runner's liveness
+    runchunk.py    one chunk attempt on one node: input put, runner started or re-attached, watched, collected
+    jobend.py      the job's end: the merge of the counted attempts with its manifest and cost; `fleet fetch`
     cleanup.py     a finished object-storage job's working copies removed from its nodes (never a row not in the store)
     progress.py    the job's ETA (tokens, as a node's) and its console line, from the nodes' progress files
     nodecheck.py   each node's store check before a job (job/storecheck.py on the node), messages whole and masked
