@@ -304,8 +304,13 @@ def make_hosts(n: int, clock: VClock, store_root: str, rng: random.Random, losse
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import fleet.generation.multinode.assignments as assign_mod
     import fleet.generation.multinode.chunks as chunks_mod
+    import fleet.generation.multinode.planning as planning_mod
     import fleet.generation.multinode.controller as ctl_mod
+    import fleet.generation.multinode.jobend as jobend_mod
+    import fleet.generation.multinode.nodework as nodework_mod
+    import fleet.generation.multinode.runchunk as runchunk_mod
     import fleet.generation.job.remote as remote_mod
     import fleet.generation.multinode.journal as journal_mod
     from fleet.config import FleetConfig
@@ -328,10 +333,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       engine={"kind": "sim"}, model={"served_name": "sim-model"},
                       generation={"node_lost_s": args.node_lost_s})
 
-    saved = (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic,
-             journal_mod.StateLog.due)
+    # the controller's modules, each patched where it looks the name up (controller.py split in four)
+    timed_mods = (ctl_mod, runchunk_mod, nodework_mod, jobend_mod, assign_mod)
+    connect_mods = (ctl_mod, runchunk_mod, jobend_mod)
+    saved = ([m.time for m in timed_mods], [m.connect for m in connect_mods], remote_mod.start_job,   # type: ignore[attr-defined]
+             assign_mod.write_json_atomic, planning_mod.write_json_atomic, journal_mod.StateLog.due)
     state = {"writes": 0, "bytes": 0, "max": 0}   # plan.json's (a cut rewrites it whole)
-    real_write = chunks_mod.write_json_atomic
+    real_write = planning_mod.write_json_atomic
 
     def counted_write(path: Any, obj: Any) -> None:
         real_write(path, obj)
@@ -348,18 +356,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         node._op("connect")
         return node
 
-    ctl_mod.time, chunks_mod.time = clock, clock   # type: ignore[assignment]
-    ctl_mod.connect = connect  # type: ignore[assignment]
+    for m in timed_mods:
+        m.time = clock  # type: ignore[attr-defined]
+    for m in connect_mods:
+        m.connect = connect  # type: ignore[attr-defined]
     remote_mod.start_job = fake_start_job(hosts, counters)  # type: ignore[assignment]
-    chunks_mod.write_json_atomic = counted_write  # type: ignore[assignment]
+    # plan.json is written by the plan's cut (planning.py) and the state's compaction (assignments.py)
+    assign_mod.write_json_atomic = planning_mod.write_json_atomic = counted_write  # type: ignore[assignment]
     if args.whole_state:   # the state before the log: the whole of it written on every change
         journal_mod.StateLog.due = lambda self: True  # type: ignore[method-assign]
     try:
         return _drive(args, cfg, tmp, hosts, counters, state, clock, root, Controller, NodeWork)
     finally:
         Store(root).fs.rm(Store(root).path, recursive=True)
-        (ctl_mod.time, chunks_mod.time, ctl_mod.connect, remote_mod.start_job, chunks_mod.write_json_atomic,
+        (times, connects, remote_mod.start_job, assign_mod.write_json_atomic, planning_mod.write_json_atomic,
          journal_mod.StateLog.due) = saved
+        for m, t in zip(timed_mods, times):
+            m.time = t  # type: ignore[attr-defined]
+        for m, c in zip(connect_mods, connects):
+            m.connect = c  # type: ignore[attr-defined]
 
 
 def _uncached(ctl: Any) -> None:

@@ -246,11 +246,11 @@ def test_plan_bytes_written_per_cut_stay_constant_as_the_plan_grows(tmp_path: Pa
     plan.json is rewritten only at the log's compaction: the bytes written per cut (plan.json, log
     lines, snapshots) do not grow with the plan, at 100 chunks as at 5,000; a new controller reads the
     plan with every cut (plan.json plus the cuts logged since it was written)."""
-    from fleet.generation.multinode import chunks as chunks_mod
+    from fleet.generation.multinode import assignments as assignments_mod   # where compact() looks it up
     from fleet.generation.multinode.chunks import load_plan
 
     per_cut = {}
-    real = chunks_mod.write_json_atomic
+    real = assignments_mod.write_json_atomic
     for n in (100, 5_000):
         pdir = tmp_path / str(n)
         plan = _plan(pdir, n)
@@ -265,7 +265,7 @@ def test_plan_bytes_written_per_cut_stay_constant_as_the_plan_grows(tmp_path: Pa
             real(path, obj)
             _w[0] += Path(path).stat().st_size
 
-        chunks_mod.write_json_atomic = counted   # type: ignore[assignment]
+        assignments_mod.write_json_atomic = counted   # type: ignore[assignment]
         try:
             for k in range(600):
                 node = f"n{k % 10}"
@@ -273,7 +273,7 @@ def test_plan_bytes_written_per_cut_stay_constant_as_the_plan_grows(tmp_path: Pa
                 assert i is not None
                 st.finish(i, node, "done", fetched=True)
         finally:
-            chunks_mod.write_json_atomic = real   # type: ignore[assignment]
+            assignments_mod.write_json_atomic = real   # type: ignore[assignment]
         cuts = len(plan.chunks) - n
         assert cuts > 500
         c = st.log.counters
