@@ -28,16 +28,16 @@ def test_a_server_never_ready_is_waited_on_once(tmp_path: Path, teardown_after: 
     """Fault: ServerNotReady is transient and the launch task retried it twice, so a server alive
     but never ready was waited on 3 x servers.ready_timeout_s (45 min by default) although the
     config promises ready_timeout_s is the longest a bring-up waits. Now: one wait, then Failed."""
-    import tasks.bringup
+    import fleet.bringup   # the launch task's body (shared with `fleet up`'s adopt-only path), where it is called
 
     waits: list[float | None] = []
-    real = tasks.bringup.wait_ready
+    real = fleet.bringup.wait_ready
 
     def counted(*args: Any, **kw: Any) -> Any:
         waits.append(args[1].servers.ready_timeout_s)
         return real(*args, **kw)
 
-    monkeypatch.setattr(tasks.bringup, "wait_ready", counted)
+    monkeypatch.setattr(fleet.bringup, "wait_ready", counted)
     cfg = sim_config(tmp_path, port_block(1), n=1, engine={"sim": {"startup_s": 3600}},
                      servers={"ready_timeout_s": 2})
     teardown_after(cfg)
