@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from conftest import wait_until
+
 from fleet.config import FleetConfig
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -111,6 +113,15 @@ def test_an_adopt_only_fleet_up_writes_the_records_the_flow_writes(tmp_path: Pat
         with _api() as api:
             runs = _runs(api, "bringup-qeq")
             assert len(runs) == 3, [r["state_name"] for r in runs]
+
+            def finished_logged(run: dict[str, Any]) -> bool:
+                """The run's last log line is in: the flow's log worker sends its lines in batches, after the
+                run (a loaded fresh-clone run compared before its "Finished in state" line had arrived)."""
+                logs = api.post("logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+                return any(lg["message"].startswith("Finished in state") for lg in logs)
+
+            for r in runs[1:]:
+                wait_until(lambda: finished_logged(r), timeout=60, what=f"{r['name']}'s last log line")
             flow_adopt, quick_adopt = _records(api, runs[1]), _records(api, runs[2])
             for what in flow_adopt:   # one field at a time: a difference shows as itself
                 if what in ("artifacts", "tasks", "logs"):
