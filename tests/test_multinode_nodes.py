@@ -277,3 +277,50 @@ def test_the_only_node_whose_chunk_failed_once_goes_on_when_its_check_passes(tmp
     share = ctl.node_loop("a", run_chunk=once_killed)
     assert ctl.assign.all_done() and share["state"] == "finished" and checked == ["a"], (share, checked)
     assert calls.count(calls[0]) == 2 and not ctl.quarantine.holds("a")   # retried there, after the others
+
+
+def test_an_ssh_outage_after_the_runner_started_loses_the_node_it_does_not_quarantine_it(tmp_path: Path) -> None:
+    """Fault (the loaded fresh-clone run of stop 39): SSH to the job's only node went away while its chunk
+    ran; the reconnect's handshake failed outside the chunk's start (here: gathering what the runner
+    wrote once it ended), the seam's NodeUnreachable reached the node loop as "could not start there",
+    and the node was quarantined — a node's own fault — instead of lost (probed, rejoins). Prefect-free,
+    the real run_chunk with the node's commands stood in at the seam: the node is lost, rejoins, and the
+    job ends with every chunk done and no quarantine."""
+    from types import SimpleNamespace
+
+    from fleet.errors import NodeUnreachable
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    src = prompts(tmp_path / "in.jsonl", 20)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=0.05,
+                     poll_s=0.05)
+    ctl.prepare(str(src))
+    assert ctl.assign is not None
+    cut = []
+
+    def start(node: Any, name: str, index: int, out: str) -> Any:
+        assert ctl.assign is not None
+        ctl.assign.start(index, name, out)
+        return SimpleNamespace(attached=False, pid=1)
+
+    def collect(node: Any, name: str, index: int, handle: Any, out: str, dest: Any, t0: float) -> dict[str, Any]:
+        assert ctl.assign is not None
+        if not cut:
+            cut.append(index)
+            raise NodeUnreachable("[127.0.0.1] SSH handshake with 127.0.0.1:2222 failed: Error reading SSH "
+                                  "protocol banner")
+        ctl.assign.finish(index, name, "done")
+        return {"chunk": index, "state": "done"}
+
+    ctl._start_chunk = start   # type: ignore[method-assign]
+    ctl._watch_runner = lambda *a: True   # type: ignore[method-assign]
+    ctl._collect = collect   # type: ignore[method-assign]
+    ctl._probe = lambda name: True   # type: ignore[method-assign]
+    ctl._stop_abandoned = lambda name: None   # type: ignore[method-assign]
+    share = ctl.node_loop("a")
+    assert cut and ctl.assign.all_done(), (cut, share)
+    assert not ctl.quarantine.holds("a") and share["state"] == "finished", share
+    attempts = ctl.assign.chunks[cut[0]].attempts
+    assert ctl.assign.chunks[cut[0]].state == "done" and [a.outcome for a in attempts][:1] == ["lost"], attempts

@@ -158,6 +158,14 @@ class ChunkRuns:
         except NodeLost:
             work.busy_s += time.monotonic() - t0
             raise
+        except FleetError as exc:   # the seam's reachability errors anywhere in the run (a gather, the
+            # collect after the runner ended, a reconnect mid-watch): the node is lost, probed and rejoins.
+            # Left to the caller they read as the node's own fault and quarantined the job's only node for
+            # an SSH outage (the loaded fresh-clone run: "chunk 0 could not start there: SSH handshake …")
+            if _unreachable(exc):
+                work.busy_s += time.monotonic() - t0
+                raise NodeLost(f"chunk {index}: {exc.one_line()}") from exc
+            raise
         finally:
             node.close()
 
