@@ -324,3 +324,34 @@ def test_an_ssh_outage_after_the_runner_started_loses_the_node_it_does_not_quara
     assert not ctl.quarantine.holds("a") and share["state"] == "finished", share
     attempts = ctl.assign.chunks[cut[0]].attempts
     assert ctl.assign.chunks[cut[0]].state == "done" and [a.outcome for a in attempts][:1] == ["lost"], attempts
+
+
+def test_a_quarantined_node_stopped_before_it_waits_does_not_wait_for_its_probe(tmp_path: Path) -> None:
+    """Fault (test_the_job_fails_only_when_no_healthy_node_is_left…, 1 run in 4 here): the last healthy
+    node's quarantine stopped the job (`stop` wakes every watched wait) before the first quarantined node
+    had registered its wait, so that node's loop slept its whole probe interval (600 s there; up to
+    MAX_PROBE_S in a job) after the job had ended. The stop is made to land first here: the wait must
+    see it and return at once, not after the probe interval."""
+    import threading
+    import time
+
+    from fleet.generation.multinode.controller import Controller, NodeWork
+    from fleet.generation.multinode.quarantine import wait_and_check
+
+    src = prompts(tmp_path / "in.jsonl", 20)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=3600.0,
+                     poll_s=0.05)
+    ctl.prepare(str(src))
+    ctl.quarantine.add("a", "broken", time.monotonic())
+    ctl.node_check = lambda name: "still broken"
+    ctl.stop()   # before the node's wait: a stop that woke no one
+    answer: list[bool] = []
+    th = threading.Thread(target=lambda: answer.append(wait_and_check(ctl, "a")), daemon=True)
+    th.start()
+    from conftest import wait_until
+
+    # the bug waits 3,600 s; 120 s (times the machine's slowdown) is far past any honest return
+    wait_until(lambda: not th.is_alive(), timeout=120, what="the quarantined node's wait to see the stop")
+    assert answer == [False]

@@ -122,8 +122,9 @@ def wait_and_check(ctl: Controller, name: str) -> bool:
     ctl.nodes[name].state = "quarantined"
     ev = threading.Event()
     ctl.assign.watch(name, ev, frozenset())   # the job's end (and `stop`) wake it early
-    try:
-        ctl._wait(ev, ctl.quarantine.wait_s(name, time.monotonic()))
+    try:   # a stop (or the job's end) before the watch above woke no one: seen here, not after the wait
+        if not (ctl._stop.is_set() or ctl.assign.all_done()):
+            ctl._wait(ev, ctl.quarantine.wait_s(name, time.monotonic()))
     finally:
         ctl.assign.unwatch(name)
     if ctl._stop.is_set() or ctl.assign.all_done() or ctl.quarantine.wait_s(name, time.monotonic()) > 0:
