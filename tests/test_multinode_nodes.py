@@ -247,19 +247,28 @@ def test_the_job_fails_only_when_no_healthy_node_is_left_with_every_nodes_cause(
     assert [n for n, _ in failed_on] == ["a", "b"]
 
 
+def one_node_job(tmp_path: Path, probe_s: float) -> Any:
+    """A prepared Controller of a one-node ("a") job of 20 rows in two chunks, Prefect-free: its chunk runs
+    are stood in by each test."""
+    from fleet.generation.multinode.controller import Controller, NodeWork
+
+    src = prompts(tmp_path / "in.jsonl", 20)
+    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
+                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
+    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=probe_s,
+                     poll_s=0.05)
+    ctl.prepare(str(src))
+    return ctl
+
+
 def test_the_only_node_whose_chunk_failed_once_goes_on_when_its_check_passes(tmp_path: Path) -> None:
     """A one-node job (every job into object storage runs the controller) whose runner was killed once
     must not end at that first failure: with no other node to take the chunk, the node is checked at once;
     its check passes, so it retries the chunk itself (after the chunks that did not fail there) and the
     job ends with every chunk done."""
-    from fleet.generation.multinode.controller import ChunkFailed, Controller, NodeWork
+    from fleet.generation.multinode.controller import ChunkFailed
 
-    src = prompts(tmp_path / "in.jsonl", 20)
-    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
-                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
-    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=600.0,
-                     poll_s=0.05)
-    ctl.prepare(str(src))
+    ctl = one_node_job(tmp_path, probe_s=600.0)
     assert ctl.assign is not None
     checked: list[str] = []
     ctl.node_check = lambda name: checked.append(name)   # type: ignore[assignment,func-returns-value]
@@ -289,14 +298,8 @@ def test_an_ssh_outage_after_the_runner_started_loses_the_node_it_does_not_quara
     from types import SimpleNamespace
 
     from fleet.errors import NodeUnreachable
-    from fleet.generation.multinode.controller import Controller, NodeWork
 
-    src = prompts(tmp_path / "in.jsonl", 20)
-    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
-                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
-    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=0.05,
-                     poll_s=0.05)
-    ctl.prepare(str(src))
+    ctl = one_node_job(tmp_path, probe_s=0.05)
     assert ctl.assign is not None
     cut = []
 
@@ -335,15 +338,9 @@ def test_a_quarantined_node_stopped_before_it_waits_does_not_wait_for_its_probe(
     import threading
     import time
 
-    from fleet.generation.multinode.controller import Controller, NodeWork
     from fleet.generation.multinode.quarantine import wait_and_check
 
-    src = prompts(tmp_path / "in.jsonl", 20)
-    cfg = FleetConfig(name="t", engine={"kind": "sim"}, model={"served_name": "m"},
-                      nodes=[{"name": "a", "workdir": str(tmp_path / "a")}], generation={"chunk_rows": 10})
-    ctl = Controller(cfg, tmp_path / "plan", str(tmp_path / "out"), {"a": NodeWork("a", [])}, probe_s=3600.0,
-                     poll_s=0.05)
-    ctl.prepare(str(src))
+    ctl = one_node_job(tmp_path, probe_s=3600.0)
     ctl.quarantine.add("a", "broken", time.monotonic())
     ctl.node_check = lambda name: "still broken"
     ctl.stop()   # before the node's wait: a stop that woke no one
