@@ -107,6 +107,8 @@ def test_ssh_outage_mid_job_the_node_is_lost_then_rejoins_and_finishes(tmp_path:
             except BaseException:   # where the node's thread is: the cause the next time (timed out at load 11-14)
                 frame = sys._current_frames().get(th.ident or -1)
                 print("node_loop thread:\n" + "".join(traceback.format_stack(frame)) if frame else "node_loop gone")
+                print(f"node loop errors: {errors!r}; node record: {ctl.assign.nodes.get('remote')!r}; "  # type: ignore[union-attr]
+                      f"quarantined: {ctl.quarantine.holds('remote')}")
                 raise
             assert ctl.assign.chunks[chunk].state == "pending"
             os.kill(sshd.pid, signal.SIGCONT)        # SSH is back
