@@ -338,6 +338,7 @@ def test_a_quarantined_node_stopped_before_it_waits_does_not_wait_for_its_probe(
     import threading
     import time
 
+    from conftest import wait_until
     from fleet.generation.multinode.quarantine import wait_and_check
 
     ctl = one_node_job(tmp_path, probe_s=3600.0)
@@ -347,8 +348,6 @@ def test_a_quarantined_node_stopped_before_it_waits_does_not_wait_for_its_probe(
     answer: list[bool] = []
     th = threading.Thread(target=lambda: answer.append(wait_and_check(ctl, "a")), daemon=True)
     th.start()
-    from conftest import wait_until
-
     # the bug waits 3,600 s; 120 s (times the machine's slowdown) is far past any honest return
     wait_until(lambda: not th.is_alive(), timeout=120, what="the quarantined node's wait to see the stop")
     assert answer == [False]

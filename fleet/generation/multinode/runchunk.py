@@ -158,10 +158,12 @@ class ChunkRuns:
         except NodeLost:
             work.busy_s += time.monotonic() - t0
             raise
-        except FleetError as exc:   # the seam's reachability errors anywhere in the run (a gather, the
-            # collect after the runner ended, a reconnect mid-watch): the node is lost, probed and rejoins.
-            # Left to the caller they read as the node's own fault and quarantined the job's only node for
-            # an SSH outage (the loaded fresh-clone run: "chunk 0 could not start there: SSH handshake …")
+        except FleetError as exc:   # the seam's reachability errors anywhere in the run (the start, a
+            # gather, the collect after the runner ended): the node is lost, probed and rejoins. Only the
+            # start's were before, and an SSH outage after it quarantined the job's only node as its own
+            # fault ("chunk 0 could not start there: SSH handshake …"). A bare OSError is the controller's
+            # own (its disk, the store's refusal): a node lost for it would be lost again at each rejoin,
+            # for ever; it ends the job with its cause instead.
             if _unreachable(exc):
                 work.busy_s += time.monotonic() - t0
                 raise NodeLost(f"chunk {index}: {exc.one_line()}") from exc
@@ -176,24 +178,17 @@ class ChunkRuns:
         assert self.assign is not None
         node_cfg = self.node_cfg(name)
         work = self.nodes[name]
-        try:
-            self._mark_output(node)
-            remote_input = self._put_input(node, node_cfg, self.chunk(index))
-            self.assign.start(index, name, out)
-            # a fresh attempt (no runner has written here yet) starts from what other nodes committed
-            seeded = self._seed(node, index, out) if not node.exists(f"{out}/{PROGRESS_FILE}") else 0
-            if seeded:
-                self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
-                                       "earlier attempts")
-            return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
-                             specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
-                             **self.store_args(name, index, out))
-        except FleetError as exc:   # the seam's: a node that cannot be reached is lost. A bare OSError is
-            # the controller's own (its disk, the store's refusal): a node lost for it would be lost again
-            # at each rejoin, for ever; it ends the job with its cause instead.
-            if _unreachable(exc):
-                raise NodeLost(f"cannot start chunk {index}: {exc.one_line()}") from exc
-            raise
+        self._mark_output(node)
+        remote_input = self._put_input(node, node_cfg, self.chunk(index))
+        self.assign.start(index, name, out)
+        # a fresh attempt (no runner has written here yet) starts from what other nodes committed
+        seeded = self._seed(node, index, out) if not node.exists(f"{out}/{PROGRESS_FILE}") else 0
+        if seeded:
+            self.say(logging.INFO, f"chunk {index} on {name} starts from {seeded} shard(s) gathered from "
+                                   "earlier attempts")
+        return start_job(node, self.chunk_cfg, node_cfg, input_path=remote_input, output=out,
+                         specs=work.specs, facts=work.facts, exclusive=True,   # under ControllerLock
+                         **self.store_args(name, index, out))
 
     def _watch_runner(self, node: Node, name: str, index: int, pid: int, out: str, dest: Path) -> bool:
         """Follow the chunk's runner until it exits (True) or the controller stops (False): its
