@@ -266,7 +266,7 @@ def test_5xx_retried_until_every_row_completes(sims) -> None:
     items = rows(500, 16)
     d = Dispatcher([a.endpoint("a"), b.endpoint("b")], store, gen(), **fast())
     summary = asyncio.run(d.run(items))
-    assert summary.complete and summary.completed == 500 and not store.errors
+    assert summary.complete and summary.completed == 500 and not store.errors, (summary, store.errors)
     assert_exactly_once(store, [r.id for r in items])
     attempts = Counter(r["attempts"] for r in store.results)
     assert attempts[1] < 500 and sum(attempts.values()) == 500, attempts
