@@ -15,6 +15,7 @@ never launch onto the same GPUs at once: a second one waits for the first, then 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -248,7 +249,8 @@ def _write_summary(cfg: FleetConfig, rows: list[ServerRow], failures: list[str],
 
 
 def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str], specs: list[ServerSpec],
-                    input: str, output: str, retry_errors: bool, held_since: float | None = None) -> Any:
+                    input: str, output: str, retry_errors: bool, held_since: float | None = None,
+                    early: Any = None) -> Any:
     """Push the job through the servers that came up and the config's [[endpoints]]: one runner,
     on the node that has the servers (endpoints only: the config's node)."""
     from tasks.generate import generate
@@ -269,7 +271,7 @@ def generate_action(cfg: FleetConfig, rows: list[ServerRow], failures: list[str]
             logger.warning("generating with the servers that are up; not up: %s", " | ".join(failures))
         try:
             return generate_multi(cfg, [r.as_dict() for r in rows], specs, input, output, retry_errors, failures,
-                                  held_since=held_since)
+                                  held_since=held_since, early=early)
         except JobConflict as exc:   # another controller runs this job: it could not run (exit 2)
             return failed(f"generation: {exc.one_line()}", {"conflict": True})
     node_name = max(by_node, key=lambda n: len(by_node[n]))
@@ -375,6 +377,12 @@ def _run(cfg: FleetConfig, action: Action, free_ramdisk: bool, node_wait_s: floa
 
 def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, node_wait_s: float, t0: float) -> Any:
     """Check the job before any server starts, bring up (holding the nodes), then run the job (not holding them)."""
+    with ExitStack() as stack:
+        return _generate_in(stack, cfg, input, output, retry_errors, node_wait_s, t0)
+
+
+def _generate_in(stack: ExitStack, cfg: FleetConfig, input: str, output: str, retry_errors: bool,
+                 node_wait_s: float, t0: float) -> Any:
     from fleet.generation.job.endpoints import endpoint_keys
     from fleet.generation.job.validate import plan_job
     from tasks.nodes import node_for
@@ -399,13 +407,19 @@ def _generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool, nod
         failures: list[str] = []
         specs: list[ServerSpec] = []
         held_since = time.time()   # the nodes are the job's from their bring-up on: its cost counts from here
+        early = None
         if cfg.launches_servers:   # servers.count = 0: the [[endpoints]] only, nothing to bring up
+            if is_url(plan.output):   # each node's store check runs beside its bring-up, not after it
+                from flows.multinode import EarlyChecks
+
+                early = stack.enter_context(EarlyChecks(cfg, plan.input, plan.output))
             # Bring-up (idempotent: adopts what runs) holds the nodes; the job itself must not: it
             # would block bring-ups and revalidations for days.
             with hold_nodes(cfg, wait_s=node_wait_s, purpose="generate-bringup"):
                 rows, failures, specs = bringup(cfg)
             _write_summary(cfg, rows, failures, t0)
-        result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors, held_since)
+        result = generate_action(cfg, rows, failures, specs, plan.input, plan.output, retry_errors, held_since,
+                                 early)
         if interrupted():
             # The job phase holds no node lock (whose release parks the bring-up): a job that ended
             # after a Ctrl-C stops here too, so its run is not set Completed over the Crashed the

@@ -31,7 +31,8 @@ from tasks.states import failed
 
 
 def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[ServerSpec], input: str, output: str,
-                   retry_errors: bool, failures: list[str] | None = None, held_since: float | None = None) -> Any:
+                   retry_errors: bool, failures: list[str] | None = None, held_since: float | None = None,
+                   early: EarlyChecks | None = None) -> Any:
     from tasks.multinode import say
 
     logger = get_run_logger()
@@ -60,7 +61,7 @@ def generate_multi(cfg: FleetConfig, rows: list[dict[str, Any]], specs: list[Ser
     gpus = {n: w.gpus for n, w in nodes.items()}   # every node taken for the job: its cost counts (cost.py)
     aside_at = time.time()
     if is_url(output):   # every node proves its store access first; one that cannot is left out
-        aside = _check_nodes(cfg, sorted(nodes), input, output)
+        aside = _check_nodes(cfg, sorted(nodes), input, output, early)
         aside_at = time.time()
         for name, cause in sorted(aside.items()):
             logger.warning("node %s set aside: %s", name, cause)
@@ -232,28 +233,70 @@ def _run_nodes(cfg: FleetConfig, ctl: Controller) -> tuple[list[dict[str, Any]],
     return shares, errors
 
 
-def _check_nodes(cfg: FleetConfig, names: list[str], input: str, output: str) -> dict[str, str]:
-    """Each node's store check (a `node-check` task run each, all at once): {node: cause} of those that failed."""
+class EarlyChecks:
+    """Each node's store check, started before the bring-up and run beside it (a `node-check` task run
+    each): a takeover's nodes are up, and their adopt and their check took one after the other ≈ 7 s
+    each (issue 35 item 4). The check needs nothing the bring-up makes (it builds the runner's own venv,
+    not the servers'). A check that passed counts; one that failed is run again after the bring-up
+    (`_check_nodes`), so a node that was still coming up is not set aside for it."""
+
+    def __init__(self, cfg: FleetConfig, input: str, output: str) -> None:
+        self.cfg, self.input, self.output = cfg, input, output
+        self.futures: dict[str, Any] = {}
+        self._runner: ThreadPoolTaskRunner[Any] | None = None
+
+    def __enter__(self) -> EarlyChecks:
+        from tasks.multinode import check_node
+
+        names = [n.name for n in self.cfg.nodes]
+        self._runner = ThreadPoolTaskRunner(max_workers=max(1, len(names)))
+        self._runner.__enter__()
+        self.futures = {name: self._runner.submit(check_node, {"cfg": self.cfg, "node_name": name,
+                                                                "input": self.input, "output": self.output})
+                        for name in names}
+        return self
+
+    def __exit__(self, *exc: object) -> None:   # waits for the checks still running (each is bounded)
+        if self._runner is not None:
+            self._runner.__exit__(None, None, None)
+            self._runner = None
+
+
+def _cause(fut: Any) -> str | None:
+    """A finished check's answer: None (it passed) or the cause."""
+    fut.wait()  # bounded: the check's node commands all have timeouts
+    if fut.state.is_completed():
+        # bounded: the future is done (waited for above)
+        cause: str | None = fut.result()
+        return cause
+    try:
+        # bounded: the future is done (waited for above)
+        fut.result(raise_on_failure=True)
+        return f"its check ended {fut.state.name}"
+    except FleetError as exc:
+        return exc.one_line()
+    except Exception as exc:
+        return whole_lines(f"{type(exc).__name__}: {exc}")
+
+
+def _check_nodes(cfg: FleetConfig, names: list[str], input: str, output: str,
+                 early: EarlyChecks | None = None) -> dict[str, str]:
+    """Each node's store check (a `node-check` task run each, all at once): {node: cause} of those that
+    failed. A node whose early check (run beside the bring-up) passed is not checked again."""
     from tasks.multinode import check_node
 
-    with ThreadPoolTaskRunner(max_workers=max(1, len(names))) as checks:
+    passed = set()
+    if early is not None and early.input == input and early.output == output:
+        passed = {n for n in names if n in early.futures and _cause(early.futures[n]) is None}
+    todo = [n for n in names if n not in passed]
+    if not todo:
+        return {}
+    with ThreadPoolTaskRunner(max_workers=max(1, len(todo))) as checks:
         futs = {name: checks.submit(check_node, {"cfg": cfg, "node_name": name, "input": input, "output": output})
-                for name in names}
+                for name in todo}
         aside: dict[str, str] = {}
         for name, fut in futs.items():
-            fut.wait()  # bounded: the check's node commands all have timeouts
-            if fut.state.is_completed():
-                # bounded: the future is done (waited for above)
-                cause = fut.result()
-            else:
-                try:
-                    # bounded: the future is done (waited for above)
-                    fut.result(raise_on_failure=True)
-                    cause = f"its check ended {fut.state.name}"
-                except FleetError as exc:
-                    cause = exc.one_line()
-                except Exception as exc:
-                    cause = whole_lines(f"{type(exc).__name__}: {exc}")
+            cause = _cause(fut)
             if cause is not None:
                 aside[name] = cause
     return aside

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from conftest import wait_until
 from fleet.config import FleetConfig
 from test_bringup import port_block, run_logs, sim_config
 from test_generate_flow import prompts, stop_everything  # noqa: F401  (fixture)
@@ -135,6 +136,48 @@ def test_a_node_without_the_store_credentials_is_set_aside_and_the_job_ends_on_t
     assert set(progress["nodes_set_aside"]) == {"noprofile"} and progress["nodes_up"] >= 1, progress
     kept = Store(out).names("_logs/flaky")
     assert kept and NOWHERE in (Store(out).read_bytes(f"_logs/flaky/{kept[0]}") or b"").decode(), kept
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.timeout(600)
+def test_each_nodes_store_check_runs_beside_its_bring_up_not_after_it(
+        tmp_path: Path, state_home: Path, s3: str, monkeypatch: pytest.MonkeyPatch, stop_everything) -> None:
+    """Fault: a new controller's first chunk came ≈ 15 s after its start (issue 35 item 4): the bring-up
+    (adopting the servers that run) and then every node's store check, one after the other, ≈ 7 s each.
+    Now the checks start before the bring-up and run beside it. Here the bring-up does not begin its
+    work until both nodes' checks have answered (on the old code it waited in vain: the checks came
+    after it); the job then completes with every id once, each node checked once."""
+    import flows.fleet as fleet_flow
+    from fleet.generation.data.objstore import Store
+    from fleet.generation.multinode import nodecheck
+    from flows.fleet import fleet
+
+    checked: list[tuple[str, str | None]] = []
+    real_check, real_bringup = nodecheck.check_node, fleet_flow.bringup
+
+    def check(cfg: Any, node_cfg: Any, *a: Any, **kw: Any) -> str | None:
+        cause = real_check(cfg, node_cfg, *a, **kw)
+        checked.append((node_cfg.name, cause))
+        return cause
+
+    def bringup(cfg: Any) -> Any:
+        wait_until(lambda: len(checked) >= 2, what="both nodes' store checks, before the bring-up's work",
+                   state=lambda: checked)
+        return real_bringup(cfg)
+
+    monkeypatch.setattr(nodecheck, "check_node", check)
+    monkeypatch.setattr(fleet_flow, "bringup", bringup)
+    cfg = local_nodes(tmp_path, ["a", "b"], generation={"max_tokens": 4, "chunk_rows": 20})
+    stop_everything(cfg)
+    Store(s3).put_file(str(prompts(tmp_path / "in.jsonl", 60)), "in/prompts.jsonl")
+    out = f"{s3}/job"
+    state = fleet(config=cfg, action="generate", input=f"{s3}/in/prompts.jsonl", output=out, return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res)
+    ids = store_ids(out)
+    assert len(ids) == len(set(ids)) == 60
+    assert sorted(checked) == [("a", None), ("b", None)], checked   # passed early: not checked again
+    assert Store(out).names("_probe") == []
 
 
 def test_a_chunks_retry_prefers_another_node(tmp_path: Path) -> None:
