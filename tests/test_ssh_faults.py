@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,78 @@ def test_no_sshd_on_port(sshd: Sshd, caplog: pytest.LogCaptureFixture) -> None:
     assert len(retries) <= CONNECT_ATTEMPTS - 1, [r.getMessage() for r in retries]
     assert info.value.transient and is_transient(info.value)
     assert "remedy:" in str(info.value)
+
+
+class _AuthStandIn:
+    """An SSH server on a loopback port (paramiko's server mode, the sshd fixture's host key) that
+    completes the key exchange and then, at the client's first authentication request, either drops
+    the connection ("drop": an sshd child killed mid-auth, as an outage does) or never answers
+    ("silent": a node too busy to answer within the connect timeout)."""
+
+    def __init__(self, sshd: Sshd, how: str) -> None:
+        import paramiko
+
+        self.how, self.release = how, threading.Event()
+        self.host_key = paramiko.Ed25519Key(filename=str(sshd.dir / "host_ed25519"))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.transports: list[Any] = []
+        self.auth_requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import paramiko
+
+        stand_in = self
+
+        class Server(paramiko.ServerInterface):
+            def get_allowed_auths(self, username: str) -> str:
+                return "publickey"
+
+            def check_auth_publickey(self, username: str, key: Any) -> int:
+                stand_in.auth_requests += 1
+                if stand_in.how == "drop":
+                    threading.Timer(0, stand_in.transports[-1].close).start()
+                else:
+                    stand_in.release.wait(120)
+                return paramiko.AUTH_FAILED
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            t = paramiko.Transport(conn)
+            t.add_server_key(self.host_key)
+            self.transports.append(t)
+            t.start_server(server=Server())
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.close()
+        for t in self.transports:
+            t.close()
+
+
+@pytest.mark.parametrize("how", ["drop", "silent"])
+def test_a_connection_that_drops_or_goes_silent_during_authentication_is_unreachable_not_a_refused_key(
+        sshd: Sshd, how: str) -> None:
+    """Fault: paramiko raises one AuthenticationException for a refused key, for a connection that dropped
+    mid-auth and for an auth answer that did not come within the timeout; fleet took all three for "refused
+    the key" (AuthFailed, fatal). In an SSH outage (sshd's children killed, the machine loaded) the
+    multi-node controller then set its only node aside for good instead of losing it and letting it rejoin
+    (the outage test, twice under two CPU burners). Now a drop or a silence during authentication is the
+    node unreachable (transient: retried, a lost node); a refused key stays AuthFailed (test_wrong_client_key)."""
+    stand_in = _AuthStandIn(sshd, how)
+    try:
+        node = _node(sshd, port=stand_in.port, connect_timeout_s=2.0)
+        with pytest.raises(NodeUnreachable) as info:
+            node.run(["true"])
+        assert stand_in.auth_requests >= 1   # the key exchange was done: the fault was in the authentication
+        assert is_transient(info.value) and "during authentication" in str(info.value), info.value
+        node.close()
+    finally:
+        stand_in.close()
 
 
 def test_unresolvable_host(sshd: Sshd) -> None:

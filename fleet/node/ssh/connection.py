@@ -174,7 +174,15 @@ def _authenticate(target: SSHTarget, host: str, transport: paramiko.Transport) -
     for key in keys:
         try:
             transport.auth_publickey(t.user, key)
-        except paramiko.AuthenticationException:
+        except paramiko.AuthenticationException as exc:
+            # paramiko raises this one exception for a refused key, for a connection that dropped
+            # mid-auth ("transport shut down or saw EOF") and for an answer that did not come within
+            # auth_timeout: only the first is the key's fault. The other two are a node that went
+            # away or is too busy to answer (an sshd child killed mid-auth, a loaded machine), and
+            # were reported as "refused the key", a fatal error that set the node aside for good.
+            if not transport.is_active() or "timeout" in str(exc).lower():
+                raise _unreachable(target, host, f"connection to {t.host}:{t.port} dropped or went silent during "
+                                                 f"authentication: {exc}", exc) from exc
             continue
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise _unreachable(target, host, f"connection to {t.host}:{t.port} dropped during authentication: {exc}",
