@@ -210,6 +210,29 @@ def test_a_connection_that_drops_or_goes_silent_during_authentication_is_unreach
         stand_in.close()
 
 
+def test_a_connection_that_drops_right_after_the_key_exchange_is_unreachable_not_a_bare_ssh_error(
+        sshd: Sshd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault: the connection to a real sshd goes away between the key exchange and the host-key check (an
+    SSH outage killing sshd's children at that moment: seen in a loaded CI run of the outage test).
+    paramiko's `get_remote_server_key` then raises a bare SSHException("No existing session"), which
+    escaped the seam and ended the multi-node controller's node loop thread. The drop is made at that very
+    point (the transport closed as the client asks for the key); it is now the node unreachable."""
+    from fleet.node.ssh import connection
+
+    real = connection._ExitSignalTransport.get_remote_server_key
+
+    def dropped(self: Any) -> Any:
+        self.close()
+        return real(self)
+
+    monkeypatch.setattr(connection._ExitSignalTransport, "get_remote_server_key", dropped)
+    node = _node(sshd)
+    with pytest.raises(NodeUnreachable) as info:
+        node.run(["true"])
+    assert is_transient(info.value) and "after the key exchange" in str(info.value), info.value
+    node.close()
+
+
 def test_unresolvable_host(sshd: Sshd) -> None:
     with pytest.raises(NodeUnreachable) as info:
         _node(sshd, host="fleet-no-such-host.invalid").run(["true"])

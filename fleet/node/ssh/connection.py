@@ -114,7 +114,13 @@ def _connect_once(target: SSHTarget, host: str) -> tuple[paramiko.Transport, soc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise _unreachable(target, host, f"SSH handshake with {t.host}:{t.port} failed: "
                                              f"{exc or type(exc).__name__}", exc) from exc
-        verify_host_key(target, host, transport.get_remote_server_key())
+        try:
+            server_key = transport.get_remote_server_key()
+        except paramiko.SSHException as exc:   # "No existing session": it went away right after the key exchange
+            # (an SSH outage killing sshd's children); raised bare, it ended the multi-node node loop's thread
+            raise _unreachable(target, host, f"connection to {t.host}:{t.port} dropped after the key exchange: "
+                                             f"{exc}", exc) from exc
+        verify_host_key(target, host, server_key)
         _authenticate(target, host, transport)
         if t.keepalive_s:
             transport.set_keepalive(t.keepalive_s)
