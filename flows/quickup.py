@@ -371,13 +371,14 @@ class Lock:
     this flow run, a holder record per limit; given back (lease, then records) by `release`."""
 
     def __init__(self, api: Api, cfg: FleetConfig, run: QuickRun) -> None:
-        from tasks.locks import lock_names
+        from tasks.locks import Once, lock_names
 
         self.api, self.run = api, run
         self.names = lock_names(cfg)
         self.lease_id: str | None = None
-        self.record_ids: list[str] = []
-        self._released = threading.Lock()
+        self.record_ids: dict[str, str] = {}
+        self.holder_value: dict[str, Any] = {}
+        self._release_once = Once(self._release, "releasing the node lock")   # a signal cannot cut it short
         self._stop = threading.Event()
 
     def take(self) -> None:
@@ -398,12 +399,13 @@ class Lock:
         holder = Holder(run_id=self.run.id, run_name=self.run.name, purpose="bringup", host=socket.gethostname(),
                         machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
                         lease_id=self.lease_id, since=time.time())
+        self.holder_value = asdict(holder)
         for name in self.names:
             for _ in range(3):
                 body = {"name": record_name(name), "value": {**asdict(holder), "beat": time.time()}}
                 made = self.api.call("POST", "/variables/", body, ok=(409,))
                 if isinstance(made, dict):
-                    self.record_ids.append(str(made["id"]))
+                    self.record_ids[name] = str(made["id"])
                     break
                 old = self.api.call("GET", f"/variables/name/{record_name(name)}", ok=(404,))
                 if isinstance(old, dict):   # a record of a run that is gone (we hold the slot): replaced
@@ -421,19 +423,40 @@ class Lock:
                 pass
 
     def release(self) -> None:
-        if not self._released.acquire(blocking=False):
-            return
+        """As tasks/locks.py `_Held.release`: the slot back, then the records removed — or kept, marked
+        released, for a limit whose slot may still be this lease's (`kept_records`)."""
+        self._release_once()
+
+    def _release(self) -> None:
+        from tasks.locks import kept_records, record_name, release_marked
+
         self._stop.set()
+        if not self.lease_id:
+            return
         try:
-            if self.lease_id:
-                self.api.call("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": self.lease_id},
-                              ok=(404, 410))
-        finally:
-            for var_id in self.record_ids:
-                try:
+            self.api.call("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": self.lease_id},
+                          ok=(404, 410))
+        except Exception:
+            pass   # told by what the limit says now
+        lease = self.lease_id
+
+        def record_lease(name: str) -> Any:
+            var = self.api.call("GET", f"/variables/name/{record_name(name)}", ok=(404,))
+            return var["value"].get("lease_id") if isinstance(var, dict) and isinstance(var.get("value"), dict) \
+                else None
+
+        kept = kept_records(self.names, lease,
+                            lambda n: int(self.api.call("GET", f"/v2/concurrency_limits/{n}")["active_slots"]),
+                            record_lease)
+        for name, var_id in self.record_ids.items():
+            try:
+                if name in kept:   # by id: a record a new holder wrote since is not touched
+                    self.api.call("PATCH", f"/variables/{var_id}", {"value": release_marked(self.holder_value)},
+                                  ok=(404,))
+                else:
                     self.api.call("DELETE", f"/variables/{var_id}", ok=(404,))
-                except Exception:
-                    pass   # a record left behind names a process that is gone: the next run heals it
+            except Exception:
+                pass   # a record left behind names a process that is gone: the next run heals it
 
 
 def _bringup(run: QuickRun, lock: Lock, nodes: dict[str, Any], t0: float) -> tuple[list[ServerRow], int]:

@@ -54,6 +54,7 @@ BEAT_S = 20.0         # holder heartbeat: renew the lease, refresh the record
 STALE_S = LEASE_S     # a holder on another machine whose record is older than this is dead
 ORPHAN_GRACE_S = LEASE_S + 30.0  # a taken slot with no holder record is reclaimed after this
 POLL_S = 1.0          # how often a waiting run looks again
+CLEANUP_WAIT_S = 5.0  # the shutdown's cleanup waits this long for a release under way (`Once`)
 _BAD = re.compile(r"[^a-z0-9-]+")
 
 
@@ -151,10 +152,12 @@ def _process_alive(pid: int, start: str) -> bool:
     return st[0] not in ("Z", "X") and (not start or st[19] == start)
 
 
-def _why_gone(client: Any, h: Holder, age_s: float) -> str | None:
+def _why_gone(client: Any, h: Holder, age_s: float, released: bool = False) -> str | None:
     """Why the holder of a record is gone for good, or None while it may still run."""
     from prefect.exceptions import ObjectNotFound
 
+    if released:   # its holder gave the slot back, and Prefect did not free it (`kept_records`)
+        return "its holder released it, but the slot was not freed"
     if h.machine and h.machine == _machine_id() and h.host == socket.gethostname():
         if not _process_alive(h.pid, h.pid_start):
             return f"its process {h.pid} is gone"
@@ -199,6 +202,37 @@ def _delete_record(client: Any, var_id: Any) -> bool:
 
 def _active_slots(client: Any, limit: str) -> int:
     return int(client.read_global_concurrency_limit_by_name(limit).active_slots)
+
+
+def kept_records(names: list[str], lease_id: str, active: Any, record_lease: Any) -> list[str]:
+    """After a release: the limits whose slot may still be this lease's — still taken, and its holder
+    record still this lease's (a new holder replaces the record as it takes the slot). Their records
+    are kept, marked released (`release_marked`), so that the next run frees the slot at once, even
+    while this process lives on (a job after its bring-up); deleted, the slot was an orphan that every
+    run waited ORPHAN_GRACE_S (150 s) for. Seen on an idle CI run:
+    a `fleet up` after a SIGTERM'd one found the slot taken with no record. Prefect answers a release
+    of a lease it no longer has (its lease storage is the server's memory) with 204 and frees
+    nothing; a failed release request does the same. A doubt (an error) counts as taken."""
+    kept = []
+    for name in names:
+        try:
+            if active(name) > 0 and record_lease(name) == lease_id:
+                kept.append(name)
+        except Exception:
+            kept.append(name)
+    return kept
+
+
+def release_marked(value: dict[str, Any]) -> dict[str, Any]:
+    """A kept holder record's value: its holder gave the slot back (`_why_gone` reclaims it at once)."""
+    return {**value, "released": time.time()}
+
+
+def _warn_kept(logger: Any, kept: list[str], error: BaseException | None) -> None:
+    why = f"the release failed: {str(error).splitlines()[0][:200] if str(error) else type(error).__name__}" \
+        if error is not None else "Prefect freed nothing for its lease"
+    logger.warning("the node lock %s may still be taken after its release (%s): its holder record is kept, so "
+                   "the next run frees it at once", ", ".join(kept), why)
 
 
 def _reclaim_dead(client: Any, limit: str, var: Any, h: Holder, why: str, logger: Any) -> None:
@@ -269,6 +303,45 @@ def _try_acquire(client: Any, names: list[str], run_id: str | None) -> str | Non
     return str(resp.json()["lease_id"])
 
 
+class Once:
+    """`fn` run once, in a thread of its own, every caller waiting for its end (the first up to
+    `first_wait_s`, the others up to CLEANUP_WAIT_S). A lock's release runs in the main thread on a
+    SIGTERM too (Prefect's handler raises there, `hold_nodes` releases on the way out), and `timeout`
+    sends its SIGTERM twice (to the command, then to its group): the second one's exception, raised
+    inside the release, cut it short, and the slot stayed taken with its record (the next `fleet up`
+    reclaimed it: a test_timeout_stops_a_bringup_like_ctrl_c failure); and the shutdown's cleanup,
+    finding the release begun, returned at once and ended the process in its middle. A caller's
+    exception now ends only its wait; the release goes on, and the other callers wait for it."""
+
+    def __init__(self, fn: Any, what: str, logger: Any = None, first_wait_s: float = 120.0) -> None:
+        self._fn, self._what, self._logger, self._first_wait_s = fn, what, logger, first_wait_s
+        self._lock = threading.Lock()
+        self._started = False
+        self._done = threading.Event()
+
+    def __call__(self) -> None:
+        with self._lock:
+            first, self._started = not self._started, True
+        if first:
+            ctx = contextvars.copy_context()   # the settings context (an in-process flow's API), as the beat's
+
+            def run() -> None:
+                try:
+                    ctx.run(self._fn)
+                except Exception as exc:
+                    if self._logger is not None:
+                        self._logger.warning("%s failed: %s", self._what,
+                                             str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                finally:
+                    self._done.set()
+
+            try:
+                threading.Thread(target=run, name="fleet-lock-release", daemon=True).start()
+            except RuntimeError:   # no new threads while the interpreter shuts down: here, then
+                run()
+        self._done.wait(self._first_wait_s if first else CLEANUP_WAIT_S)
+
+
 class _Taking:
     """The slot being taken, until `_Held` owns it. The server grants the slot before its answer
     reaches this process, and the holder record comes after: a SIGTERM landing in between
@@ -291,6 +364,7 @@ class _Taking:
         self._answered.set()
         self.latch = threading.Lock()   # taken by the one release of the lease (here or `_Held`)
         self._wait_s = CLEANUP_DEADLINE_S * 0.75
+        self._give_back = Once(self._give_back_once, "giving back the slot being taken")
         self._unregister = on_interrupt(f"give back the slot being taken of {', '.join(names)}", self.give_back,
                                         order=50)
 
@@ -314,13 +388,17 @@ class _Taking:
 
     def give_back(self) -> None:
         """Release the lease taken (or in flight), once; nothing when none was granted."""
+        self._answered.wait(self._wait_s)
+        if self.lease_id is not None:
+            self._give_back()
+
+    def _give_back_once(self) -> None:
         from prefect.client.orchestration import get_client
 
-        self._answered.wait(self._wait_s)
-        if self.lease_id is None or not self.latch.acquire(blocking=False):
+        if not self.latch.acquire(blocking=False):   # `_Held` released it
             return
         with get_client(sync_client=True) as client:   # its own: the main thread may be using its client
-            client.release_concurrency_slots_with_lease(UUID(self.lease_id))
+            client.release_concurrency_slots_with_lease(UUID(str(self.lease_id)))
 
     def done(self) -> None:
         """Taken and handed to `_Held`, or given up: this cleanup is no longer needed."""
@@ -366,8 +444,7 @@ class _Held:
         self.names, self.holder, self.record_ids, self.logger = names, holder, record_ids, logger
         self._latch = latch   # shared with `_Taking`: the lease is released once
         self._stop = threading.Event()
-        self._released = threading.Lock()
-        self._done = False
+        self._release_once = Once(self._release_then_unregister, f"releasing {', '.join(names)}", logger)
         # in this context: a plain thread starts with none, and Prefect's client there reads only the
         # environment — with the API set by a settings context (a flow called in-process under
         # `temporary_settings`) the heartbeat started a temporary server of its own and renewed the
@@ -388,6 +465,8 @@ class _Held:
                 with get_client(sync_client=True) as client:
                     client.renew_concurrency_lease(UUID(self.holder.lease_id), LEASE_S)
                     for name in self.names:
+                        if self._stop.is_set():   # released meanwhile: its records are removed or marked
+                            break
                         value = {**asdict(self.holder), "beat": time.time()}
                         client.update_variable(VariableUpdate(name=record_name(name), value=value))
             except Exception as exc:  # one failed beat is not fatal; the next one retries
@@ -396,24 +475,39 @@ class _Held:
 
     def release(self) -> None:
         """Give the slot back, then remove the records (idempotent; also the Ctrl-C path)."""
+        self._release_once()
+
+    def _release_then_unregister(self) -> None:
+        try:
+            self._release()
+        finally:
+            self._unregister()   # only now: a shutdown that starts meanwhile waits for this release (`Once`)
+
+    def _release(self) -> None:
         from prefect.client.orchestration import get_client
 
-        with self._released:
-            if self._done:
-                return
-            self._done = True
         self._stop.set()
-        self._unregister()
+        lease = self.holder.lease_id
         with get_client(sync_client=True) as client:
-            try:
-                if self._latch.acquire(blocking=False):
-                    client.release_concurrency_slots_with_lease(UUID(self.holder.lease_id))
-            finally:
-                for var_id in self.record_ids.values():
-                    try:
+            error: BaseException | None = None
+            if self._latch.acquire(blocking=False):
+                try:
+                    client.release_concurrency_slots_with_lease(UUID(lease))
+                except Exception as exc:
+                    error = exc
+            kept = kept_records(self.names, lease, lambda n: _active_slots(client, n),
+                                lambda n: getattr(_read_record(client, n)[1], "lease_id", None))
+            if kept:
+                _warn_kept(self.logger, kept, error)
+            for name, var_id in self.record_ids.items():
+                try:
+                    if name in kept:   # by id: a record a new holder wrote since is not touched
+                        client.request("PATCH", "/variables/{id}", path_params={"id": var_id},
+                                       json={"value": release_marked(asdict(self.holder))})
+                    else:
                         _delete_record(client, var_id)
-                    except Exception:
-                        pass  # a record left behind names a process that is gone: the next run heals it
+                except Exception:
+                    pass  # a record left behind names a process that is gone: the next run heals it
 
 
 def _write_records(client: Any, names: list[str], holder: Holder) -> dict[str, Any]:
@@ -451,7 +545,9 @@ def _wait_for_slot(client: Any, names: list[str], run_id: str | None, taking: _T
             var, h = _read_record(client, name)
             if h is not None:
                 orphan_since.pop(name, None)
-                why = _why_gone(client, h, time.time() - var.updated.timestamp()) if var.updated else None
+                released = isinstance(var.value, dict) and bool(var.value.get("released"))
+                why = (_why_gone(client, h, time.time() - var.updated.timestamp(), released)
+                       if var.updated else None)
                 if why:
                     _reclaim_dead(client, name, var, h, why, logger)
                     continue

@@ -67,6 +67,16 @@ class Cmd:
             self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=f,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
+    @classmethod
+    def script(cls, env: dict[str, str], out: Path, code: str) -> Cmd:
+        """`python -c CODE` (a command with a fault put in) run as a `fleet` command is."""
+        cmd = cls.__new__(cls)
+        cmd.out = out
+        with out.open("wb") as f:
+            cmd.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=f,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return cmd
+
     def text(self) -> str:
         return self.out.read_text(errors="replace")
 
@@ -519,6 +529,109 @@ def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: di
         assert first.returncode == rc and f"fleet: {said}." in out and "second Ctrl-C" not in out, out[-3000:]
         second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
         # the old code: this second command sat in its 150 s wait for the orphan slot; fail as soon as it says so
+        wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
+                   what="the next `fleet up` to end")
+        again = second.text()
+        assert "no holder record" not in again and "reclaimed" not in again, again[-3000:]
+        assert second.finish() == 0, again[-3000:]
+    finally:
+        if second is not None and second.proc.poll() is None:
+            os.killpg(second.proc.pid, signal.SIGKILL)
+        down(env, cfg)
+
+
+def test_a_release_that_frees_nothing_costs_the_next_fleet_up_no_wait(env: dict[str, str], tmp_path: Path) -> None:
+    """Fault: an idle fresh-clone CI run of test_timeout_stops_a_bringup_like_ctrl_c — after the
+    SIGTERM'd `fleet up` and `fleet down`, the next `fleet up` found its node's slot "taken by a run
+    that left no holder record" and waited 150 s to reclaim it. A release deleted its holder records
+    whatever the release did, and Prefect answers the release of a lease it no longer has (the
+    lease lives in the server's memory) with 204, freeing nothing; a failed release did the same.
+    Here the release frees nothing, once in the flow's path (the first `fleet up`) and once in the
+    adopt-only quick path, which then leaves to the flow's path in the same process (the slot its
+    own): each time the record stays, marked released, and the next hold frees the slot at once."""
+    cfg = sim_cfg(tmp_path, "nofree", startup_s=0.3)
+    flow_path_frees_nothing = (
+        "import sys\n"
+        "from prefect.client.orchestration import SyncPrefectClient\n"
+        "SyncPrefectClient.release_concurrency_slots_with_lease = lambda self, lease_id: None   # 204, nothing freed\n"
+        "from flows.cli import main\n"
+        f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"
+        "sys.exit(main())\n")
+    quick_path_frees_nothing = (
+        "import sys\n"
+        "import flows.quickup as q\n"
+        "call = q.Api.call\n"
+        "def frees_nothing(self, method, path, body=None, ok=()):\n"
+        "    if path.endswith('/decrement-with-lease'):\n"
+        "        return None   # 204, nothing freed\n"
+        "    return call(self, method, path, body, ok)\n"
+        "q.Api.call = frees_nothing\n"
+        "from flows.cli import main\n"
+        f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"
+        "sys.exit(main())\n")
+
+    def no_orphan_wait(cmd: Cmd) -> str:
+        # the old code: the next hold sat in its 150 s wait for the orphan slot; fail as soon as it says so
+        wait_until(lambda: cmd.proc.poll() is not None or "no holder record" in cmd.text(), timeout=300,
+                   what="the `fleet up` to end")
+        text = cmd.text()
+        assert "no holder record" not in text, text[-3000:]
+        assert cmd.finish() == 0, text[-3000:]
+        return text
+
+    cmds: list[Cmd] = []
+    try:
+        cmds.append(Cmd.script(env, tmp_path / "first.txt", flow_path_frees_nothing))
+        first = no_orphan_wait(cmds[-1])
+        assert "may still be taken after its release (Prefect freed nothing for its lease)" in first, first[-3000:]
+        cmds.append(Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg)))   # the servers run: adopts them
+        second = no_orphan_wait(cmds[-1])
+        assert "its holder released it, but the slot was not freed" in second, second[-3000:]
+        down(env, cfg)   # so that the quick path finds nothing to adopt and leaves to the flow's path
+        cmds.append(Cmd.script({**env, "FLEET_QUICK_UP_DEBUG": "1"}, tmp_path / "third.txt", quick_path_frees_nothing))
+        third = no_orphan_wait(cmds[-1])
+        assert "fleet up: the flow's path:" in third, third[-3000:]   # the quick path was taken, then left
+        assert "its holder released it, but the slot was not freed" in third, third[-3000:]
+        assert "launching" in third or "launched" in third, third[-3000:]
+    finally:
+        for cmd in cmds:
+            if cmd.proc.poll() is None:
+                os.killpg(cmd.proc.pid, signal.SIGKILL)
+        down(env, cfg)
+
+
+def test_a_second_sigterm_inside_the_locks_release_does_not_leave_the_slot_taken(env: dict[str, str],
+                                                                                tmp_path: Path) -> None:
+    """Fault: `timeout` sends its SIGTERM twice (to the command, then to its process group). The
+    first makes Prefect's handler raise in the main thread, whose `hold_nodes` releases the node
+    lock on the way out; the second raised again inside that release: the slot stayed taken (its
+    holder record deleted by the release's `finally`, or left), and the shutdown's own release,
+    finding one begun, returned at once. The next `fleet up` waited 150 s for the orphan slot, or
+    reclaimed it (the idle CI run's test_timeout_stops_a_bringup_like_ctrl_c failure). Here the
+    second SIGTERM is sent from inside the release, at its start: the slot is given back all the
+    same, and the next `fleet up` neither waits nor reclaims."""
+    cfg = sim_cfg(tmp_path, "twice", startup_s=600.0)
+    script = (
+        "import os, signal, sys, time\n"
+        "from prefect.client.orchestration import SyncPrefectClient\n"
+        "release = SyncPrefectClient.release_concurrency_slots_with_lease\n"
+        "def second_sigterm(self, lease_id):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)   # as `timeout` sends it again, to the group\n"
+        "    time.sleep(0.5)   # its handler runs meanwhile (in the main thread)\n"
+        "    return release(self, lease_id)\n"
+        "SyncPrefectClient.release_concurrency_slots_with_lease = second_sigterm\n"
+        "from flows.cli import main\n"
+        f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"
+        "sys.exit(main())\n")
+    second: Cmd | None = None
+    try:
+        first = Cmd.script(env, tmp_path / "first.txt", script)
+        first.wait_for_text("launching")
+        first.signal_group(signal.SIGTERM, group=False)
+        assert first.proc.returncode == 143, first.text()[-3000:]
+        down(env, cfg)
+        cfg.write_text(cfg.read_text().replace("startup_s = 600.0", "startup_s = 0.3"))
+        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
         wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
                    what="the next `fleet up` to end")
         again = second.text()
