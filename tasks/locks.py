@@ -23,7 +23,9 @@ waiting run reclaims its slot and says so ("reclaimed the lock of run X, which i
 running"). Deleting the record by id is the claim: of several waiting runs exactly one
 reclaims. A taken slot with no record (an older fleet, or a holder killed in the instant
 between taking the slot and writing its record) is reclaimed after `ORPHAN_GRACE_S`, longer
-than a Prefect lease, so a real server's own expiry always comes first.
+than a Prefect lease, so a real server's own expiry always comes first. A release that leaves
+the slot taken (Prefect answers the release of a lease it no longer has with 204, freeing
+nothing) keeps its record, marked released: the next run frees that slot at once.
 
 All limits live in the database the Prefect API uses: two `fleet` commands on one machine,
 each with its own embedded server but the same PREFECT_HOME, exclude each other too.
