@@ -488,6 +488,26 @@ def test_a_write_cut_short_never_replaces_the_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["f-1.json"]
 
 
+def up_without_orphan_wait(cmd: Cmd) -> str:
+    """The output of a `fleet up` that ended 0 without waiting for an orphan slot: the old code sat in
+    its 150 s wait for it ("taken by a run that left no holder record"); fail as soon as it says so."""
+    try:
+        wait_until(lambda: cmd.proc.poll() is not None or "no holder record" in cmd.text(), timeout=300,
+                   what="the `fleet up` to end")
+        text = cmd.text()
+        assert "no holder record" not in text, text[-3000:]
+        assert cmd.finish() == 0, text[-3000:]
+        return text
+    finally:
+        if cmd.proc.poll() is None:
+            os.killpg(cmd.proc.pid, signal.SIGKILL)
+
+
+def next_up_neither_waits_nor_reclaims(env: dict[str, str], tmp_path: Path, cfg: Path) -> None:
+    again = up_without_orphan_wait(Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg)))
+    assert "reclaimed" not in again, again[-3000:]
+
+
 @pytest.mark.parametrize("sig,rc,said", [(signal.SIGTERM, 143, "stopped (SIGTERM)"), (signal.SIGINT, 130, "interrupted")],
                          ids=["SIGTERM", "SIGINT"])
 def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: dict[str, str], tmp_path: Path,
@@ -521,22 +541,13 @@ def test_sigterm_landing_as_the_lock_slot_is_granted_gives_the_slot_back(env: di
         "from flows.cli import main\n"
         f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"   # argv from sys.argv: the command's own signals
         "sys.exit(main())\n")
-    second: Cmd | None = None
     try:
         first = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                                stdin=subprocess.DEVNULL, timeout=180)
         out = (first.stdout + first.stderr).decode(errors="replace")
         assert first.returncode == rc and f"fleet: {said}." in out and "second Ctrl-C" not in out, out[-3000:]
-        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
-        # the old code: this second command sat in its 150 s wait for the orphan slot; fail as soon as it says so
-        wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
-                   what="the next `fleet up` to end")
-        again = second.text()
-        assert "no holder record" not in again and "reclaimed" not in again, again[-3000:]
-        assert second.finish() == 0, again[-3000:]
+        next_up_neither_waits_nor_reclaims(env, tmp_path, cfg)
     finally:
-        if second is not None and second.proc.poll() is None:
-            os.killpg(second.proc.pid, signal.SIGKILL)
         down(env, cfg)
 
 
@@ -570,26 +581,17 @@ def test_a_release_that_frees_nothing_costs_the_next_fleet_up_no_wait(env: dict[
         f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"
         "sys.exit(main())\n")
 
-    def no_orphan_wait(cmd: Cmd) -> str:
-        # the old code: the next hold sat in its 150 s wait for the orphan slot; fail as soon as it says so
-        wait_until(lambda: cmd.proc.poll() is not None or "no holder record" in cmd.text(), timeout=300,
-                   what="the `fleet up` to end")
-        text = cmd.text()
-        assert "no holder record" not in text, text[-3000:]
-        assert cmd.finish() == 0, text[-3000:]
-        return text
-
     cmds: list[Cmd] = []
     try:
         cmds.append(Cmd.script(env, tmp_path / "first.txt", flow_path_frees_nothing))
-        first = no_orphan_wait(cmds[-1])
+        first = up_without_orphan_wait(cmds[-1])
         assert "may still be taken after its release (Prefect freed nothing for its lease)" in first, first[-3000:]
         cmds.append(Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg)))   # the servers run: adopts them
-        second = no_orphan_wait(cmds[-1])
+        second = up_without_orphan_wait(cmds[-1])
         assert "its holder released it, but the slot was not freed" in second, second[-3000:]
         down(env, cfg)   # so that the quick path finds nothing to adopt and leaves to the flow's path
         cmds.append(Cmd.script({**env, "FLEET_QUICK_UP_DEBUG": "1"}, tmp_path / "third.txt", quick_path_frees_nothing))
-        third = no_orphan_wait(cmds[-1])
+        third = up_without_orphan_wait(cmds[-1])
         assert "fleet up: the flow's path:" in third, third[-3000:]   # the quick path was taken, then left
         assert "its holder released it, but the slot was not freed" in third, third[-3000:]
         assert "launching" in third or "launched" in third, third[-3000:]
@@ -623,7 +625,6 @@ def test_a_second_sigterm_inside_the_locks_release_does_not_leave_the_slot_taken
         "from flows.cli import main\n"
         f"sys.argv = ['fleet', 'up', '-c', {str(cfg)!r}]\n"
         "sys.exit(main())\n")
-    second: Cmd | None = None
     try:
         first = Cmd.script(env, tmp_path / "first.txt", script)
         first.wait_for_text("launching")
@@ -631,15 +632,8 @@ def test_a_second_sigterm_inside_the_locks_release_does_not_leave_the_slot_taken
         assert first.proc.returncode == 143, first.text()[-3000:]
         down(env, cfg)
         cfg.write_text(cfg.read_text().replace("startup_s = 600.0", "startup_s = 0.3"))
-        second = Cmd(env, tmp_path / "second.txt", "up", "-c", str(cfg))
-        wait_until(lambda: second.proc.poll() is not None or "no holder record" in second.text(), timeout=300,
-                   what="the next `fleet up` to end")
-        again = second.text()
-        assert "no holder record" not in again and "reclaimed" not in again, again[-3000:]
-        assert second.finish() == 0, again[-3000:]
+        next_up_neither_waits_nor_reclaims(env, tmp_path, cfg)
     finally:
-        if second is not None and second.proc.poll() is None:
-            os.killpg(second.proc.pid, signal.SIGKILL)
         down(env, cfg)
 
 
