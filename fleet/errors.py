@@ -176,6 +176,11 @@ class Stopped(FatalError):
     pass
 
 
+class Fenced(FatalError):
+    """A multi-node job ended without this runner's chunk attempt (multinode/fence.py `ENDED_FILE`):
+    what it put in the store counts for nothing and was removed; it stops."""
+
+
 def is_transient(exc: BaseException | None) -> bool:
     """True for errors worth retrying (used as a Prefect retry_condition_fn helper)."""
     return isinstance(exc, TransientError)

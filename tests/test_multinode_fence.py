@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,7 @@ def test_a_lost_nodes_prestarted_runner_is_stopped_and_its_late_parts_count_for_
     proc = _cli(cfg, tmp_path, f"{s3}/in/prompts.jsonl", out, log)   # type: ignore[arg-type]
     slow = tmp_path / "work-slow"
     frozen: list[int] = []
+    late_runner: list[Any] = []   # argv, environment, cwd
     try:
         def two_runners_on_slow() -> tuple[list[int]] | None:
             """Slow runs two chunks (one started while the other drains), both runners alive: freeze the
@@ -71,6 +74,20 @@ def test_a_lost_nodes_prestarted_runner_is_stopped_and_its_late_parts_count_for_
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             frozen[:] = pids
+            # The lost chunk's runner as it is now (how it was started, its job directory, its working
+            # copy): run again after the job's end on these files, it is the node that did not answer at
+            # the end (fence_job could neither stop it nor clean its files) coming back.
+            pid = live[f"chunk-{running[0]:05d}"]
+            job_dir = next(jf.parent for jf in slow.glob("jobs/*/job.json")
+                           if Path(json.loads(jf.read_text())["output"]).name == f"chunk-{running[0]:05d}")
+            copy = tmp_path / "late-node"
+            dirs = [job_dir, Path(json.loads((job_dir / "job.json").read_text())["output"])]
+            for i, d in enumerate(dirs):
+                shutil.copytree(d, copy / str(i), symlinks=True)
+            late_runner[:] = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1],
+                              dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                                   if b"=" in kv),
+                              os.readlink(f"/proc/{pid}/cwd"), [(copy / str(i), d) for i, d in enumerate(dirs)]]
             return (running,)
 
         (chunks,) = _wait(proc, log, two_runners_on_slow, "two chunks running on the slow node at once", timeout=400)
@@ -119,6 +136,24 @@ def test_a_lost_nodes_prestarted_runner_is_stopped_and_its_late_parts_count_for_
     assert sorted(fetched) == sorted(ids)
     # the chunk started early is stopped at the loss (the node still answers), not left to run on
     assert "node slow: stopped the runner(s) of chunk(s)" in text, text[-3000:]
+    # The node back after the end, its runner never stopped (it did not answer at the end): it resumes
+    # its chunk and puts its shards in its prefix. The old code kept them there for good (removed only
+    # by the next run of the command); now the runner reads the job's end marker, removes its part and
+    # stops, its exit record saying why.
+    argv, runner_env, cwd, saved = late_runner
+    for kept, where in saved:   # the node's files as it left them (its cleanup at the end never reached it)
+        shutil.rmtree(where, ignore_errors=True)
+        shutil.copytree(kept, where, symlinks=True)
+    job_dir = saved[0][1]
+    (job_dir / "exit.json").unlink(missing_ok=True)
+    late_run = subprocess.run(argv, env={k.decode(): v.decode() for k, v in runner_env.items()}, cwd=cwd,
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+    said = (late_run.stdout + late_run.stderr).decode(errors="replace")
+    assert late.names() == [] and not Store(f"{out}/_parts/slow/chunk-{chunks[0]:05d}/shards").names(), said[-3000:]
+    assert late_run.returncode != 0, said[-3000:]
+    exit_rec = json.loads((job_dir / "exit.json").read_text())
+    assert (exit_rec.get("failure") or {}).get("kind") == "fenced", exit_rec
+    assert store_ids(out) == ids   # the output itself is as it was
     # the job's cost: per node, for the time the job held it (bring-up start to release), on that basis
     _check_cost(manifest)
 
@@ -247,3 +282,39 @@ def test_a_late_publish_into_an_abandoned_prefix_adds_nothing_to_the_merge(tmp_p
     merged = [i for p in sorted((tmp_path / "dest" / "shards").glob("*.parquet"))
               for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
     assert sorted(merged) == list("abcdefghij")
+
+
+def test_after_the_end_only_a_counted_attempt_keeps_its_part_and_a_late_one_removes_its_own(tmp_path: Path) -> None:
+    """The runner's side of the fence (job/publish.py `Publisher.check_fence`) on a local-directory store:
+    with the job's end marker naming the counted parts, a counted attempt finishing after it keeps its part
+    (a late end of the one attempt that counts must lose nothing); an attempt not named removes its own
+    part, raises Fenced and puts nothing more; without the marker (the job still runs) nothing changes."""
+    from fleet.errors import Fenced
+    from fleet.generation.job.publish import ENDED_FILE, Publisher
+
+    store = tmp_path / "store"
+
+    def publisher(node: str) -> tuple[Publisher, Path]:
+        out = tmp_path / "work" / node / "chunk-00000"
+        (out / "shards").mkdir(parents=True)
+        pq.write_table(pa.table({"id": [f"{node}-0"], "completion": ["x"]}), out / "shards" / "part-000001.parquet")
+        (out / "manifest.json").write_text("{}")
+        return Publisher(out, f"{store}/_parts/{node}/chunk-00000"), store / "_parts" / node / "chunk-00000"
+
+    running, running_part = publisher("running")
+    running.finish()   # no marker: the job runs on
+    assert (running_part / "manifest.json").exists()
+    (store / ENDED_FILE).parent.mkdir(parents=True)
+    (store / ENDED_FILE).write_text(json.dumps({"counted": ["_parts/counted/chunk-00000"], "at": 0}))
+    counted, counted_part = publisher("counted")
+    counted.finish()
+    assert sorted(p.name for p in counted_part.rglob("*") if p.is_file()) == ["manifest.json", "part-000001.parquet"]
+    late, late_part = publisher("late")
+    with pytest.raises(Fenced, match="the job ended without this attempt"):
+        late.finish()
+    assert not [p for p in late_part.rglob("*") if p.is_file()]
+    pq.write_table(pa.table({"id": ["late-1"], "completion": ["x"]}),
+                   tmp_path / "work" / "late" / "chunk-00000" / "shards" / "part-000002.parquet")
+    with pytest.raises(Fenced):
+        late.sync_shards()   # fenced once: nothing more goes to the store
+    assert not [p for p in late_part.rglob("*") if p.is_file()]

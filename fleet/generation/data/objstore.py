@@ -241,6 +241,14 @@ class Store:
         with self.open_write(rel) as f:
             f.write(data)
 
+    def remove_tree(self) -> int:
+        """Every object under this directory removed; how many."""
+        self.fs.invalidate_cache(self.path)
+        found = self.fs.find(self.path)
+        for path in found:
+            self.fs.rm(path)
+        return len(found)
+
     def put_file(self, local: str, rel: str) -> None:
         """Upload a whole local file to `rel` (visible only once complete)."""
         with open(local, "rb") as src, self.open_write(rel) as dst:

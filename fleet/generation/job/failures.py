@@ -30,7 +30,7 @@ class Failure:
     """Why a job stopped failed: what progress.json, the manifest and exit.json say, and the CLI prints."""
 
     kind: str            # disk_full | output_removed | output_unwritable | input | input_changed | store | conflict |
-                         # servers | internal
+                         # servers | fenced | internal
     cause: str           # one line: what failed, where (file, line, byte)
     remedy: str          # one line: what to do, then "run the same command again to resume"
     file: str | None = None
@@ -77,10 +77,12 @@ def _fmt_bytes(n: float) -> str:
 
 def classify(exc: BaseException, out: Path, *, committed: int | None = None) -> Failure:
     """Turn any exception of a runner task into a Failure with its cause and remedy."""
-    from fleet.errors import FleetError, InputChanged, InputError, JobConflict, StoreError
+    from fleet.errors import Fenced, FleetError, InputChanged, InputError, JobConflict, StoreError
 
     resume = "then run the same command again to resume" + (
         f": the {committed:,} committed rows are kept" if committed else ": committed rows are kept")
+    if isinstance(exc, Fenced):   # a late attempt of a job that ended: nothing to resume
+        return Failure("fenced", exc.reason, exc.remedy or "nothing: the job ended without this attempt")
     if isinstance(exc, InputChanged):   # not a broken input a repaired copy may continue: another version
         return Failure("input_changed", exc.reason, exc.remedy or "start a new job into a new --output")
     if isinstance(exc, StoreError):

@@ -16,6 +16,11 @@ the store, by the runner itself, so no controller is in the data path:
   there whole (an object is visible only once complete: a shard in the store is a complete shard).
 - `Publisher.finish`: at the end of a finished run, errors, rejects and quality rejects, then
   `manifest.json` last: a manifest in the store means the attempt's whole output is there.
+- The fence (multinode/fence.py): a chunk attempt's publisher (its URL under `<output>/_parts/`)
+  reads `<output>/_control/ended.json` after it has put something (at most every FENCE_EVERY_S,
+  and at the finish); once the job ended without its part, it removes that part and raises
+  `Fenced`: the runner stops. Before, a node back after the job's end put its late parts there
+  for good (removed only by the next run of the command).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ __all__ = ["Publisher", "SEEDED_FILE", "seed", "stage_input", "store_shards"]
 log = logging.getLogger("fleet.generation.job.publish")
 
 SEEDED_FILE = ".seeded.json"
+FENCE_EVERY_S = 10.0   # a chunk attempt's look at the job's end marker, after a put (and at its finish)
+PARTS_DIR = "_parts"   # under a multi-node job's --output: each chunk attempt's part (multinode/fence.py)
+ENDED_FILE = "_control/ended.json"   # under it too: the counted parts, once the job ended (`remove_leftovers`)
 
 
 def stage_input(url: str, out: Path, span: list[int] | None = None, rows: list[int] | None = None,
@@ -104,14 +112,50 @@ class Publisher:
         self.out = out
         self.store = Store(url)
         self._there: set[str] | None = None
+        # a chunk attempt's part, `<output>/_parts/<node>/<attempt>`: the job's root and the part's name there
+        root, sep, rest = url.rstrip("/").partition(f"/{PARTS_DIR}/")
+        self._job: tuple[str, str] | None = (root, f"{PARTS_DIR}/{rest}") if sep and rest else None
+        self._fence_at = 0.0
+        self._fenced: Exception | None = None
 
     def sync_shards(self) -> int:
         """Put every committed shard that is not in the store yet; return how many were put (StoreError
         with its cause and remedy when the store refuses)."""
         from fleet.generation.data.storeerrors import translated
 
+        if self._fenced is not None:   # its part removed: nothing more goes there
+            raise self._fenced
         with translated(self.store.root, "writing"):
-            return self._sync_shards()
+            n = self._sync_shards()
+        if n:
+            self.check_fence()
+        return n
+
+    def check_fence(self, *, now: bool = False) -> None:
+        """Fenced (this attempt's part removed from the store) once its job ended without it; a look at
+        most every FENCE_EVERY_S unless `now`."""
+        import time
+
+        from fleet.errors import Fenced
+
+        if self._job is None or (not now and time.monotonic() - self._fence_at < FENCE_EVERY_S):
+            return
+        self._fence_at = time.monotonic()
+        root, name = self._job
+        raw = Store(root).read_bytes(ENDED_FILE)
+        if raw is None:
+            return
+        try:
+            counted = set(json.loads(raw).get("counted") or [])
+        except (ValueError, AttributeError):
+            return   # not one we wrote: no decision from it
+        if name in counted:
+            return
+        removed = self.store.remove_tree()
+        self._fenced = Fenced(f"the job ended without this attempt ({name}): its {removed} object(s) in the store "
+                              "were removed; this runner stops",
+                              remedy="nothing: the job's output is complete without it")
+        raise self._fenced
 
     def _sync_shards(self) -> int:
         if self._there is None:   # listed once per runner: after that, this runner is the only writer here
@@ -130,8 +174,11 @@ class Publisher:
         from fleet.generation.data.storeerrors import translated
 
         self.sync_shards()
+        if self._fenced is not None:
+            raise self._fenced
         with translated(self.store.root, "writing"):
             for name in (ERRORS_FILE, REJECTS_FILE, QUALITY_REJECTS, MANIFEST_FILE):
                 path = self.out / name
                 if path.exists():
                     self.store.put_file(str(path), name)
+        self.check_fence(now=True)

@@ -329,8 +329,12 @@ class _Run:
         publisher = self.publisher
 
         def sync() -> None:
+            from fleet.errors import Fenced
+
             try:
                 publisher.sync_shards()
+            except Fenced as exc:   # the job ended without this attempt: stop generating for nothing
+                self.fail(exc)
             except Exception as exc:   # the store unreachable for a while: the next commit tries again
                 log.warning("could not put shards in %s: %s", publisher.store.root, exc)
 

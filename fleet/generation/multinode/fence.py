@@ -15,7 +15,12 @@ the operator (issue 35). The fence, by the job's state:
 - `stop_abandoned`: the runners of a node's attempts that are over by the state (lost, failed, or
   not counted) stopped: when the node answers again (rejoin), and at the job's end on every node;
 - `remove_leftovers`: at the end of a complete job, every part that is not a counted one removed
-  from the store;
+  from the store — after `<output>/_control/ended.json` (`ENDED_FILE`) names the counted parts: a
+  runner that could not be stopped (its node did not answer at the end) reads it after it puts
+  something in the store and, its part not named there, removes its own prefix and stops
+  (fleet.generation.job.publish `Publisher`). A part put before the removal's listing is removed by
+  it, one put after is removed by its runner: no late node leaves objects behind, and none waits
+  for the next run of the command to be cleaned;
 - what could not be stopped (a node that does not answer) is named in the job's report, with the
   nodes whose servers still run (`Fence.lines`).
 """
@@ -27,6 +32,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fleet.generation.job.publish import ENDED_FILE, PARTS_DIR   # the parts' place, the end marker (layer below)
 from fleet.jobs import LIVE_PID_SH
 
 if TYPE_CHECKING:
@@ -35,11 +41,10 @@ if TYPE_CHECKING:
     from fleet.node import Node
 
 __all__ = ["Fence", "attempt_name", "attempt_part", "counted_attempts", "abandoned_on", "stop_abandoned", "stop_abandoned_on",
-           "remove_leftovers", "PARTS_DIR"]
+           "remove_leftovers", "PARTS_DIR", "ENDED_FILE"]
 
 log = logging.getLogger("fleet.generation.multinode.fence")
 
-PARTS_DIR = "_parts"
 
 # For each job directory: "=== DIR PID" when its runner is alive.
 _LIVE = LIVE_PID_SH + r'''
@@ -123,10 +128,16 @@ def remove_leftovers(output: str, assign: Assignments) -> int:
     job's: each chunk's rows are in its counted part). The objects removed."""
     from fleet.generation.data.objstore import Store
 
+    import json
+    import time
+
     counted = counted_attempts(assign)
     if len(counted) != len(assign.chunks):
         return 0   # a chunk not done: an abandoned attempt's shards still seed its next attempt
     keep = {attempt_part(output, a.node, a.output) for a in counted.values()}
+    root = output.rstrip("/") + "/"
+    Store(output).write_bytes(ENDED_FILE, json.dumps({"counted": sorted(u[len(root):] for u in keep),
+                                                      "at": time.time()}).encode())
     parts = Store(output).child(PARTS_DIR)
     n = 0
     for node in parts.names():
@@ -134,17 +145,8 @@ def remove_leftovers(output: str, assign: Assignments) -> int:
             url = f"{output.rstrip('/')}/{PARTS_DIR}/{node}/{name}"
             if url in keep:
                 continue
-            n += _remove_tree(Store(url))
+            n += Store(url).remove_tree()
     return n
-
-
-def _remove_tree(st: Any) -> int:
-    """Remove every object under store directory `st`; how many."""
-    st.fs.invalidate_cache(st.path)
-    found = st.fs.find(st.path)
-    for path in found:
-        st.fs.rm(path)
-    return len(found)
 
 
 @dataclass
