@@ -408,3 +408,36 @@ def test_a_runner_does_not_relaunch_a_server_of_a_fleet_torn_down_on_its_node(tm
         ok = None
     assert launched == [], "a server of a torn-down fleet was relaunched"
     assert ok is False
+
+
+def test_the_runner_process_writes_its_shards_without_loading_pandas(tmp_path: Path, sims) -> None:
+    """Cost: pyarrow imported pandas on the runner's first list conversion (a shard's columns), ≈ 0.3 s of
+    CPU a runner start for nothing. The real runner process (`python -m`, through runpy as the module's
+    own `__main__`) finishes a job with shards, errors and rejects written, and pandas was never loaded;
+    pandas asked for in that process says why it is refused."""
+    a = sims()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    rows = write_input(inp, 30, bad_lines=(4,))
+    job = job_file(tmp_path, inp, out, [a], config={"engine": {"kind": "sim"},
+                                                  "generation": {"max_tokens": 48, "max_attempts": 1}})
+    probe = ("import atexit, runpy, sys\n"
+             "def seen():\n"
+             "    try:\n"
+             "        import pandas  # noqa: F401\n"
+             "        asked = 'loaded'\n"
+             "    except ModuleNotFoundError as exc:\n"
+             "        asked = str(exc)\n"
+             "    print('PANDAS-LOADED' if 'pandas.core' in sys.modules else 'PANDAS-NOT-LOADED', asked)\n"
+             "atexit.register(seen)\n"
+             "sys.argv = ['runner', '--job', sys.argv[1]]\n"
+             "runpy.run_module('fleet.generation.job.runner', run_name='__main__', alter_sys=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", probe, str(job)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PANDAS-NOT-LOADED" in r.stdout and "does not load pandas" in r.stdout, r.stdout
+    ids = result_ids(out)
+    errors, rejects = list(read_errors(out)), list(read_rejects(out))
+    assert len(ids) == len(set(ids)) and len(ids) + len(errors) + len(rejects) == rows
+    assert len(rejects) == 1 and len(ids) >= 28
+    assert account(inp, out)["ok"]

@@ -587,6 +587,10 @@ def run_local(cfg: FleetConfig, input: str | Path, output: str | Path, servers: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:   # the runner's own process (python -m …): pyarrow's needless pandas import refused
+        from fleet.generation.job.nopandas import refuse_pandas
+
+        refuse_pandas()
     args_in = sys.argv[1:] if argv is None else argv
     if args_in[:1] == ["--check-store"]:   # a node proving its store access before a job (storecheck.py)
         from fleet.generation.job.storecheck import check_main
