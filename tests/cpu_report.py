@@ -120,7 +120,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         (u1, s1), m1 = meter.cpu(), _machine_busy()
         meter.write({"test": item.nodeid, "worker": meter.worker, "wall": round(time.monotonic() - t0, 3),
                      "user": round(u1 - u0, 3), "sys": round(s1 - s0, 3), "machine": round(m1 - m0, 3),
-                     "load1": os.getloadavg()[0]})
+                     "load1": os.getloadavg()[0], "end": round(time.time(), 3)})
 
 
 def report(path: Path, top: int = 40) -> None:
@@ -173,20 +173,27 @@ def kind_of(argv: list[str]) -> str:
 
 
 def count_report(path: Path) -> dict[str, tuple[int, int]]:
-    """Per kind of process: how many started, how many of them imported Prefect (from PATH.procs)."""
+    """Per kind of process: how many started, how many of them imported Prefect, and the CPU of those
+    that exited normally (their own, not their children's; from PATH.procs)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     started = {r["pid"]: kind_of(r.get("orig") or r["argv"]) for r in rows if r["kind"] == "start"}
     imported = {r["pid"] for r in rows if r["kind"] == "prefect-import"}
+    exited = {r["pid"]: float(r["cpu"]) for r in rows if r["kind"] == "exit"}
     out: dict[str, tuple[int, int]] = {}
+    cpu: dict[str, tuple[int, float]] = {}
     for pid, kind in started.items():
         n, p = out.get(kind, (0, 0))
         out[kind] = (n + 1, p + (pid in imported))
-    print(f"\n{'python processes':30} {'started':>8} {'imported prefect':>17}")
+        if pid in exited:
+            m, c = cpu.get(kind, (0, 0.0))
+            cpu[kind] = (m + 1, c + exited[pid])
+    print(f"\n{'python processes':30} {'started':>8} {'imported prefect':>17} {'exited':>7} {'their cpu s':>12}")
     for kind, (n, p) in sorted(out.items(), key=lambda kv: -kv[1][0]):
-        print(f"{kind:30} {n:8d} {p:17d}")
-    print(f"{'all':30} {sum(n for n, _ in out.values()):8d} {sum(p for _, p in out.values()):17d}")
+        m, c = cpu.get(kind, (0, 0.0))
+        print(f"{kind:30} {n:8d} {p:17d} {m:7d} {c:12.1f}")
+    print(f"{'all':30} {sum(n for n, _ in out.values()):8d} {sum(p for _, p in out.values()):17d} "
+          f"{sum(m for m, _ in cpu.values()):7d} {sum(c for _, c in cpu.values()):12.1f}")
     return out
-
 
 if __name__ == "__main__":
     report(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3]))

@@ -6,6 +6,7 @@ On PYTHONPATH only while `--cpu-report` is on: each Python process that starts u
 counted). Processes started over SSH get a fresh environment and are not counted.
 """
 
+import atexit
 import json
 import os
 import sys
@@ -13,13 +14,20 @@ import sys
 _LOG = os.environ.get("SUITE_PROC_LOG")
 
 
-def _write(kind: str) -> None:
+def _write(kind: str, **extra: object) -> None:
     try:
         with open(_LOG, "a") as f:   # one short line per write: appends of many processes do not mix
             f.write(json.dumps({"kind": kind, "pid": os.getpid(), "argv": sys.argv[:6],
-                                "orig": list(getattr(sys, "orig_argv", []))[:8]}) + "\n")
+                                "orig": list(getattr(sys, "orig_argv", []))[:8], **extra}) + "\n")
     except OSError:
         pass
+
+
+def _exit() -> None:
+    # The process's own CPU (not its children's) when it exits normally: a process killed by a signal
+    # it does not handle writes nothing, so the per-kind sums are a lower bound.
+    t = os.times()
+    _write("exit", cpu=round(t.user + t.system, 3))
 
 
 class _FirstPrefectImport:
@@ -36,4 +44,5 @@ class _FirstPrefectImport:
 
 if _LOG:
     _write("start")
+    atexit.register(_exit)
     sys.meta_path.insert(0, _FirstPrefectImport())
