@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_controller_scale.py --nodes 100 [--rows 902087 --speed 20 --losses 0.1]
     .venv/bin/python bench/bench_controller_scale.py --nodes 1000 --rows 9000000 --speed 4 --max-wall-s 420
+    .venv/bin/python bench/bench_controller_scale.py --nodes 100 --speed 4 --store s3   # a real store server
 
 Prints one JSON line per pass, then a Markdown table (one column per pass); `--compare-state` adds
 a pass with the whole state written on every change (as before the log), `--compare` one with
@@ -16,8 +17,12 @@ detached runner. A runner reports progress.json at its node's drawn rate (7–8 
 ≈ 1 row/s per server: the seed's job, 902,087 rows in 1.5 days on one node), after a runner start of
 8 s; two runners on one node (one started while the other drains) share its capacity, the older
 first. A node loss: every operation raises ConnectionLost (what the SSH seam raises) for a drawn while and its runners die; it
-answers again afterwards and rejoins. The job is on object storage (memory://): each runner
-"puts" its manifest there, as publish.py does, and the controller reads it.
+answers again afterwards and rejoins. The job is on object storage: each runner "puts" its manifest
+there, as publish.py does, and the controller reads it. By default that store is fsspec's memory:// (free);
+`--store s3` makes it moto's S3 server on a loopback port (a real server: s3fs, botocore and HTTP in the
+controller's process, the server's latency on every PUT and GET; its own CPU reported apart). Time is
+not compressed for the store: a PUT that takes 10 ms of wall takes --speed × 10 ms of job time, so a
+store that bounds the controller shows it more at a higher --speed.
 
 Time is compressed by --speed: the controller's and the fake nodes' clocks (`time` in controller.py
 and chunks.py, the controller's stop event) run --speed times faster than the wall. Its settings
@@ -36,6 +41,7 @@ attempt) and the progress writes (each one Prefect artifact update).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import os
 import random
@@ -320,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     clock = VClock(args.speed)
     tag = f"bench-{os.getpid()}-{args.nodes}-{int(args.uncached)}-{int(args.whole_state)}"
-    root = f"memory://{tag}"
+    root = f"s3://{S3_BUCKET}/{tag}" if getattr(args, "store", "memory") == "s3" else f"memory://{tag}"
     body = b"".join(b'{"id":%d,"prompt":"q"}\n' % i for i in range(args.rows))
     Store(root).write_bytes("input.jsonl", body)
     del body
@@ -497,15 +503,32 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
 
     errors: list[str] = []
 
+    with_prefect = getattr(args, "prefect", False)
+    if with_prefect:   # each chunk attempt a task run of its own, as tasks/multinode.py's node_worker makes it
+        real_run_chunk = ctl.run_chunk
+
+        def counted_run_chunk(name: str, index: int) -> dict[str, Any]:
+            counters.add("task_runs")
+            return real_run_chunk(name, index)
+
+        ctl.run_chunk = counted_run_chunk
+
     def worker(name: str) -> None:
         try:
-            ctl.node_loop(name, run_chunk=run_chunk)
+            if with_prefect:   # the flow's task per node (a task run), in the flow run's context
+                from tasks.multinode import node_worker
+
+                node_worker(ctl, name)
+            else:
+                ctl.node_loop(name, run_chunk=run_chunk)
         except Exception as exc:
             errors.append(f"{name}: {exc}")
             ctl.stop()
 
     cpu0, v0, w0 = _time.process_time(), clock.monotonic(), _time.monotonic()
-    threads = [threading.Thread(target=worker, args=(h,), daemon=True) for h in sorted(hosts)]
+    # each thread in a copy of this one's context: under --prefect, the flow run's (Prefect's thread pool does the same)
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(worker, h), daemon=True)
+               for h in sorted(hosts)]
     for h in hosts.values():
         h.last = clock.monotonic()
     unused = {"pending": 0.0, "tail": 0.0}   # capacity unused, while chunks were pending / after
@@ -640,8 +663,84 @@ def _peak_kb() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
+S3_BUCKET = "bench"
+
+
+def start_moto() -> tuple[Any, int]:
+    """moto's S3 server on a free loopback port, the AWS_* environment of this process pointing at it."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = _time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or _time.monotonic() > deadline:
+                raise SystemExit("moto's server did not start")
+            _time.sleep(0.2)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench-secret", AWS_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    from fleet.generation.data.objstore import Store
+
+    Store(f"s3://{S3_BUCKET}").fs.mkdir(S3_BUCKET)
+    return proc, port
+
+
+def start_prefect() -> int:
+    """This PREFECT_HOME's local Prefect server (flows/localserver.py, as `fleet` commands use it): its pid."""
+    import json as _json
+
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")   # not a line per task run on the console
+    from flows.api import ensure_api
+    from flows.localserver import state_dir
+
+    ensure_api()
+    return int(_json.loads((state_dir() / "server.json").read_text())["pid"])
+
+
+def run_in_flow(args: argparse.Namespace) -> dict[str, Any]:
+    """`run` inside a flow run: each node's loop is the flow's node_worker task, each chunk attempt a task run."""
+    from prefect import flow
+
+    @flow(name="bench-controller-scale", log_prints=False)
+    def bench_flow() -> dict[str, Any]:
+        return run(args)
+
+    out: dict[str, Any] = bench_flow()
+    return out
+
+
+def count_task_runs() -> int:
+    """Task runs the Prefect server holds (the bench's PREFECT_HOME is its own: all of them are the bench's)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        res = client._client.post("/task_runs/count", json={})
+        res.raise_for_status()
+        return int(res.json())
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefect", action="store_true",
+                    help="run inside a flow on this PREFECT_HOME's local Prefect server: each node's loop a task "
+                         "run, each chunk attempt a task run (tasks/multinode.py), the server's CPU reported apart")
+    ap.add_argument("--store", choices=("memory", "s3"), default="memory",
+                    help="where the job's input, output and control files are: fsspec's memory:// (free) or "
+                         "moto's S3 server on loopback (a real server: HTTP, botocore, its latency)")
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--rows", type=int, default=902_087)
     ap.add_argument("--speed", type=float, default=20.0, help="job seconds per wall second")
@@ -669,6 +768,8 @@ def main() -> None:
         return
 
     logging.basicConfig(level=logging.ERROR)
+    moto = start_moto()[0] if args.store == "s3" else None
+    prefect_pid = start_prefect() if args.prefect else None
     passes = [(False, False)]
     if args.compare:
         passes.insert(0, (True, False))
@@ -680,14 +781,27 @@ def main() -> None:
         label = "scans per question (before)" if uncached else \
             "state rewritten whole per change (before)" if whole else "now"
         load = os.getloadavg()[0]
-        r = {"pass": label, **run(args), "load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1)}
+        store_cpu0 = _proc_cpu_s(moto.pid) if moto else 0.0
+        prefect_cpu0 = _proc_cpu_s(prefect_pid) if prefect_pid else 0.0
+        task_runs0 = count_task_runs() if prefect_pid else 0
+        r = {"pass": label, "store": args.store, "prefect": "real server" if args.prefect else "none",
+             **(run_in_flow(args) if args.prefect else run(args)), "load_before": round(load, 1),
+             "load_after": round(os.getloadavg()[0], 1)}
+        if moto:
+            r["store_server_cpu_s"] = round(_proc_cpu_s(moto.pid) - store_cpu0, 1)
+        if prefect_pid:
+            r["prefect_server_cpu_s"] = round(_proc_cpu_s(prefect_pid) - prefect_cpu0, 1)
+            r["prefect_task_runs"] = count_task_runs() - task_runs0
         print(json.dumps(r), flush=True)
         rows.append(r)
+    if moto:
+        moto.kill()
+        moto.wait()
     print_table(rows)
 
 
 TABLE = [   # (column, key or function of the result)
-    ("pass", "pass"), ("nodes", "nodes"), ("rows", "rows"),
+    ("pass", "pass"), ("store", "store"), ("prefect", "prefect"), ("nodes", "nodes"), ("rows", "rows"),
     ("chunks done / once / total", lambda r: f"{r['chunks_done']} / {r['chunks_done_once']} / {r['chunks']}"),
     ("job s ÷ ideal", lambda r: f"{r['makespan_s']:,.0f} ÷ {r['ideal_s']:,.0f} = {r['makespan_over_ideal']}"),
     ("capacity unused while chunks pending / after", lambda r: f"{r.get('unused_while_pending', '?')} / "
@@ -703,6 +817,9 @@ TABLE = [   # (column, key or function of the result)
     ("state KB / min (B / change)", lambda r: f"{r['state_kb_per_min']:,} ({r['state_bytes_per_change']:,})"),
     ("changes / min", "state_changes_per_min"),
     ("store PUTs / min, KB / min", lambda r: f"{r['store_puts_per_min']}, {r['store_kb_per_min']:,}"),
+    ("store server CPU s (moto)", lambda r: r.get("store_server_cpu_s", "-")),
+    ("Prefect: task runs recorded; server CPU s", lambda r: f"{r.get('prefect_task_runs', '-')}; "
+                                                            f"{r.get('prefect_server_cpu_s', '-')}"),
     ("plan.json KB / min (final KB)", lambda r: f"{r['plan_kb_per_min']:,} ({r['plan_kb_final']:,})"),
     ("task runs / min", "task_runs_per_min"),
     ("node ops / node / min", "ops_per_node_per_min"), ("SSH connects / node / min", "connects_per_node_per_min"),
