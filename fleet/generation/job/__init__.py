@@ -1,6 +1,7 @@
 """One job on one node: the detached runner and what starts, checks and watches it.
 
     runner.py     the detached process that ties input, dispatcher and store together (run_job's steps)
+    nopandas.py   the runner process refuses pandas (pyarrow would import it for nothing)
     jobspec.py    JOB.json: the job, its servers, its config with the secrets from the environment
     relaunch.py   the job's servers on the runner's node: alive?, relaunch, healthy again
     progress.py   progress.json and the console line
