@@ -8,6 +8,7 @@
     failures.py   Failure (cause + remedy) from any exception, the disk reserve, exit.json
     validate.py   the checks before anything starts: input, output, the job already there (plan_job)
     remote.py     start, watch, re-attach to and fetch a job on a node (the runner's zip and venv)
+    follow.py     follow a runner to its end and record it (the generate task's and the quick re-attach's)
     endpoints.py  servers fleet did not start (`[[endpoints]]`) as the runner's entries, their keys
     publish.py    a runner whose job lives on object storage: its input staged, its commits put to the store
     storecheck.py a node proving, with its runner's environment, that it can read the input and write the output
