@@ -142,23 +142,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"fleet generate: {plan.message}")
         return 0
     print(f"fleet generate: {plan.message}", flush=True)
-    ensure_api()
-    from flows.fleet import fleet
-    from flows.outcome import run_data
+    from flows.quickgen import quick_generate
 
-    state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
-                     retry_errors=args.retry_errors)
-    data = run_data(state)  # a bug raises here, with its traceback
+    # A re-attach to this job's live runner (one node, local output) is recorded without Prefect's
+    # engine: the same records; anything else, or any doubt, runs the flow (flows/quickgen.py).
+    quick = quick_generate(cfg, plan.input, plan.output, args.retry_errors)
+    if quick is not None:
+        ok, message, data = quick
+    else:
+        ensure_api()
+        from flows.fleet import fleet
+        from flows.outcome import run_data
+        from flows.quickup import save_task_keys
+
+        state = run_flow(fleet, config=cfg, action="generate", input=plan.input, output=plan.output,
+                         retry_errors=args.retry_errors)
+        try:
+            save_task_keys()   # what the next re-attach records its task runs under (flows/quickgen.py)
+        except OSError:
+            pass
+        data = run_data(state)  # a bug raises here, with its traceback
+        ok, message = state.is_completed(), state.message or ""
     if isinstance(data, dict) and (data.get("conflict") or data.get("could_not_run")):
         # another job took the directory between the check above and the start, or the job's input changed
         # since it was planned, or the store refused it (README: exit 2)
-        print(f"fleet generate: {state.message or 'a second job into a job directory'}", file=sys.stderr)
+        print(f"fleet generate: {message or 'a second job into a job directory'}", file=sys.stderr)
         return EXIT_ERROR
     if isinstance(data, dict):
         print(json.dumps({k: data.get(k) for k in ("output", "state", "rows_total", "completed", "errors", "rejects",
                                                     "quality_rejects", "throughput", "cost", "checks", "quality")}, indent=2, default=str))
-    ok = state.is_completed()
-    print(("fleet generate: " if ok else "fleet generate: FAILED: ") + (state.message or ""),
+    print(("fleet generate: " if ok else "fleet generate: FAILED: ") + message,
           file=sys.stdout if ok else sys.stderr)
     return 0 if ok else EXIT_FAILED
 

@@ -45,6 +45,7 @@ from fleet.stages import ServerRow, StageOutcome
 ROOT = Path(__file__).resolve().parents[1]
 FLOW_FILE = ROOT / "flows" / "fleet.py"
 TASKS_FILE = ROOT / "tasks" / "bringup.py"
+GENERATE_FILE = ROOT / "tasks" / "generate.py"
 # The retry policy of every task (tasks/policy.py TASK_OPTS), as the engine records it.
 TASK_POLICY = {"max_retries": 0, "retry_delay_seconds": 0.0, "retries": 2, "retry_delay": [2, 4],
                "retry_jitter_factor": 0.5}
@@ -71,17 +72,19 @@ def _keys_source() -> str:
     """What the task keys depend on: the task module's code and Prefect's version (its hashing)."""
     from importlib.metadata import version
 
-    return f"{_md5(TASKS_FILE)}-{version('prefect')}"
+    return f"{_md5(TASKS_FILE)}-{_md5(GENERATE_FILE)}-{version('prefect')}"
 
 
 def save_task_keys() -> None:
     """Called by the flow's path (which has the tasks): each task's Prefect key, for the next quick run."""
     from tasks.bringup import TASKS
+    from tasks.generate import generate
 
     path = keys_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"source": _keys_source(), "keys": {k: t.task_key for k, t in TASKS.items()}}))
+    tmp.write_text(json.dumps({"source": _keys_source(), "keys": {**{k: t.task_key for k, t in TASKS.items()},
+                                                                 "generate": generate.task_key}}))
     tmp.replace(path)
 
 
@@ -257,11 +260,12 @@ class _Logger:
 class QuickRun:
     """The flow run being recorded: its lines and task runs, kept until the run is known to be adopt-only."""
 
-    def __init__(self, cfg: FleetConfig, api: Api, keys: dict[str, str]) -> None:
+    def __init__(self, cfg: FleetConfig, api: Api, keys: dict[str, str], action: str = "bringup") -> None:
         self.cfg, self.api, self.keys = cfg, api, keys
-        self.name = f"bringup-{cfg.name}"
+        self.name = f"{action}-{cfg.name}"
         self.id: str | None = None
         self.lines: list[Line] = []
+        self.posted = 0   # run.lines[:posted] are sent
         self.tasks: list[TaskRec] = []
         self.artifacts: list[dict[str, Any]] = []
         from concurrent.futures import Future, ThreadPoolExecutor
@@ -339,10 +343,10 @@ class QuickRun:
             f.result()
 
     def markdown(self, key_parts: tuple[object, ...], title: str, seconds: float, result: dict[str, Any],
-                 log: str | None) -> dict[str, Any]:
+                 log: str | None, ok: bool = True) -> dict[str, Any]:
         return {"key": artifact_key(self.cfg, *key_parts), "type": "markdown",
-                "description": stage_description(self.cfg, title, self.name, True),
-                "data": stage_markdown(self.cfg, title, self.run_md, ok=True, seconds=seconds, result=result, log=log)}
+                "description": stage_description(self.cfg, title, self.name, ok),
+                "data": stage_markdown(self.cfg, title, self.run_md, ok=ok, seconds=seconds, result=result, log=log)}
 
     def table(self, key_parts: tuple[object, ...], rows: list[dict[str, Any]], description: str) -> dict[str, Any]:
         return {"key": artifact_key(self.cfg, *key_parts), "type": "table",
@@ -370,10 +374,10 @@ class Lock:
     """The node lock as tasks/locks.py `hold_nodes` takes it: the one-slot limits, a lease held by
     this flow run, a holder record per limit; given back (lease, then records) by `release`."""
 
-    def __init__(self, api: Api, cfg: FleetConfig, run: QuickRun) -> None:
+    def __init__(self, api: Api, cfg: FleetConfig, run: QuickRun, purpose: str = "bringup") -> None:
         from tasks.locks import Once, lock_names
 
-        self.api, self.run = api, run
+        self.api, self.run, self.purpose = api, run, purpose
         self.names = lock_names(cfg)
         self.lease_id: str | None = None
         self.record_ids: dict[str, str] = {}
@@ -396,7 +400,7 @@ class Lock:
         if not isinstance(resp, dict):
             raise Fallback("the node is held by another run")   # the flow's path waits, names the holder, reclaims
         self.lease_id = str(resp["lease_id"])
-        holder = Holder(run_id=self.run.id, run_name=self.run.name, purpose="bringup", host=socket.gethostname(),
+        holder = Holder(run_id=self.run.id, run_name=self.run.name, purpose=self.purpose, host=socket.gethostname(),
                         machine=_machine_id(), pid=os.getpid(), pid_start=_pid_start(os.getpid()),
                         lease_id=self.lease_id, since=time.time())
         self.holder_value = asdict(holder)
@@ -469,7 +473,7 @@ def _bringup(run: QuickRun, lock: Lock, nodes: dict[str, Any], t0: float) -> tup
     from fleet.smoke import compare_kv
 
     cfg = run.cfg
-    run.say(20, f"bringup: holding {', '.join(lock.names)}")
+    run.say(20, f"{lock.purpose}: holding {', '.join(lock.names)}")
     pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="fleet-quick")
 
     def stage(kind: str, name: str, key_parts: tuple[object, ...] | None, title: str,
@@ -549,11 +553,11 @@ def prefect_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
-def _flow_run(api: Api, cfg: FleetConfig, name: str) -> str:
+def _flow_run(api: Api, cfg: FleetConfig, name: str, params: Mapping[str, Any] = FLOW_PARAMS) -> str:
     """Create the run as Prefect's engine does (flow `fleet`, its version, every parameter), then Running."""
     flow = api.call("POST", "/flows/", {"name": "fleet"})
     body = {"flow_id": flow["id"], "flow_version": _md5(FLOW_FILE), "name": name,
-            "parameters": {"config": cfg.model_dump(mode="json"), **FLOW_PARAMS}, "context": {}, "tags": [],
+            "parameters": {"config": cfg.model_dump(mode="json"), **params}, "context": {}, "tags": [],
             "parent_task_run_id": None, "state": _state("PENDING"),
             "empirical_policy": {"retries": 0, "retry_delay": 0}}
     run_id = str(api.call("POST", "/flow_runs/", body)["id"])
@@ -561,32 +565,48 @@ def _flow_run(api: Api, cfg: FleetConfig, name: str) -> str:
     return run_id
 
 
-def _commit(run: QuickRun, rows: list[ServerRow], up: int, t0: float) -> str:
-    """Every record of the run, once it is known to be adopt-only: task runs, artifacts, logs, the end."""
-    api, cfg = run.api, run.cfg
-
+def write_summary(run: QuickRun, rows: list[ServerRow], up: int, t0: float) -> None:
+    """The bring-up's task runs all written, then the summary table (flows/fleet.py `_write_summary`)."""
     run.settle()
-    made = api.call("POST", "/artifacts/", {**run.table(("summary",), [r.as_dict() for r in rows],
-                                                        f"{cfg.name}: {up} server(s) up, 0 failure(s), "
-                                                        f"{time.monotonic() - t0:.1f} s"), "flow_run_id": run.id})
+    made = run.api.call("POST", "/artifacts/", {**run.table(("summary",), [r.as_dict() for r in rows],
+                                                            f"{run.cfg.name}: {up} server(s) up, 0 failure(s), "
+                                                            f"{time.monotonic() - t0:.1f} s"), "flow_run_id": run.id})
     run.artifact_ids.append(str(made["id"]))
-    message = f"{up} server(s) up in {time.monotonic() - t0:.1f} s"
+
+
+def post_lines(run: QuickRun, lines: list[Line]) -> None:
+    """Log lines as Prefect's log worker sends them."""
+    if lines:
+        run.api.call("POST", "/logs/", [{"name": "prefect.task_runs" if ln.task else "prefect.flow_runs",
+                                         "level": ln.level, "message": ln.message, "flow_run_id": run.id,
+                                         "task_run_id": ln.task.id if ln.task else None,
+                                         "timestamp": datetime.fromtimestamp(ln.at, timezone.utc).isoformat()}
+                                        for ln in lines])
+
+
+def completed(run: QuickRun, message: str) -> None:
+    """The run's end as the flow's engine writes it: the on-completion hook's lines, the last line, the
+    lines not yet sent, the state."""
     run.say(20, "Running hook 'clear_cause' in response to entering state 'Completed'")
     run.say(20, "Hook 'clear_cause' finished running successfully")
     run.say(20, f"Finished in state Completed('{message}')")
-    api.call("POST", "/logs/", [{"name": "prefect.task_runs" if ln.task else "prefect.flow_runs", "level": ln.level,
-                                 "message": ln.message, "flow_run_id": run.id,
-                                 "task_run_id": ln.task.id if ln.task else None,
-                                 "timestamp": datetime.fromtimestamp(ln.at, timezone.utc).isoformat()}
-                                for ln in run.lines])
-    api.call("POST", f"/flow_runs/{run.id}/set_state", {"state": _state("COMPLETED", message), "force": False})
+    post_lines(run, run.lines[run.posted:])
+    run.posted = len(run.lines)
+    run.api.call("POST", f"/flow_runs/{run.id}/set_state", {"state": _state("COMPLETED", message), "force": False})
+
+
+def _commit(run: QuickRun, rows: list[ServerRow], up: int, t0: float) -> str:
+    """Every record of the run, once it is known to be adopt-only: task runs, artifacts, logs, the end."""
+    write_summary(run, rows, up, t0)
+    message = f"{up} server(s) up in {time.monotonic() - t0:.1f} s"
+    completed(run, message)
     return message
 
 
-def _print_lines(run: QuickRun) -> None:
+def _print_lines(run: QuickRun, lines: list[Line] | None = None) -> None:
     """The run's lines as Prefect's console handler prints them (stderr)."""
     names = {20: "INFO", 30: "WARNING", 40: "ERROR"}
-    for ln in run.lines:
+    for ln in run.lines if lines is None else lines:
         who = f"Task run '{ln.task.name}'" if ln.task else f"Flow run '{run.name}'"
         stamp_ = time.strftime("%H:%M:%S", time.localtime(ln.at)) + f".{int(ln.at * 1000) % 1000:03d}"
         print(f"{stamp_} | {names.get(ln.level, str(ln.level)):<7} | {who} - {ln.message}", file=sys.stderr)

@@ -276,11 +276,12 @@ def test_the_task_keys_are_the_tasks_own_and_follow_the_code(tmp_path: Path, mon
     other task code (or none learned yet) send it down the flow's path."""
     import flows.quickup as quickup
     from tasks.bringup import TASKS
+    from tasks.generate import generate
 
     monkeypatch.setattr(quickup, "keys_file", lambda: tmp_path / "task-keys.json")
     assert quickup.task_keys() is None
     quickup.save_task_keys()
-    assert quickup.task_keys() == {k: t.task_key for k, t in TASKS.items()}
+    assert quickup.task_keys() == {**{k: t.task_key for k, t in TASKS.items()}, "generate": generate.task_key}
     data = json.loads((tmp_path / "task-keys.json").read_text())
     (tmp_path / "task-keys.json").write_text(json.dumps({**data, "source": "other-code"}))
     assert quickup.task_keys() is None
