@@ -140,10 +140,10 @@ def quick_generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool
                    environ: Mapping[str, str] = os.environ) -> tuple[bool, str, Any] | None:
     """Re-attach to this job's live runner and follow it, recorded as the flow records it: (ok, message,
     the result data `fleet generate` prints); None: take the flow's path (what this try wrote undone)."""
-    if refusal(cfg, input, output, environ, Path.cwd(), prefect_home(environ)) is not None:
-        return None
-    keys = task_keys()
+    why = refusal(cfg, input, output, environ, Path.cwd(), prefect_home(environ))
+    keys = task_keys() if why is None else None
     if keys is None or "generate" not in keys:   # learned from the flow's path (flows/quickup.py)
+        _debug(environ, why or "no task keys learned from a run of this code yet")
         return None
     from fleet.generation.job.follow import input_on_node
     from fleet.generation.job.remote import _attach
@@ -282,7 +282,9 @@ def _task_failed(run: QuickRun, gen: TaskRec, exc: BaseException) -> None:
     if "\\n" in final:
         final = final.split("\\n", 1)[0] + " …' (the error is logged above)"
     run.say(40, final, gen)
-    run.api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("FAILED", message), "force": False})
+    # forced: the engine's task states go through events, past the server's retry rule (which would
+    # make a first failure AwaitingRetry: the policy allows retries of transient errors)
+    run.api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("FAILED", message), "force": True})
 
 
 def _failed(run: QuickRun, message: str) -> None:
@@ -292,7 +294,7 @@ def _failed(run: QuickRun, message: str) -> None:
     api = run.api
     run.say(20, "Running hook 'announce_failure' in response to entering state 'Failed'")
     run.say(20, "Hook 'announce_failure' finished running successfully")
-    run.say(40, f"Finished in state Failed({message!r})")
+    run.say(20, f"Finished in state Failed({message!r})")
     flush(run)
     state = _state("FAILED", message)
     api.call("POST", f"/flow_runs/{run.id}/set_state", {"state": state, "force": False})

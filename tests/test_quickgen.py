@@ -33,10 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = 200
 _GLYPHS = "▁▂▃▄▅▆▇█▏▎▍▌▋▊▉─"
 
-# Runs the command as `fleet` runs it, then says whether it imported Prefect.
-_CODE = ("import sys, flows.cli; rc = flows.cli.main(sys.argv[1:]); "
-         "print('PREFECT-IMPORTED' if 'prefect' in sys.modules else 'PREFECT-NOT-IMPORTED', flush=True); "
-         "sys.exit(rc)")
+# The command as `fleet` runs it (argv from sys.argv: it takes over Ctrl-C), then whether it imported
+# Prefect; a command stopped by a signal says it in the file QUICKGEN_TEST_MARKER names (its output is
+# silenced by then), from a cleanup of its own.
+_CODE = ("import os, sys, flows.cli\n"
+         "from fleet.interrupt import on_interrupt\n"
+         "said = lambda: 'PREFECT-IMPORTED' if 'prefect' in sys.modules else 'PREFECT-NOT-IMPORTED'\n"
+         "on_interrupt('test marker', lambda: open(os.environ['QUICKGEN_TEST_MARKER'], 'w').write(said()))\n"
+         "sys.argv[0] = 'fleet'; rc = flows.cli.main()\n"
+         "print(said(), flush=True); sys.exit(rc)")
 
 
 def _cfg(tmp_path: Path, name: str, **kw: Any) -> tuple[FleetConfig, Path]:
@@ -67,10 +72,12 @@ class Gen:
 
     def __init__(self, tmp_path: Path, path: Path, out: Path, log: str, **env: str) -> None:
         self.log = tmp_path / log
+        self.marker = tmp_path / f"{log}.marker"
         with self.log.open("wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CODE, "generate", "-c", str(path), "--input", str(_rows(tmp_path)),
-                 "--output", str(out)], cwd=ROOT, env={**_env(), **env}, stdout=f, stderr=subprocess.STDOUT,
+                 "--output", str(out)], cwd=ROOT, env={**_env(), "QUICKGEN_TEST_MARKER": str(self.marker), **env},
+                stdout=f, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
 
     def text(self) -> str:
@@ -94,7 +101,9 @@ class Gen:
 
     @property
     def imported_prefect(self) -> bool:
-        return "PREFECT-IMPORTED" in self.text()
+        said = self.text() + (self.marker.read_text() if self.marker.exists() else "")
+        assert "PREFECT-" in said, said[-3000:]
+        return "PREFECT-IMPORTED" in said
 
 
 def _job_pid(cfg: FleetConfig, out: Path) -> int:
@@ -175,7 +184,7 @@ def _records(api: Any, run: dict[str, Any], subs: dict[str, str]) -> dict[str, A
         "tasks": sorted((t["name"], t["state_name"], t["task_key"], t["empirical_policy"]["retries"],
                          n(t["state"]["message"])) for t in tasks),
         "artifacts": sorted((a["key"], a["type"], by_id.get(a["task_run_id"]), n(a["description"]),
-                             n(a["data"]) if a["type"] != "progress" else a["data"]) for a in arts
+                             n(a["data"]) if a["type"] != "progress" else a["data"] == 100.0) for a in arts
                             if a["key"] and not a["key"].endswith("generate-servers")),
         "servers-tables": sorted({n(a["description"]) for a in arts if (a["key"] or "").endswith("generate-servers")}),
         "logs": sorted({(lg["name"], lg["level"], by_id.get(lg["task_run_id"]), n(lg["message"])) for lg in logs}),
@@ -198,7 +207,8 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
     """The same re-attach through the flow's path (FLEET_QUICK_UP=0) and the quick one, each to the job's
     end, on one Prefect server: the same flow run (name, state, message, parameters, tags, version), task
     runs (names, states, keys, retry policy, messages), artifacts (keys, types, task, description, text;
-    the progress artifact at 100), log lines; the quick command imports no Prefect, prints what
+    the progress artifact at 100; the per-server tables' versions by their descriptions, as many as the
+    polls made), log lines (as a set: the progress lines are as many as the polls); the quick command imports no Prefect, prints what
     `fleet generate` prints, and the node lock is back."""
     cfg, path = _cfg(tmp_path, "qgeq")
     out_a, out_b = tmp_path / "a" / "out", tmp_path / "b" / "out"
@@ -239,7 +249,7 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
                     for g, w in zip(got[what], want[what]):
                         assert g == w, (what, _diff(g, w))
                 assert got[what] == want[what], (what, _diff(got[what], want[what]))
-            assert any(a[0] == "qgeq-local-generate-progress" and a[4] == 100.0 for a in got["artifacts"])
+            assert any(a[0] == "qgeq-local-generate-progress" and a[4] is True for a in got["artifacts"])
             from tasks.locks import lock_names, record_name
 
             for name in lock_names(cfg):
@@ -247,3 +257,133 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
                 assert api.get(f"variables/name/{record_name(name)}").status_code == 404
     finally:
         stop_all(cfg)
+
+
+def _reattached(tmp_path: Path, cfg: FleetConfig, path: Path, out: Path, name: str, **env: str) -> tuple[Gen, int]:
+    """A frozen job, and a `fleet generate` that has re-attached to its runner."""
+    runner = frozen_job(tmp_path, cfg, path, out, f"start-{name}.log")
+    cmd = Gen(tmp_path, path, out, f"{name}.log", **env)
+    cmd.wait_for("re-attached to runner pid")
+    return cmd, runner
+
+
+@pytest.mark.timeout(900)
+def test_a_job_that_fails_while_followed_ends_the_run_failed_as_the_flow_does(tmp_path: Path) -> None:
+    """The runner killed (SIGKILL) while each path follows it: both commands exit 1 with the same
+    `FAILED:` line; both runs end Failed with the same message, the same cause tag and the same
+    `generate` task run (Failed, its message), stage artifact (FAILED) and log lines."""
+    from fleet.jobs import job_dir
+
+    cfg, path = _cfg(tmp_path, "qgfail")
+    out_a, out_b = tmp_path / "a" / "out", tmp_path / "b" / "out"
+    subs = {str(out_b): str(out_a), job_dir(cfg.nodes[0], cfg, str(out_b)): job_dir(cfg.nodes[0], cfg, str(out_a))}
+    said = {}
+    try:
+        for out, name, env in ((out_a, "flow", {"FLEET_QUICK_UP": "0"}), (out_b, "quick", {})):
+            cmd, runner = _reattached(tmp_path, cfg, path, out, name, **env)
+            os.kill(runner, signal.SIGKILL)
+            assert cmd.finish() == 1, cmd.text()[-4000:]
+            assert cmd.imported_prefect == (name == "flow"), cmd.text()[-4000:]
+            text = cmd.text()
+            for a, b in subs.items():
+                text = text.replace(a, b)
+            said[name] = [_norm(ln) for ln in text.splitlines() if ln.startswith("fleet generate: FAILED: ")]
+        assert said["quick"] == said["flow"] and len(said["flow"]) == 1, said
+        assert "died without a final state" in said["flow"][0], said
+        with _api() as api:
+            runs = _runs(api, "generate-qgfail")
+            assert [r["state_name"] for r in runs] == ["Crashed", "Failed", "Crashed", "Failed"], \
+                [(r["state_name"], r["state"]["message"]) for r in runs]
+            for r in (runs[1], runs[3]):
+                wait_until(lambda r=r: _finished_logged(api, r["id"]), timeout=60, what=f"{r['name']}'s last line")
+                wait_until(lambda r=r: any(t.startswith("failed: ") for t in api.get(f"flow_runs/{r['id']}").json()["tags"]),
+                           timeout=60, what="the cause tag")
+            want, got = _records(api, api.get(f"flow_runs/{runs[1]['id']}").json(), subs), \
+                _records(api, api.get(f"flow_runs/{runs[3]['id']}").json(), subs)
+            # Prefect's own report of the task's exception carries the flow path's traceback
+            for rec in (want, got):
+                rec["logs"] = [lg for lg in rec["logs"] if not lg[3].startswith("Task run failed with exception")]
+            for what in want:
+                assert got[what] == want[what], (what, _diff(got[what], want[what]))
+    finally:
+        stop_all(cfg)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "fleet: interrupted."),
+                                              (signal.SIGHUP, 129, "fleet: stopped (SIGHUP).")])
+def test_a_stop_while_following_is_clean_and_the_next_generate_finishes_the_job(tmp_path: Path, sig: int, code: int,
+                                                                               said: str) -> None:
+    """Ctrl-C (to the group) or SIGHUP while the quick path follows: the command's clean stop (its exit
+    code, the paragraph, no traceback), the run Crashed with the stop named, the runner still running;
+    the next `fleet generate` re-attaches (quick again) and finishes with every row exactly once."""
+    from fleet.node import LocalNode
+
+    from flows.quickup import save_task_keys
+
+    cfg, path = _cfg(tmp_path, "qgstop")
+    out = tmp_path / "out"
+    save_task_keys()   # as a completed flow run of this code leaves them (flows/cli.py)
+    try:
+        cmd, runner = _reattached(tmp_path, cfg, path, out, "quick")
+        os.killpg(cmd.proc.pid, sig)
+        assert cmd.finish() == code, cmd.text()[-4000:]
+        text = cmd.text()
+        assert said in text and "Traceback" not in text and not cmd.imported_prefect, text[-4000:]
+        para = text[text.index(said):]
+        assert "the same `fleet generate` command again" in para or code == 129, para
+        assert LocalNode().is_alive(runner)   # the job goes on without the command
+        with _api() as api:
+            runs = _runs(api, "generate-qgstop")
+            assert runs[-1]["state_name"] == "Crashed", runs[-1]
+            assert runs[-1]["state"]["message"].startswith(said.removeprefix("fleet: ").rstrip(".")), runs[-1]
+        again = Gen(tmp_path, path, out, "again.log")
+        again.wait_for("re-attached to runner pid")
+        os.kill(runner, signal.SIGCONT)
+        assert again.finish() == 0, again.text()[-4000:]
+        assert not again.imported_prefect, again.text()[-3000:]
+        ids = _rows_once(out)
+        assert sorted(ids) == sorted(f"r{i}" for i in range(ROWS)), (len(ids), len(set(ids)))
+    finally:
+        stop_all(cfg)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"nodes": 2}, "2 nodes"),
+    ({"output": "s3://bucket/out"}, "store URL"),
+    ({"input": "s3://bucket/in.jsonl"}, "store URL"),
+    ({"endpoints": True}, "[[endpoints]]"),
+    ({"env": {"FLEET_QUICK_UP": "0"}}, "FLEET_QUICK_UP=0"),
+    ({"env": {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}}, "PREFECT_API_URL is set"),
+    ({"env": {"FLEET_STORE_CREDENTIALS_BLOCK": "aws"}}, "is set"),
+    ({}, None),
+])
+def test_what_takes_the_flows_path(tmp_path: Path, change: dict[str, Any], why: str | None) -> None:
+    from blocks.credentials import STORE_BLOCK_ENVS
+    from flows.quickgen import refusal
+
+    nodes = [{"name": f"n{i}", "workdir": str(tmp_path / f"w{i}")} for i in range(change.get("nodes", 1))]
+    data: dict[str, Any] = {"name": "f", "nodes": nodes, "engine": {"kind": "sim"},
+                            "servers": {"count": change.get("count", 2), "base_port": 30000}}
+    if change.get("endpoints"):
+        data["endpoints"] = [{"name": "e", "url": "http://127.0.0.1:9/v1", "model": "m"}]
+    cfg = FleetConfig(**data)
+    env = dict(change.get("env", {}))
+    if "FLEET_STORE_CREDENTIALS_BLOCK" in env:
+        env = {STORE_BLOCK_ENVS[0]: "aws"}
+    got = refusal(cfg, change.get("input", "/data/in.jsonl"), change.get("output", "/data/out"), env, tmp_path,
+                  tmp_path)
+    assert (got is None) if why is None else (got is not None and why in got), got
+
+
+def test_no_live_runner_takes_the_flows_path_and_writes_nothing(tmp_path: Path) -> None:
+    """A job whose runner is not running (never started, or ended): start_job would start one, which is
+    the flow's to do and record; the quick path stops before it creates a flow run."""
+    from flows.quickgen import quick_generate
+    from flows.quickup import save_task_keys
+
+    cfg, _ = _cfg(tmp_path, "qgnone")
+    save_task_keys()
+    assert quick_generate(cfg, str(_rows(tmp_path)), str(tmp_path / "out"), False, environ=_env()) is None
+    with _api() as api:
+        assert _runs(api, "generate-qgnone") == []
