@@ -205,7 +205,7 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
         run.writer.shutdown(wait=True)
         gen = run.task("generate", f"generate-{cfg.nodes[0].name}", cfg=[], node_name=[], specs=[], facts=[],
                        input_path=[], output=[], retry_errors=[])
-        api.call("POST", "/task_runs/", _task_body(run, gen))
+        api.call("POST", "/task_runs/", run.task_body(gen))
         flush(run)   # the bring-up's lines, now that it is known to be adopt-only
     except (Fallback, NotAdopted, Exception) as exc:
         for undo in (lock.release, run.undo, unregister, lambda: _close(nodes), api.close):
@@ -225,17 +225,6 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
                 pass
 
 
-def _task_body(run: QuickRun, t: TaskRec) -> dict[str, Any]:
-    import uuid
-
-    from flows.quickup import TASK_POLICY
-
-    return {"id": t.id, "name": t.name, "flow_run_id": run.id, "task_key": t.key, "dynamic_key": str(uuid.uuid4()),
-            "empirical_policy": TASK_POLICY, "tags": [], "labels": {},
-            "task_inputs": {k: [{"input_type": "task_run", "id": i} for i in v] for k, v in t.inputs.items()},
-            "state": _state("RUNNING")}
-
-
 def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, str, Any]:
     """The `generate` task's follow, then the run's end: Completed, Failed as the flow fails it, or
     Cancelled when the run was cancelled; a Ctrl-C parks (the interrupt's cleanups end the process)."""
@@ -250,12 +239,12 @@ def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, 
     t0 = time.monotonic()
     try:
         res = follow(cfg, node, gen.name.removeprefix("generate-"), handle, handle.output, t0, _Records(run, gen))
-    except Stopped:
+    except Stopped as exc:
         done.set()
         if interrupted():
             park()   # Ctrl-C, SIGTERM, SIGHUP: the cleanups mark the run and end the process (130/143/129)
         if cancelled.is_set():
-            return _cancelled(run, gen)
+            return _cancelled(run, gen, exc)
         raise
     except FleetError as exc:
         done.set()
@@ -319,14 +308,14 @@ def _failed(run: QuickRun, message: str) -> None:
         pass
 
 
-def _cancelled(run: QuickRun, gen: TaskRec) -> tuple[bool, str, Any]:
-    """A Cancel: the follow gave up (the runner goes on); the run Cancelled as flows/cancel.py ends one."""
+def _cancelled(run: QuickRun, gen: TaskRec, exc: BaseException) -> tuple[bool, str, Any]:
+    """A Cancel: the follow gave up (the runner goes on). The task run ends as a worker's run's task does
+    when its wait is told to stop (it raised Stopped), the run Cancelled as flows/cancel.py ends one."""
     from flows.cancel import CANCELLED_MESSAGE
 
+    _task_failed(run, gen, exc)
     run.say(20, f"Finished in state Cancelled({CANCELLED_MESSAGE!r})")
     flush(run)
-    run.api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("CANCELLED", "asked to stop"),
-                                                            "force": True})
     run.api.call("POST", f"/flow_runs/{run.id}/set_state", {"state": _state("CANCELLED", CANCELLED_MESSAGE),
                                                             "force": False})
     return False, CANCELLED_MESSAGE, None

@@ -316,13 +316,16 @@ class QuickRun:
         # latest again), then the flow run, and its task runs with it.
         self.writes.append(self.writer.submit(self._task_run, rec))
 
+    def task_body(self, t: TaskRec) -> dict[str, Any]:
+        """A task run as the engine creates it: Running, its key, policy and inputs."""
+        return {"id": t.id, "name": t.name, "flow_run_id": self.id, "task_key": t.key,
+                "dynamic_key": str(uuid.uuid4()), "empirical_policy": TASK_POLICY, "tags": [], "labels": {},
+                "task_inputs": {k: [{"input_type": "task_run", "id": i} for i in v] for k, v in t.inputs.items()},
+                "state": _state("RUNNING")}
+
     def _task_run(self, t: TaskRec) -> None:
         # Created Running, then Completed: the run count, start and end the engine's two transitions leave.
-        self.api.call("POST", "/task_runs/", {
-            "id": t.id, "name": t.name, "flow_run_id": self.id, "task_key": t.key, "dynamic_key": str(uuid.uuid4()),
-            "empirical_policy": TASK_POLICY, "tags": [], "labels": {},
-            "task_inputs": {k: [{"input_type": "task_run", "id": i} for i in v] for k, v in t.inputs.items()},
-            "state": _state("RUNNING")})
+        self.api.call("POST", "/task_runs/", self.task_body(t))
         for art in t.artifacts:
             made = self.api.call("POST", "/artifacts/", {**art, "flow_run_id": self.id, "task_run_id": t.id})
             with self._said:

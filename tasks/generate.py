@@ -49,7 +49,10 @@ class _TaskRecords:
         # Called from sync code it returns the id (its type also covers async callers' coroutine).
         progress_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(self.cfg, *key_parts),
                                                           description=description))
-        return lambda percent: update_progress_artifact(progress_id, percent)
+
+        def move(percent: float) -> None:
+            update_progress_artifact(progress_id, percent)
+        return move
 
     def table(self, key_parts: tuple[object, ...], rows: list[dict[str, Any]], description: str) -> None:
         write_table(self.cfg, key_parts, rows, description)
