@@ -9,7 +9,8 @@ One sim fleet of `--servers` servers is brought up once (the flow: it also learn
 quick path records under); with `--generate` (default) a second sim fleet gets a job that outlasts the
 bench, started once. Then each rep runs, in an order that rotates every rep: `fleet status`, `fleet
 up` (quick), `fleet up` with FLEET_QUICK_UP=0 (the flow), and `fleet generate` until its "re-attached
-to runner" line (then Ctrl-C; the runner is detached and goes on). Per command: wall seconds, CPU
+to runner" line (then Ctrl-C; the runner is detached and goes on), quick (flows/quickgen.py) and with
+FLEET_QUICK_UP=0. Per command: wall seconds, CPU
 seconds (the command and the children it waited for; for the re-attach, its /proc stat at that line),
 the local Prefect server's CPU meanwhile, and the load average. Prints medians and each command's
 ratio to `fleet status`; `fleet down`, the runner's stop and the local server's stop at the end.
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,12 +37,17 @@ from bench_localserver import command_env, gen_config, reattach, sim_config, sta
 from flows.localserver import stop  # noqa: E402
 
 
-def _flow_up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
+def _flow(command: Any, *args: Any) -> dict[str, float]:
+    """The same command through the flow's engine (FLEET_QUICK_UP=0: no quick path)."""
     os.environ["FLEET_QUICK_UP"] = "0"
     try:
-        return up(cwd, home, cfg)
+        return dict(command(*args))
     finally:
         del os.environ["FLEET_QUICK_UP"]
+
+
+def _flow_up(cwd: Path, home: Path, cfg: Path) -> dict[str, float]:
+    return _flow(up, cwd, home, cfg)
 
 
 def main() -> None:
@@ -60,6 +67,7 @@ def main() -> None:
                 "up (flow)": lambda: _flow_up(ROOT, home, cfg)}
     if gcfg and rows:
         commands["generate re-attach"] = lambda: reattach(ROOT, home, gcfg, rows, d / "out")
+        commands["generate re-attach (flow)"] = lambda: _flow(reattach, ROOT, home, gcfg, rows, d / "out")
     res: dict[str, list[dict[str, float]]] = {k: [] for k in commands}
     try:
         print(f"warm-up (the flow launches): {json.dumps(_flow_up(ROOT, home, cfg))}", flush=True)
@@ -85,7 +93,7 @@ def main() -> None:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in res[name])
 
-    wall_key = {"generate re-attach": "attached_s"}
+    wall_key = {"generate re-attach": "attached_s", "generate re-attach (flow)": "attached_s"}
     base_wall, base_cpu = med("status", "wall_s"), med("status", "cpu_s")
     print(f"\n{args.reps} reps, order rotated each rep; {args.servers} sim servers; {os.cpu_count()} CPUs; "
           f"load (1 min) {min(r['load'] for r in res['up (quick)']):.1f}–{max(r['load'] for r in res['up (quick)']):.1f}"

@@ -455,9 +455,10 @@ NOT_CONFIG_ENV: dict[str, str] = {
     "FLEET_TEST_SLOWDOWN": "factor the test suite's deadlines are multiplied by (tests/harness.py; default measured)",
     "FLEET_TEST_SLOWDOWN_MEASURED": "the factor the test suite measured at its start (tests/harness.py; set by it)",
     "FLEET_TEST_MYPY": "0: `./dev.sh test` skips its type check step (dev.sh)",
-    "FLEET_QUICK_UP": "0: `fleet up` always runs the flow in Prefect's engine, never the adopt-only quick path "
-                      "(flows/quickup.py; default 1)",
-    "FLEET_QUICK_UP_DEBUG": "1: `fleet up` says on stderr why it left the adopt-only quick path (flows/quickup.py)",
+    "FLEET_QUICK_UP": "0: `fleet up` and `fleet generate` always run the flow in Prefect's engine, never the "
+                      "quick path (flows/quickup.py, flows/quickgen.py; default 1)",
+    "FLEET_QUICK_UP_DEBUG": "1: `fleet up` and `fleet generate` say on stderr why they left the quick path "
+                            "(flows/quickup.py, flows/quickgen.py)",
     "FLEET_PREFECT_SERVER_IDLE_S": "idle seconds before the shared local Prefect server stops (flows/localserver.py)",
     "FLEET_PREFECT_PORT": "the port of the shared local Prefect server, int 1024-65535 (flows/localserver.py)",
     "FLEET_PREFECT_PORTS": "ports the shared local Prefect server may use, lo-hi within 1024-65535, the first free "

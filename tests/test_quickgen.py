@@ -355,7 +355,7 @@ def test_a_stop_while_following_is_clean_and_the_next_generate_finishes_the_job(
     ({"endpoints": True}, "[[endpoints]]"),
     ({"env": {"FLEET_QUICK_UP": "0"}}, "FLEET_QUICK_UP=0"),
     ({"env": {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}}, "PREFECT_API_URL is set"),
-    ({"env": {"FLEET_STORE_CREDENTIALS_BLOCK": "aws"}}, "is set"),
+    ({"store_block_env": True}, "is set"),
     ({}, None),
 ])
 def test_what_takes_the_flows_path(tmp_path: Path, change: dict[str, Any], why: str | None) -> None:
@@ -369,7 +369,7 @@ def test_what_takes_the_flows_path(tmp_path: Path, change: dict[str, Any], why: 
         data["endpoints"] = [{"name": "e", "url": "http://127.0.0.1:9/v1", "model": "m"}]
     cfg = FleetConfig(**data)
     env = dict(change.get("env", {}))
-    if "FLEET_STORE_CREDENTIALS_BLOCK" in env:
+    if change.get("store_block_env"):   # the store's credentials from a Prefect block
         env = {STORE_BLOCK_ENVS[0]: "aws"}
     got = refusal(cfg, change.get("input", "/data/in.jsonl"), change.get("output", "/data/out"), env, tmp_path,
                   tmp_path)
