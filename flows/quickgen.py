@@ -217,6 +217,19 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
         return None
     try:
         return _follow(run, gen, nodes[cfg.nodes[0].name], handle)
+    except Exception as exc:
+        # A write the server refused (or a bug) while following a runner that still runs: this try's
+        # records are undone and the flow runs, which re-attaches to it and records it all. (Once the
+        # runner has ended, the flow would start another: the error is raised instead.)
+        if runner() is None:
+            raise
+        for undo in (run.undo, unregister):
+            try:
+                undo()
+            except Exception:
+                pass
+        _debug(environ, exc)
+        return None
     finally:
         for end in (unregister, lambda: _close(nodes), api.close):
             try:
@@ -227,37 +240,37 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
 
 def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, str, Any]:
     """The `generate` task's follow, then the run's end: Completed, Failed as the flow fails it, or
-    Cancelled when the run was cancelled; a Ctrl-C parks (the interrupt's cleanups end the process)."""
+    Cancelled when the run was cancelled; a Ctrl-C parks (the interrupt's cleanups end the process).
+    A record it could not write raises (the caller undoes the try)."""
     from fleet.errors import FleetError, InputChanged, JobConflict, Stopped
     from fleet.generation.job.follow import follow
     from fleet.interrupt import interrupted, park
 
-    cfg, api = run.cfg, run.api
     cancelled, done = threading.Event(), threading.Event()
     threading.Thread(target=_cancel_watch, args=(run, cancelled, done), name="fleet-cancel-watch",
                      daemon=True).start()
     t0 = time.monotonic()
     try:
-        res = follow(cfg, node, gen.name.removeprefix("generate-"), handle, handle.output, t0, _Records(run, gen))
+        res = follow(run.cfg, node, gen.name.removeprefix("generate-"), handle, handle.output, t0,
+                     _Records(run, gen))
     except Stopped as exc:
-        done.set()
         if interrupted():
             park()   # Ctrl-C, SIGTERM, SIGHUP: the cleanups mark the run and end the process (130/143/129)
         if cancelled.is_set():
             return _cancelled(run, gen, exc)
         raise
-    except FleetError as exc:
-        done.set()
+    except FleetError as exc:   # the job failed (its cause and remedy): the run fails as the flow fails it
         data: Any = {"conflict": True} if isinstance(exc, JobConflict) else \
             {"could_not_run": True} if isinstance(exc, InputChanged) else None
-        message = f"generation: {exc.one_line()}"
+        failure = f"generation: {exc.one_line()}"
         _task_failed(run, gen, exc)
-        _failed(run, message)
-        return False, message, data
-    done.set()
+        _failed(run, failure)
+        return False, failure, data
+    finally:
+        done.set()
     run.say(20, "Finished in state Completed()", gen)
-    api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
-    message = res.message()
+    run.api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
+    message: str = res.message()
     completed(run, message)
     return True, message, res.as_dict()
 

@@ -421,3 +421,44 @@ def test_a_cancel_of_the_run_stops_the_follow_and_ends_it_cancelled(tmp_path: Pa
         assert LocalNode().is_alive(runner)   # the job goes on
     finally:
         stop_all(cfg)
+
+
+@pytest.mark.timeout(900)
+def test_a_write_refused_while_following_undoes_the_try_and_the_flow_takes_over(tmp_path: Path) -> None:
+    """A record the server refuses while the quick path follows a runner that still runs (its progress
+    artifact's update here): what the try wrote is undone (no flow run of it left, every key's latest
+    artifact what it was before) and `fleet generate` runs the flow, which re-attaches to the runner."""
+    import flows.quickup as quickup
+    from flows.quickgen import quick_generate
+    from flows.quickup import save_task_keys
+
+    cfg, path = _cfg(tmp_path, "qgrefuse")
+    save_task_keys()
+    out = tmp_path / "out"
+    real = quickup.Api.call
+
+    def refuse_progress(self: Any, method: str, path_: str, body: Any = None, ok: tuple[int, ...] = ()) -> Any:
+        if method == "PATCH" and path_.startswith("/artifacts/"):
+            raise quickup.ApiError(500, "refused")
+        return real(self, method, path_, body, ok)
+
+    try:
+        runner = frozen_job(tmp_path, cfg, path, out, "start.log")
+        with _api() as api:
+            before = {a["key"]: a["id"] for a in api.post("artifacts/latest/filter", json={
+                "artifacts": {"key": {"like_": "qgrefuse-"}}}).json()}
+            quickup.Api.call = refuse_progress   # type: ignore[method-assign]
+            try:
+                assert quick_generate(cfg, str(_rows(tmp_path)), str(out), False, environ=_env()) is None
+            finally:
+                quickup.Api.call = real   # type: ignore[method-assign]
+            assert [r["state_name"] for r in _runs(api, "generate-qgrefuse")] == ["Crashed"]   # the starter's
+            after = {a["key"]: a["id"] for a in api.post("artifacts/latest/filter", json={
+                "artifacts": {"key": {"like_": "qgrefuse-"}}}).json()}
+            assert after == before
+        again = Gen(tmp_path, path, out, "again.log")
+        again.wait_for("re-attached to runner pid")
+        os.kill(runner, signal.SIGCONT)
+        assert again.finish() == 0, again.text()[-4000:]
+    finally:
+        stop_all(cfg)
