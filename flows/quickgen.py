@@ -35,8 +35,8 @@ from typing import Any
 
 from fleet.config import FleetConfig
 from flows.quickup import (Api, Fallback, Line, QuickRun, TaskRec, _close, _crashed, _flow_run, _print_lines, _state,
-                           attach_running, completed, post_lines, prefect_home, refusal as up_refusal, task_keys,
-                           write_summary)
+                           attach_running, best_effort, completed, post_lines, prefect_home, task_keys, write_summary)
+from flows.quickup import refusal as up_refusal
 
 GENERATE_PARAMS = {"action": "generate", "free_ramdisk": False, "node_wait_s": 3600.0}
 CANCEL_POLL_S = 2.0   # how often the follow asks whether its run was cancelled
@@ -208,11 +208,7 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
         api.call("POST", "/task_runs/", run.task_body(gen))
         flush(run)   # the bring-up's lines, now that it is known to be adopt-only
     except (Fallback, NotAdopted, Exception) as exc:
-        for undo in (lock.release, run.undo, unregister, lambda: _close(nodes), api.close):
-            try:
-                undo()
-            except Exception:   # best effort: the flow's path next reports what is wrong with the API
-                pass
+        best_effort(lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
         _debug(environ, exc)
         return None
     try:
@@ -223,19 +219,11 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
         # runner has ended, the flow would start another: the error is raised instead.)
         if runner() is None:
             raise
-        for undo in (run.undo, unregister):
-            try:
-                undo()
-            except Exception:
-                pass
+        best_effort(run.undo, unregister)
         _debug(environ, exc)
         return None
     finally:
-        for end in (unregister, lambda: _close(nodes), api.close):
-            try:
-                end()
-            except Exception:
-                pass
+        best_effort(unregister, lambda: _close(nodes), api.close)
 
 
 def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, str, Any]:

@@ -650,21 +650,23 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
         # Nothing changed on a node; the lock, the run's states, its task runs and artifacts so far are all
         # that was written: undone (the key's previous artifact is the latest again; the task runs go with
         # their flow run).
-        for undo in (lock.release, run.undo, unregister, lambda: _close(nodes), api.close):
-            try:
-                undo()
-            except Exception:   # best effort: the flow's path next reports what is wrong with the API
-                pass
+        # best effort: the flow's path next reports what is wrong with the API
+        best_effort(lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
         if environ.get("FLEET_QUICK_UP_DEBUG"):
             print(f"fleet up: the flow's path: {exc}", file=sys.stderr)
         return None
-    for end in (run.writer.shutdown, unregister, lambda: _close(nodes), api.close):
-        try:
-            end()
-        except Exception:
-            pass
+    best_effort(run.writer.shutdown, unregister, lambda: _close(nodes), api.close)
     _print_lines(run)
     return True, [r.as_dict() for r in rows], message
+
+
+def best_effort(*steps: Callable[[], Any]) -> None:
+    """Each step in turn, whatever the one before raised (undoing a try, closing what it opened)."""
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            pass
 
 
 def _close(nodes: dict[str, Any]) -> None:

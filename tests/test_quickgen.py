@@ -208,8 +208,8 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
     end, on one Prefect server: the same flow run (name, state, message, parameters, tags, version), task
     runs (names, states, keys, retry policy, messages), artifacts (keys, types, task, description, text;
     the progress artifact at 100; the per-server tables' versions by their descriptions, as many as the
-    polls made), log lines (as a set: the progress lines are as many as the polls); the quick command imports no Prefect, prints what
-    `fleet generate` prints, and the node lock is back."""
+    polls made), log lines (as a set: the progress lines are as many as the polls); the quick command
+    imports no Prefect, prints what `fleet generate` prints, and the node lock is back."""
     cfg, path = _cfg(tmp_path, "qgeq")
     out_a, out_b = tmp_path / "a" / "out", tmp_path / "b" / "out"
     try:
@@ -296,7 +296,8 @@ def test_a_job_that_fails_while_followed_ends_the_run_failed_as_the_flow_does(tm
                 [(r["state_name"], r["state"]["message"]) for r in runs]
             for r in (runs[1], runs[3]):
                 wait_until(lambda r=r: _finished_logged(api, r["id"]), timeout=60, what=f"{r['name']}'s last line")
-                wait_until(lambda r=r: any(t.startswith("failed: ") for t in api.get(f"flow_runs/{r['id']}").json()["tags"]),
+                wait_until(lambda r=r: any(t.startswith("failed: ")
+                                           for t in api.get(f"flow_runs/{r['id']}").json()["tags"]),
                            timeout=60, what="the cause tag")
             want, got = _records(api, api.get(f"flow_runs/{runs[1]['id']}").json(), subs), \
                 _records(api, api.get(f"flow_runs/{runs[3]['id']}").json(), subs)
