@@ -19,6 +19,9 @@ that fails, a write the server refuses): nothing was changed on a node, and what
 undone — its artifacts deleted (each key's previous version is the latest again), then its flow run
 with its task runs, the lock given back — before the flow runs as always, so failures and launches
 are recorded by the one path that handles them.
+
+A `fleet generate` that re-attaches to its job's live runner runs this bring-up too, then follows the
+runner (flows/quickgen.py); the task keys learned here include the `generate` task's.
 """
 
 from __future__ import annotations
