@@ -238,11 +238,7 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
 
         subs = {str(out_b): str(out_a), job_dir(cfg.nodes[0], cfg, str(out_b)): job_dir(cfg.nodes[0], cfg, str(out_a))}
         with _api() as api:
-            runs = _runs(api, "generate-qgeq")
-            assert [r["state_name"] for r in runs] == ["Crashed", "Completed", "Crashed", "Completed"], \
-                [(r["state_name"], r["state"]["message"]) for r in runs]
-            for r in (runs[1], runs[3]):
-                wait_until(lambda r=r: _finished_logged(api, r["id"]), timeout=60, what=f"{r['name']}'s last line")
+            runs = _flow_then_quick(api, "generate-qgeq", "Completed")
             want, got = _records(api, runs[1], subs), _records(api, runs[3], subs)
             for what in want:   # one field at a time: a difference shows as itself
                 if isinstance(want[what], list):
@@ -257,6 +253,17 @@ def test_a_reattach_writes_the_records_the_flow_writes_without_importing_prefect
                 assert api.get(f"variables/name/{record_name(name)}").status_code == 404
     finally:
         stop_all(cfg)
+
+
+def _flow_then_quick(api: Any, name: str, end: str) -> list[dict[str, Any]]:
+    """The four runs of `name` (each path's frozen job's start, Crashed at its freeze, then its re-attach,
+    ended `end`), once each re-attach's last line is logged."""
+    runs = _runs(api, name)
+    assert [r["state_name"] for r in runs] == ["Crashed", end, "Crashed", end], \
+        [(r["state_name"], r["state"]["message"]) for r in runs]
+    for r in (runs[1], runs[3]):
+        wait_until(lambda r=r: _finished_logged(api, r["id"]), timeout=60, what=f"{r['name']}'s last line")
+    return runs
 
 
 def _reattached(tmp_path: Path, cfg: FleetConfig, path: Path, out: Path, name: str, **env: str) -> tuple[Gen, int]:
@@ -291,11 +298,8 @@ def test_a_job_that_fails_while_followed_ends_the_run_failed_as_the_flow_does(tm
         assert said["quick"] == said["flow"] and len(said["flow"]) == 1, said
         assert "died without a final state" in said["flow"][0], said
         with _api() as api:
-            runs = _runs(api, "generate-qgfail")
-            assert [r["state_name"] for r in runs] == ["Crashed", "Failed", "Crashed", "Failed"], \
-                [(r["state_name"], r["state"]["message"]) for r in runs]
+            runs = _flow_then_quick(api, "generate-qgfail", "Failed")
             for r in (runs[1], runs[3]):
-                wait_until(lambda r=r: _finished_logged(api, r["id"]), timeout=60, what=f"{r['name']}'s last line")
                 wait_until(lambda r=r: any(t.startswith("failed: ")
                                            for t in api.get(f"flow_runs/{r['id']}").json()["tags"]),
                            timeout=60, what="the cause tag")
