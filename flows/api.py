@@ -73,7 +73,10 @@ def run_flow(flow: Any, **params: Any) -> Any:
             return name_it()
         return name_it.format(**flow_run.parameters) if isinstance(name_it, str) else f"{flow.name}-{flow_run.id}"
 
+    from flows.cancel import watch_command_run
+
     unregister = on_interrupt("mark the flow run crashed", lambda: _mark_crashed(run_ids), order=50)
+    stop_watch = watch_command_run(run_ids)   # a Cancel from Prefect: no worker watches this run
     # Set on the flow itself for this call rather than through `with_options`, which builds a new
     # Flow and with it the parameter schema of the whole config again (≈ 0.1 s of CPU per command).
     flow.flow_run_name = named
@@ -81,6 +84,7 @@ def run_flow(flow: Any, **params: Any) -> Any:
         return flow(**params, return_state=True)
     finally:
         flow.flow_run_name = name_it
+        stop_watch()
         unregister()
 
 

@@ -52,7 +52,8 @@ def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
         save_task_keys()   # what the next adopt-only `fleet up` records its task runs under (flows/quickup.py)
     except OSError:
         pass   # not written: the next `fleet up` takes the flow's path again, nothing worse
-    data = run_data(state)  # a bug, not a failed server, raises here: its traceback shows
+    # a Cancel from Prefect ends the run Cancelled (flows/cancel.py): no rows, its message said
+    data = None if state.is_cancelled() else run_data(state)  # a bug, not a failed server, raises here
     rows = data if isinstance(data, list) else []
     print_rows(rows, SUMMARY_COLUMNS)
     return state.is_completed(), rows, state.message or ""
@@ -161,7 +162,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             save_task_keys()   # what the next re-attach records its task runs under (flows/quickgen.py)
         except OSError:
             pass
-        data = run_data(state)  # a bug raises here, with its traceback
+        # a Cancel from Prefect ends the run Cancelled (flows/cancel.py): no data, its message said
+        data = None if state.is_cancelled() else run_data(state)  # a bug raises here, with its traceback
         ok, message = state.is_completed(), state.message or ""
     if isinstance(data, dict) and (data.get("conflict") or data.get("could_not_run")):
         # another job took the directory between the check above and the start, or the job's input changed

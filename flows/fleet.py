@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from prefect import get_run_logger
 from prefect.futures import PrefectFuture, as_completed
-from prefect.states import Completed
+from prefect.states import Cancelled, Completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from fleet.config import FleetConfig
@@ -36,7 +36,7 @@ from fleet.stages import SUMMARY_COLUMNS, Launched, ModelPlace, Provisioned, Ser
 __all__ = ["SUMMARY_COLUMNS", "ServerRow", "fleet"]
 from fleet.venv import VenvResult
 from flows.alerts import announce_failure, clear_cause
-from flows.cancel import end_cancelled
+from flows.cancel import CANCELLED_MESSAGE, cancel_seen, end_cancelled
 from flows.outcome import quiet_expected_failures
 from flows.params import for_deployment, lazy_schema_flow, resolve_config, run_name
 from tasks.audit import write_not_run, write_table
@@ -329,7 +329,10 @@ def fleet(config: FleetConfig | str = FleetConfig(), action: Action = "bringup",
     quiet_expected_failures()
     clear_stop()
     try:
-        return _run(resolve_config(config), action, free_ramdisk, node_wait_s, input, output, retry_errors)
+        result = _run(resolve_config(config), action, free_ramdisk, node_wait_s, input, output, retry_errors)
+        if cancel_seen():   # a command's run cancelled from Prefect: its waits gave up (flows/cancel.py)
+            return Cancelled(message=CANCELLED_MESSAGE)
+        return result
     except BaseException as exc:
         if not isinstance(exc, Exception):
             # Prefect's Cancel (TerminationSignal from its SIGTERM handler), Ctrl-C: the engine

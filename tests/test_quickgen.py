@@ -395,29 +395,32 @@ def test_no_live_runner_takes_the_flows_path_and_writes_nothing(tmp_path: Path) 
 
 
 @pytest.mark.timeout(900)
-def test_a_cancel_of_the_run_stops_the_follow_and_ends_it_cancelled(tmp_path: Path) -> None:
-    """A Cancel from Prefect (the run set Cancelling through the API, as the UI's button does) while the
-    quick path follows: the follow stops within a poll, the run ends Cancelled with flows/cancel.py's
-    message (what a worker's run ends with), the command exits 1 saying so, no traceback, and the
-    runner keeps running. (The flow's path, for a run `fleet generate` started, kept following and
-    ended in a traceback: UnfinishedRun, the run left Cancelling.)"""
+@pytest.mark.parametrize("path_name, env", [("quick", {}), ("flow", {"FLEET_QUICK_UP": "0"})])
+def test_a_cancel_of_the_run_stops_the_follow_and_ends_it_cancelled(tmp_path: Path, path_name: str,
+                                                                    env: dict[str, str]) -> None:
+    """A Cancel from Prefect (the run set Cancelling through the API, as the UI's button does) while
+    `fleet generate` follows, on either path: the follow stops within a poll, the run ends Cancelled
+    with flows/cancel.py's message (what a worker's run ends with), the command exits 1 saying so, no
+    traceback, and the runner keeps running. Fault on the flow's path: for a run `fleet generate`
+    started, nothing watched for a Cancel: it kept following and ended in a traceback (UnfinishedRun),
+    the run left Cancelling (now flows/cancel.py `watch_command_run`)."""
     from fleet.node import LocalNode
     from flows.cancel import CANCELLED_MESSAGE
     from flows.quickup import save_task_keys
 
-    cfg, path = _cfg(tmp_path, "qgcancel")
+    cfg, path = _cfg(tmp_path, f"qgcancel{path_name}")
     save_task_keys()
     try:
-        cmd, runner = _reattached(tmp_path, cfg, path, tmp_path / "out", "quick")
+        cmd, runner = _reattached(tmp_path, cfg, path, tmp_path / "out", path_name, **env)
         with _api() as api:
-            run = _runs(api, "generate-qgcancel")[-1]
+            run = _runs(api, f"generate-qgcancel{path_name}")[-1]
             assert run["state_name"] == "Running", run
             api.post(f"flow_runs/{run['id']}/set_state", json={"state": {"type": "CANCELLING", "name": "Cancelling"},
                                                               "force": True}).raise_for_status()
             assert cmd.finish() == 1, cmd.text()[-4000:]
             text = cmd.text()
             assert f"fleet generate: FAILED: {CANCELLED_MESSAGE}" in text and "Traceback" not in text, text[-4000:]
-            assert not cmd.imported_prefect
+            assert cmd.imported_prefect == (path_name == "flow")
             ended = api.get(f"flow_runs/{run['id']}").json()
             assert ended["state_name"] == "Cancelled" and ended["state"]["message"] == CANCELLED_MESSAGE, ended
             tasks = api.post("task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
