@@ -29,10 +29,12 @@ takes Prefect's path above.
 
 from __future__ import annotations
 
+import contextvars
 import threading
+from collections.abc import Callable
 from typing import Any
 
-CANCEL_POLL_S = 2.0   # how often a command's run asks whether it was cancelled (watch_command_run)
+CANCEL_POLL_S = 2.0   # how often a command's run asks whether it was cancelled (poll_cancel: both paths)
 CANCELLED_MESSAGE = ("Flow run was cancelled: its own process stopped its waits and gave back any node lock it held; "
                      "servers and a generation runner it started keep running (README: Ctrl-C, SIGTERM and SIGHUP)")
 JOIN_S = 20.0  # the task threads' end, bounded well inside Prefect's 30 s kill grace
@@ -93,38 +95,50 @@ def cancel_seen() -> bool:
     return bool(_seen) and str(flow_run.id) in _seen
 
 
-def watch_command_run(run_ids: list[Any], every_s: float = CANCEL_POLL_S) -> Any:
-    """A run that a `fleet` command started in its own process has no worker watching it: a Cancel
-    (the UI's button, `prefect flow-run cancel`) only set it Cancelling, the command went on (a
-    generation followed to its end) and the engine then failed to finish it (UnfinishedRun, a
-    traceback, the run left Cancelling). This thread asks the server every `every_s` whether the
-    run (`run_ids[-1]`, once the run has begun) is Cancelling; if so, every wait of the process is
-    told to give up (`request_stop`: the node lock is given back as `hold_nodes` unwinds, a followed
-    runner keeps running) and the flow ends Cancelled with CANCELLED_MESSAGE. Returns the stop
-    function (call it when the run has ended)."""
-    from fleet.interrupt import request_stop
-
+def poll_cancel(is_cancelling: Callable[[], bool], on_cancel: Callable[[], None],
+                every_s: float = CANCEL_POLL_S) -> Callable[[], None]:
+    """A thread (in the caller's context: its settings name the API) that asks `is_cancelling()`
+    every `every_s` and calls `on_cancel()` once it says yes; a failed look is not a Cancel, the
+    next one looks again. Returns the function that stops it (call it when the run has ended)."""
     done = threading.Event()
 
     def watch() -> None:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            while not done.wait(every_s):
-                if not run_ids:
+        while not done.wait(every_s):
+            try:
+                if not is_cancelling():
                     continue
-                try:
-                    state = client.read_flow_run(run_ids[-1]).state
-                except Exception:   # one failed look is not a Cancel: the next one looks again
-                    continue
-                if state is not None and state.is_cancelling():
-                    _seen.add(str(run_ids[-1]))
-                    request_stop()
-                    return
+            except Exception:
+                continue
+            on_cancel()
+            return
 
-    import contextvars
-
-    # in the command's context: its settings name the API (a thread without them would reach none)
     threading.Thread(target=contextvars.copy_context().run, args=(watch,), name="fleet-cancel-watch",
                      daemon=True).start()
     return done.set
+
+
+def watch_command_run(run_ids: list[Any], every_s: float = CANCEL_POLL_S) -> Callable[[], None]:
+    """A run that a `fleet` command started in its own process has no worker watching it: a Cancel
+    (the UI's button, `prefect flow-run cancel`) only set it Cancelling, the command went on (a
+    generation followed to its end) and the engine then failed to finish it (UnfinishedRun, a
+    traceback, the run left Cancelling). This asks the server every `every_s` whether the run
+    (`run_ids[-1]`, once the run has begun) is Cancelling; if so, every wait of the process is told
+    to give up (`request_stop`: the node lock is given back as `hold_nodes` unwinds, a followed
+    runner keeps running) and the flow ends Cancelled with CANCELLED_MESSAGE. Returns the stop
+    function (call it when the run has ended). flows/quickgen.py polls the same way over REST."""
+    from fleet.interrupt import request_stop
+
+    def is_cancelling() -> bool:
+        from prefect.client.orchestration import get_client
+
+        if not run_ids:
+            return False
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run_ids[-1]).state
+        return state is not None and state.is_cancelling()
+
+    def on_cancel() -> None:
+        _seen.add(str(run_ids[-1]))
+        request_stop()
+
+    return poll_cancel(is_cancelling, on_cancel, every_s)

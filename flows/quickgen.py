@@ -39,7 +39,6 @@ from flows.quickup import (Api, Fallback, Line, QuickRun, TaskRec, _close, _cras
 from flows.quickup import refusal as up_refusal
 
 GENERATE_PARAMS = {"action": "generate", "free_ramdisk": False, "node_wait_s": 3600.0}
-CANCEL_POLL_S = 2.0   # how often the follow asks whether its run was cancelled
 
 
 def refusal(cfg: FleetConfig, input: str, output: str, environ: Mapping[str, str], cwd: Path,
@@ -119,21 +118,6 @@ def flush(run: QuickRun) -> None:
     run.posted += len(new)
     _print_lines(run, new)
     post_lines(run, new)
-
-
-def _cancel_watch(run: QuickRun, cancelled: threading.Event, done: threading.Event) -> None:
-    """A Cancel of the run (state Cancelling) asks the follow to stop (its waits check the stop flag)."""
-    from fleet.interrupt import request_stop
-
-    while not done.wait(CANCEL_POLL_S):
-        try:
-            state = run.api.call("GET", f"/flow_runs/{run.id}")["state"]
-        except Exception:   # one failed look is not a Cancel; the next one looks again
-            continue
-        if state and state.get("type") == "CANCELLING":
-            cancelled.set()
-            request_stop()
-            return
 
 
 def quick_generate(cfg: FleetConfig, input: str, output: str, retry_errors: bool,
@@ -234,9 +218,17 @@ def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, 
     from fleet.generation.job.follow import follow
     from fleet.interrupt import interrupted, park
 
-    cancelled, done = threading.Event(), threading.Event()
-    threading.Thread(target=_cancel_watch, args=(run, cancelled, done), name="fleet-cancel-watch",
-                     daemon=True).start()
+    from fleet.interrupt import request_stop
+    from flows.cancel import poll_cancel
+
+    cancelled = threading.Event()
+
+    def on_cancel() -> None:   # the run set Cancelling (the UI, the API): the follow's waits give up
+        cancelled.set()
+        request_stop()
+
+    stop_watch = poll_cancel(lambda: (run.api.call("GET", f"/flow_runs/{run.id}")["state"] or {}).get("type")
+                             == "CANCELLING", on_cancel)
     t0 = time.monotonic()
     try:
         res = follow(run.cfg, node, gen.name.removeprefix("generate-"), handle, handle.output, t0,
@@ -255,7 +247,7 @@ def _follow(run: QuickRun, gen: TaskRec, node: Any, handle: Any) -> tuple[bool, 
         _failed(run, failure)
         return False, failure, data
     finally:
-        done.set()
+        stop_watch()
     run.say(20, "Finished in state Completed()", gen)
     run.api.call("POST", f"/task_runs/{gen.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
     message: str = res.message()
