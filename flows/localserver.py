@@ -66,10 +66,13 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.errors import FleetError
 from fleet.net import tls_context
+
+if TYPE_CHECKING:
+    import asyncio
 
 DEFAULT_STARTUP_TIMEOUT_S = 90.0  # no progress for this long: stuck (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)
 LAST_BOUND_S = 900.0  # a server that progresses but never answers: given up after this long (or 10 × the above)
@@ -81,6 +84,8 @@ WATCH_EVERY_S = 1.0
 EXIT_GRACE_S = 20.0  # after the idle SIGTERM, uvicorn's graceful exit; then os._exit
 REPLAY_S = 10.0      # how long the server runs a request refused with 503 again before sending the 503
 REPLAY_PAUSE_S = (0.005, 0.2)  # the first pause between two runs of it, and the longest (doubling)
+READS = ("GET", "HEAD", "OPTIONS")  # the methods `ReplayBusy` does not queue behind the writes
+READ_POSTS = ("filter", "count", "paginate", "history", "lateness", "counts")   # POSTs that only read (…/filter)
 REMEDY = ("set PREFECT_API_URL to a running server (`prefect server start`, then "
           "PREFECT_API_URL=http://127.0.0.1:4200/api), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
 PORT_ENVS = ("FLEET_PREFECT_PORT", "FLEET_PREFECT_PORTS")
@@ -318,7 +323,7 @@ def _healthy_now(rec: Record) -> bool:
     import httpx
 
     try:
-        with httpx.Client(timeout=5, verify=tls_context()) as client:
+        with httpx.Client(timeout=5, verify=tls_context(rec.url)) as client:
             return _listening(rec.port) and client.get(f"{rec.url}/health").status_code == 200
     except httpx.HTTPError:
         return False
@@ -348,7 +353,7 @@ def _wait_healthy(rec: Record, timeout: float, log: Path, say: Callable[[str], N
     t0 = time.monotonic()
     bound = max(LAST_BOUND_S, 10 * timeout)
     mark, moved, said = progress_mark(rec.pid, log), t0, t0
-    with httpx.Client(timeout=5, verify=tls_context()) as client:
+    with httpx.Client(timeout=5, verify=tls_context(rec.url)) as client:
         while True:
             if not is_live(rec):
                 raise PrefectApiUnavailable(f"the local Prefect server exited{_exit_code(rec.pid)}: {log_tail(log)}")
@@ -456,10 +461,20 @@ class ReplayBusy:
     is (after 2 s and more): running it again here is what the client would do, minus the back-off.
     The request body is read once and given to each run; a 503 is held until the run ends (Starlette
     raises its error again after its handler sent it: that error says whether it was SQLite busy);
-    nothing of a replayed run's response is sent."""
+    nothing of a replayed run's response is sent.
+
+    Writes (POST, PUT, PATCH, DELETE) run one at a time, in the order their bodies arrived; reads
+    (GET, HEAD, OPTIONS, and the POSTs that read: `…/filter`, `…/count`) run beside them as they come. SQLite takes one writer at a time anyway, but
+    Prefect's transactions read first and then write, and two at once meet as a refusal the second
+    one gets at once (no busy wait helps a reader that must become a writer): the eight task runs
+    an adopt-only `fleet up` posts from four threads were run again 63 times in three commands,
+    ≈ a third of the server's CPU for them (bench/RESULTS.md). Queued, each runs once. No endpoint
+    of Prefect's API waits on anything but its database, so a write holds the queue for
+    milliseconds."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], budget_s: float = REPLAY_S) -> None:
         self.app, self.budget_s = app, budget_s
+        self._writes: asyncio.Lock | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         import asyncio
@@ -475,7 +490,13 @@ class ReplayBusy:
             if not msg.get("more_body"):
                 break
         gone = asyncio.ensure_future(receive())  # the next message after the body: the client's disconnect
+        queue: asyncio.Lock | None = None
         try:
+            if _writes(scope):   # one at a time, in the order they came
+                if self._writes is None:
+                    self._writes = asyncio.Lock()   # made in the server's loop, on its first write
+                await self._writes.acquire()
+                queue = self._writes
             loop = asyncio.get_running_loop()
             deadline, pause = loop.time() + self.budget_s, REPLAY_PAUSE_S[0]
             while not await self._run(scope, b"".join(body), gone, send, last=loop.time() >= deadline):
@@ -485,6 +506,8 @@ class ReplayBusy:
                 pause = min(2 * pause, REPLAY_PAUSE_S[1])
         finally:
             gone.cancel()
+            if queue is not None:
+                queue.release()
 
     async def _run(self, scope: Scope, body: bytes, gone: Awaitable[Message], send: Send, last: bool) -> bool:
         """One run of the request; False if SQLite was busy and it is to run again (nothing was sent)."""
@@ -517,6 +540,14 @@ class ReplayBusy:
         for msg in held:  # a 503 without an error (/api/ready's): not a busy database
             await send(msg)
         return True
+
+
+def _writes(scope: Scope) -> bool:
+    """Might this request write? Not a GET, nor one of the API's POSTs that read (`…/filter`, `…/count`)."""
+    method = scope.get("method")
+    if method in READS:
+        return False
+    return not (method == "POST" and str(scope.get("path", "")).rstrip("/").rsplit("/", 1)[-1] in READ_POSTS)
 
 
 def _sqlite_busy(exc: BaseException) -> bool:

@@ -260,6 +260,69 @@ def sqlalchemy_operational(orig: Exception) -> Exception:
     return sqlalchemy.exc.OperationalError("DELETE FROM variable", {}, orig)
 
 
+def test_writes_run_one_at_a_time_while_reads_run_beside_them() -> None:
+    """Fault: the writes of one command (an adopt-only `fleet up` posts its eight task runs, their
+    artifacts and states from four threads; the flow's task runner does the same) met each other in
+    SQLite: Prefect's transactions read, then write, and the second writer's upgrade is refused
+    "database is locked" at once, which `ReplayBusy` ran again — 63 runs again in three `fleet up`s
+    (mostly POST /task_runs/), about a third of the server's CPU for the command, and task runs that
+    took 0.4–0.9 s to create. Now the wrapper runs one write (POST, PUT, PATCH, DELETE) at a time, in
+    the order they came, and never queues a read (a GET, a POST …/filter) behind them. Eight POSTs,
+    three GETs and two POST …/filter go to one wrapper at once: no two writes are ever inside the app
+    together, every request is answered, and the five reads are inside it together (each waits until
+    all five are: queued, they never would be)."""
+    import asyncio
+
+    from flows.localserver import ReplayBusy
+
+    inside = {"writes": 0, "most": 0, "reads": 0}
+    order: list[int] = []
+    all_reads = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if scope["method"] == "GET" or scope["path"].endswith("/filter"):
+            inside["reads"] += 1
+            await asyncio.wait_for(all_reads.wait(), 30) if inside["reads"] < 5 else all_reads.set()
+        else:
+            inside["writes"] += 1
+            inside["most"] = max(inside["most"], inside["writes"])
+            for _ in range(5):   # a write's awaits (the database's thread): where another would step in
+                await asyncio.sleep(0)
+            order.append(int(scope["path"].rsplit("/", 1)[1]))
+            inside["writes"] -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def one(wrapper: ReplayBusy, method: str, n: int | str) -> int:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+        never = asyncio.Event()   # the client stays
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: Any) -> None:
+            sent.append(dict(msg))
+
+        await wrapper({"type": "http", "method": method, "path": f"/api/x/{n}", "headers": []}, receive, send)
+        return int(sent[0]["status"])
+
+    async def go() -> list[int]:
+        wrapper = ReplayBusy(app)
+        return await asyncio.gather(*[one(wrapper, "POST", n) for n in range(8)],
+                                    *[one(wrapper, "GET", n) for n in range(3)],
+                                    *[one(wrapper, "POST", f"{n}/filter") for n in range(2)])
+
+    statuses = asyncio.run(go())
+    assert statuses == [200] * 13
+    assert inside["most"] == 1, f"{inside['most']} writes were inside the app at once"
+    assert order == list(range(8)), f"writes ran out of the order they came: {order}"
+
+
 def test_a_record_delete_refused_by_a_locked_database_is_not_backed_off(home: Path) -> None:
     """Protects against the 2 s stall of a flow command in about half the runs on an idle machine:
     the node lock's holder-record DELETE (tasks/locks.py) met the server's SQLite database locked by
