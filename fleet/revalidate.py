@@ -105,7 +105,7 @@ def read_log(node: Node, path: str) -> str:
 def _health(url: str, path: str, api_key: str | None, timeout: float) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(url + path, headers=headers, timeout=timeout, verify=tls_context())
+        r = httpx.get(url + path, headers=headers, timeout=timeout, verify=tls_context(url))
     except httpx.TimeoutException:
         return f"timeout after {timeout:g} s"
     except httpx.HTTPError as exc:

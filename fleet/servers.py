@@ -335,7 +335,7 @@ def wait_ready(node: Node, cfg: FleetConfig, spec: ServerSpec, pid: int, *,
     deadline = t0 + (timeout or cfg.servers.ready_timeout_s)
     text = ""
     last_http = "no answer yet"
-    with httpx.Client(timeout=5.0, headers=headers, verify=tls_context()) as client:
+    with httpx.Client(timeout=5.0, headers=headers, verify=tls_context(url)) as client:
         while True:
             check_stop(f"the readiness wait of server {spec.index} on port {spec.port}")
             state, new = node.watch(pid, paths.log, len(text.encode()))

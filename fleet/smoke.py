@@ -130,7 +130,7 @@ def smoke(url: str, model: str, cfg: SmokeConfig, *, node: str = "", index: int 
             sleep(min(left, watch_every_s))
             look()
 
-    with httpx.Client(headers=headers, verify=tls_context()) as client:
+    with httpx.Client(headers=headers, verify=tls_context(url)) as client:
         for n in range(1, cfg.attempts + 1):
             timeout = cfg.first_timeout_s if n == 1 else cfg.timeout_s
             look()
@@ -308,7 +308,7 @@ def fetch_server_info(url: str, api_key: str | None = None, timeout: float = 10.
     """What the server says of itself: SGLang's /server_info (older /get_server_info) and /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info: dict[str, Any] = {}
-    with httpx.Client(headers=headers, timeout=timeout, verify=tls_context()) as client:
+    with httpx.Client(headers=headers, timeout=timeout, verify=tls_context(url)) as client:
         for path in ("/server_info", "/get_server_info"):
             try:
                 r = client.get(url + path)

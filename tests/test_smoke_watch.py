@@ -89,12 +89,16 @@ def test_watch_reads_only_what_the_log_gained(sims) -> None:
     assert res.ok and res.completion_tokens
 
 
-def test_probes_of_many_servers_load_the_ca_bundle_once(sims, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probes_of_plain_http_servers_load_no_ca_bundle_and_https_loads_it_once(sims, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault: every HTTP client fleet made (each server's readiness poll, smoke, info fetch) built
     its own TLS context and loaded the CA bundle again, 30–50 ms of CPU each: 7 in a `fleet up` of
-    two servers, 25 with eight, though the servers speak plain HTTP. The probes now share one
-    context per process (fleet/net.py tls_context); a spy counts the contexts built."""
+    two servers, 25 with eight, though the servers speak plain HTTP. Then one per process — still
+    ≈ 65 ms of an adopt-only `fleet up` whose servers all speak plain HTTP, twice that when two
+    threads asked first at once. Now a plain-http client gets a context with no CA loaded (one that
+    would refuse every certificate), and an https one shares one context built once, however many
+    threads ask at once (fleet/net.py tls_context); a spy counts the CA contexts built."""
     import ssl
+    from concurrent.futures import ThreadPoolExecutor
 
     from fleet import net
     from fleet.smoke import fetch_server_info
@@ -108,14 +112,22 @@ def test_probes_of_many_servers_load_the_ca_bundle_once(sims, monkeypatch: pytes
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ssl, "create_default_context", counting)
-    net.tls_context.cache_clear()
+    net._default_context.cache_clear()
     try:
         for sim in servers:
+            assert sim.url.startswith("http://")
             assert smoke(sim.url, "sim-model", SmokeConfig(first_timeout_s=30, attempts=1)).ok
             fetch_server_info(sim.url)
+        assert built == []   # plain HTTP: no CA bundle read
+        unused = net.tls_context(servers[0].url)
+        assert unused.verify_mode == ssl.CERT_REQUIRED and unused.check_hostname and unused.get_ca_certs() == []
+        with ThreadPoolExecutor(8) as pool:   # eight first https callers at once
+            contexts = list(pool.map(lambda _: net.tls_context("https://example.invalid/v1"), range(8)))
+        assert len(built) == 1 and all(c is contexts[0] for c in contexts)
+        assert net.tls_context() is contexts[0]   # URLs not known: the full context too
     finally:
-        net.tls_context.cache_clear()  # the next test builds its own, unspied
-    assert len(built) == 1
+        net._default_context.cache_clear()  # the next test builds its own, unspied
+
 
 def test_cold_server_that_hangs_on_its_first_request_fails_on_no_sign_of_life_not_after_the_allowance(sims) -> None:
     """Fault (issue 23): a never-smoked server that accepts its first request and never answers

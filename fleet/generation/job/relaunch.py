@@ -74,9 +74,9 @@ def _generation_answers(ep: Endpoint, timeout: float = 20.0) -> bool:
 
     headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
     try:
-        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers, verify=tls_context())
+        r = httpx.get(ep.url + "/health_generate", timeout=timeout, headers=headers, verify=tls_context(ep.url))
         if r.status_code == 404:
-            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers, verify=tls_context())
+            r = httpx.get(ep.url + "/health", timeout=timeout, headers=headers, verify=tls_context(ep.url))
         return r.status_code == 200
     except httpx.HTTPError:
         return False
@@ -91,12 +91,12 @@ def _healthy(ep: Endpoint, timeout: float = 10.0) -> bool:
 
     headers = {"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None
     try:
-        status = httpx.get(ep.url + "/health", timeout=timeout, headers=headers, verify=tls_context()).status_code
+        status = httpx.get(ep.url + "/health", timeout=timeout, headers=headers, verify=tls_context(ep.url)).status_code
         if status >= 500 or status < 200:   # 503: starting or shutting down; 4xx: no /health here
             return False
         if status == 200 and ep.model:
             return True
-        r = httpx.get(ep.url + "/v1/models", timeout=timeout, headers=headers, verify=tls_context())
+        r = httpx.get(ep.url + "/v1/models", timeout=timeout, headers=headers, verify=tls_context(ep.url))
     except httpx.HTTPError:
         return False
     if r.status_code != 200:
