@@ -59,13 +59,14 @@ def run_bringup(cfg: FleetConfig) -> tuple[bool, list[dict[str, Any]], str]:
     return state.is_completed(), rows, state.message or ""
 def cmd_up(args: argparse.Namespace) -> int:
     from fleet.config import load_config
-    from fleet.stages import SUMMARY_COLUMNS
     from flows.quickup import quick_up
 
     cfg = load_config(args.config)
     # A fleet already up (every stage adopts) is recorded without Prefect's engine: the same records
     # at a fraction of the cost; anything else, or any doubt, runs the flow (flows/quickup.py).
     quick = quick_up(cfg)
+    from fleet.stages import SUMMARY_COLUMNS
+
     if quick is not None:
         ok, rows, message = quick
         print_rows(rows, SUMMARY_COLUMNS)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.config import FleetConfig
-from flows.quickup import (Api, Fallback, Line, QuickRun, TaskRec, _close, _crashed, _flow_run, _print_lines, _state,
+from flows.quickup import (Api, Fallback, Line, QuickRun, TaskRec, _close, _crashed, _print_lines, _state,
                            attach_running, best_effort, completed, post_lines, prefect_home, task_keys, write_summary)
 from flows.quickup import refusal as up_refusal
 
@@ -166,7 +166,7 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
     from fleet.bringup import NotAdopted
     from fleet.interrupt import on_interrupt
     from flows.api import prefect_env
-    from flows.quickup import Lock, _bringup
+    from flows.quickup import Lock, _bringup, open_run
 
     prefect_env()
     api = Api(attach_running())
@@ -174,12 +174,9 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
     lock = Lock(api, cfg, run, purpose="generate-bringup")
     unregister: Callable[[], None] = lambda: None
     try:
-        run.id = _flow_run(api, cfg, run.name, {**GENERATE_PARAMS, "input": input, "output": output,
-                                                 "retry_errors": retry_errors})
-        t0 = time.monotonic()
         unregister = on_interrupt("mark the flow run crashed", lambda: _crashed(run, lock), order=50)
-        run.say(20, f"Beginning flow run '{run.name}' for flow 'fleet'")
-        lock.take()
+        t0 = open_run(run, lock, {**GENERATE_PARAMS, "input": input, "output": output,
+                                  "retry_errors": retry_errors}).result()
         rows, up = _bringup(run, lock, nodes, t0)
         lock.release()
         handle = runner()
@@ -192,7 +189,7 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
         api.call("POST", "/task_runs/", run.task_body(gen))
         flush(run)   # the bring-up's lines, now that it is known to be adopt-only
     except (Fallback, NotAdopted, Exception) as exc:
-        best_effort(lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
+        best_effort(run.opened, lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
         _debug(environ, exc)
         return None
     try:

@@ -35,15 +35,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.artifacts import artifact_key, redact_text, run_markdown, stage_description, stage_markdown, stamp, \
     table_rows
 from fleet.config import FleetConfig
-from fleet.stages import ServerRow, StageOutcome
+
+if TYPE_CHECKING:   # imported where used: the stages' modules (httpx among them) load while the run opens
+    from fleet.stages import ServerRow, StageOutcome
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW_FILE = ROOT / "flows" / "fleet.py"
@@ -271,7 +274,8 @@ class QuickRun:
         self.posted = 0   # run.lines[:posted] are sent
         self.tasks: list[TaskRec] = []
         self.artifacts: list[dict[str, Any]] = []
-        from concurrent.futures import Future, ThreadPoolExecutor
+        self.opening: Future[float] | None = None   # `open_run`'s
+        from concurrent.futures import ThreadPoolExecutor
 
         self.writer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fleet-quick-api")
         self.writes: list[Future[None]] = []
@@ -334,6 +338,14 @@ class QuickRun:
             with self._said:
                 self.artifact_ids.append(str(made["id"]))
         self.api.call("POST", f"/task_runs/{t.id}/set_state", {"state": _state("COMPLETED", ""), "force": False})
+
+    def opened(self) -> None:
+        """`open_run` has ended, however it ended: nothing of it is still to come (a lock being taken)."""
+        if self.opening is not None:
+            try:
+                self.opening.result()
+            except Exception:
+                pass
 
     def undo(self) -> None:
         """What a fallback leaves: nothing (the lock is the caller's)."""
@@ -477,6 +489,7 @@ def _bringup(run: QuickRun, lock: Lock, nodes: dict[str, Any], t0: float) -> tup
     from fleet import bringup as steps
     from fleet.servers import plan_servers
     from fleet.smoke import compare_kv
+    from fleet.stages import ServerRow
 
     cfg = run.cfg
     run.say(20, f"{lock.purpose}: holding {', '.join(lock.names)}")
@@ -559,6 +572,23 @@ def prefect_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
+def open_run(run: QuickRun, lock: Lock, params: Mapping[str, Any] = FLOW_PARAMS) -> Future[float]:
+    """The flow run created (then Running) and the node lock taken, on one of the run's writer threads:
+    six calls the server answers on the other core while the command imports the stages' modules and
+    connects to its nodes (≈ 0.1 s of a 1.3 s command). Its result: when the flow's clock starts
+    (flows/fleet.py `_run`: in its run). A failure and a fallback wait for it (`QuickRun.opened`)
+    before giving the lock back; so does a Ctrl-C's crash mark."""
+    def opening() -> float:
+        run.id = _flow_run(run.api, run.cfg, run.name, params)
+        began = time.monotonic()
+        run.say(20, f"Beginning flow run '{run.name}' for flow 'fleet'")
+        lock.take()
+        return began
+
+    run.opening = run.writer.submit(opening)
+    return run.opening
+
+
 def _flow_run(api: Api, cfg: FleetConfig, name: str, params: Mapping[str, Any] = FLOW_PARAMS) -> str:
     """Create the run as Prefect's engine does (flow `fleet`, its version, every parameter), then Running."""
     flow = api.call("POST", "/flows/", {"name": "fleet"})
@@ -638,13 +668,12 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
     t0 = time.monotonic()
     unregister: Callable[[], None] = lambda: None
     try:
-        run.id = _flow_run(api, cfg, run.name)
-        t0 = time.monotonic()   # the flow's clock starts in its run (flows/fleet.py `_run`)
         unregister = on_interrupt("mark the flow run crashed", lambda: _crashed(run, lock), order=50)
-        run.say(20, f"Beginning flow run '{run.name}' for flow 'fleet'")
-        lock.take()
+        opening = open_run(run, lock)
+        import fleet.bringup  # noqa: F401  (the stages' modules, while the run opens)
         for n in cfg.nodes:
             nodes[n.name] = connect(n)
+        t0 = opening.result()
         rows, up = _bringup(run, lock, nodes, t0)
         lock.release()
         # a write the server refused (or a bug) before the run's end: undone below, and the flow runs
@@ -654,7 +683,7 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
         # that was written: undone (the key's previous artifact is the latest again; the task runs go with
         # their flow run).
         # best effort: the flow's path next reports what is wrong with the API
-        best_effort(lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
+        best_effort(run.opened, lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
         if environ.get("FLEET_QUICK_UP_DEBUG"):
             print(f"fleet up: the flow's path: {exc}", file=sys.stderr)
         return None
@@ -685,10 +714,13 @@ def _crashed(run: QuickRun, lock: Lock) -> None:
     """Ctrl-C, SIGTERM, SIGHUP: the slot back, the run marked as flows/api.py marks one."""
     from fleet.interrupt import stopped_by
 
+    run.opened()   # a run still being created, a lock still being taken: marked and given back, not left
     try:
         lock.release()
     finally:
         how = stopped_by() or "interrupted"
+        if run.id is None:
+            return   # the run was never created: nothing to mark
         run.api.call("POST", f"/flow_runs/{run.id}/set_state",
                      {"state": _state("CRASHED", f"{how} (the command; detached servers and runners keep running)"),
                       "force": True})
