@@ -116,9 +116,11 @@ def test_an_adopt_only_fleet_up_writes_the_records_the_flow_writes(tmp_path: Pat
 
             def finished_logged(run: dict[str, Any]) -> bool:
                 """The run's last log line is in: the flow's log worker sends its lines in batches, after the
-                run (a loaded fresh-clone run compared before its "Finished in state" line had arrived)."""
+                run (a loaded fresh-clone run compared before its "Finished in state" line had arrived). The
+                flow run's own line, not a task's: each task run logs one too, and a run of the suite beside
+                other tests compared once a task's had arrived, before the run's last three lines."""
                 logs = api.post("logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}}).json()
-                return any(lg["message"].startswith("Finished in state") for lg in logs)
+                return any(lg["message"].startswith("Finished in state") and lg["task_run_id"] is None for lg in logs)
 
             for r in runs[1:]:
                 wait_until(lambda: finished_logged(r), timeout=60, what=f"{r['name']}'s last log line")
