@@ -163,10 +163,9 @@ def _debug(environ: Mapping[str, str], why: object) -> None:
 
 def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: Callable[[], Any], input: str,
          output: str, retry_errors: bool, environ: Mapping[str, str]) -> tuple[bool, str, Any] | None:
-    from fleet.bringup import NotAdopted
     from fleet.interrupt import on_interrupt
     from flows.api import prefect_env
-    from flows.quickup import Lock, _bringup, open_run
+    from flows.quickup import Lock, _bringup, open_run, warm_imports
 
     prefect_env()
     api = Api(attach_running())
@@ -175,8 +174,10 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
     unregister: Callable[[], None] = lambda: None
     try:
         unregister = on_interrupt("mark the flow run crashed", lambda: _crashed(run, lock), order=50)
-        t0 = open_run(run, lock, {**GENERATE_PARAMS, "input": input, "output": output,
-                                  "retry_errors": retry_errors}).result()
+        opening = open_run(run, lock, {**GENERATE_PARAMS, "input": input, "output": output,
+                                       "retry_errors": retry_errors})
+        warm_imports()
+        t0 = opening.result()
         rows, up = _bringup(run, lock, nodes, t0)
         lock.release()
         handle = runner()
@@ -188,7 +189,7 @@ def _run(cfg: FleetConfig, keys: dict[str, str], nodes: dict[str, Any], runner: 
                        input_path=[], output=[], retry_errors=[])
         api.call("POST", "/task_runs/", run.task_body(gen))
         flush(run)   # the bring-up's lines, now that it is known to be adopt-only
-    except (Fallback, NotAdopted, Exception) as exc:
+    except Exception as exc:   # Fallback; NotAdopted (a stage with work to do); a write refused; a bug
         best_effort(run.opened, lock.release, run.undo, unregister, lambda: _close(nodes), api.close)
         _debug(environ, exc)
         return None

@@ -589,6 +589,15 @@ def open_run(run: QuickRun, lock: Lock, params: Mapping[str, Any] = FLOW_PARAMS)
     return run.opening
 
 
+def warm_imports() -> None:
+    """What the stages import, loaded while the run opens (`open_run`): their modules (httpx among them)
+    and the HTTP transport httpx loads at its first client (httpcore, ≈ 0.13 s of CPU), which the first
+    readiness poll imported with every server's stage thread waiting on it."""
+    import httpcore  # noqa: F401
+
+    import fleet.bringup  # noqa: F401
+
+
 def _flow_run(api: Api, cfg: FleetConfig, name: str, params: Mapping[str, Any] = FLOW_PARAMS) -> str:
     """Create the run as Prefect's engine does (flow `fleet`, its version, every parameter), then Running."""
     flow = api.call("POST", "/flows/", {"name": "fleet"})
@@ -655,7 +664,6 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
     keys = task_keys()
     if keys is None:   # learned from the flow's path (save_task_keys), once per version of the task code
         return None
-    from fleet.bringup import NotAdopted
     from fleet.interrupt import on_interrupt
     from fleet.node import connect
     from flows.api import prefect_env
@@ -670,7 +678,7 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
     try:
         unregister = on_interrupt("mark the flow run crashed", lambda: _crashed(run, lock), order=50)
         opening = open_run(run, lock)
-        import fleet.bringup  # noqa: F401  (the stages' modules, while the run opens)
+        warm_imports()
         for n in cfg.nodes:
             nodes[n.name] = connect(n)
         t0 = opening.result()
@@ -678,7 +686,7 @@ def quick_up(cfg: FleetConfig, environ: Mapping[str, str] = os.environ) -> tuple
         lock.release()
         # a write the server refused (or a bug) before the run's end: undone below, and the flow runs
         message = _commit(run, rows, up, t0)
-    except (Fallback, NotAdopted, Exception) as exc:
+    except Exception as exc:   # Fallback; NotAdopted (a stage with work to do); a write refused; a bug
         # Nothing changed on a node; the lock, the run's states, its task runs and artifacts so far are all
         # that was written: undone (the key's previous artifact is the latest again; the task runs go with
         # their flow run).
