@@ -21,12 +21,12 @@ from fleet.errors import FleetError, NodeUnreachable, PreflightFailed
 from fleet.jobs import JobProof, job_proof
 from fleet.node import Node
 from fleet.preflight import gather
-from fleet.servers import (adoptable, excerpt, launch, read_record, record_smoke, retire_unplanned, server_paths,
+from fleet.servers import (adopted, excerpt, launch, read_record, record_smoke, retire_unplanned, server_paths,
                            wait_ready)
 from fleet.smoke import ServerWatch, fetch_server_info, max_running_requests, smoke
 from fleet.stages import Launched, ModelPlace, Provisioned, Smoked
 from fleet.staging import NotStaged, stage_model
-from fleet.venv import VenvResult, ensure_venv, venv_adoptable
+from fleet.venv import VenvResult, adopted_venv, ensure_venv
 
 
 class NotAdopted(Exception):
@@ -59,9 +59,10 @@ def venv_body(node: Node, cfg: FleetConfig, node_name: str, provisioned: Provisi
     """Create or adopt the engine venv on local disk; time the engine import."""
     node_cfg = cfg.node(node_name)
     module = cfg.engine.import_check or get_profile(cfg.engine.kind).default_import
-    if adopt_only and (provisioned.venv_network_fs or not venv_adoptable(node, cfg, module)):
+    found = None if not adopt_only or provisioned.venv_network_fs else adopted_venv(node, cfg, node_cfg, module)
+    if adopt_only and found is None:
         raise NotAdopted(f"venv {node_name}: to build")
-    res = ensure_venv(node, cfg, node_cfg, module, network_fs=provisioned.venv_network_fs)
+    res = found or ensure_venv(node, cfg, node_cfg, module, network_fs=provisioned.venv_network_fs)
     if res.slow_import:
         logger.warning("import of %s took %.1f s (> %.0f s): is the venv on a slow disk?",
                        module, res.import_seconds, cfg.venv.slow_import_s)
@@ -98,11 +99,10 @@ def retire_body(node: Node, cfg: FleetConfig, node_name: str, planned: list[int]
 
 def launch_body(node: Node, cfg: FleetConfig, spec: ServerSpec, adopt_only: bool = False) -> tuple[Launched, str | None]:
     """Start (or adopt) one server and wait until it is ready."""
-    if adopt_only and not adoptable(node, cfg, spec):
+    found = adopted(node, cfg, spec) if adopt_only else None
+    if adopt_only and found is None:
         raise NotAdopted(f"launch {spec.node} server {spec.index}: to start or replace")
-    started = launch(node, cfg, spec)
-    if adopt_only and not started.adopted:
-        raise NotAdopted(f"launch {spec.node} server {spec.index}: started")
+    started = found or launch(node, cfg, spec)
     ready = wait_ready(node, cfg, spec, started.pid)
     return Launched(started, ready), ready.log_excerpt
 

@@ -227,12 +227,45 @@ def _same_launch(record: dict[str, Any], key: str, spec: ServerSpec) -> bool:
     return record.get("hash") == key and _record_port(record) == spec.port
 
 
-def adoptable(node: Node, cfg: FleetConfig, spec: ServerSpec) -> bool:
-    """Would `launch` adopt a live server for `spec` (the same check, nothing changed)?"""
+@dataclass
+class _Slot:
+    """What `launch` reads of a server's slot before it decides: its record and live pid, and the command
+    it would start now (its hash is what the record must say for the live server to be adopted)."""
+
+    record: dict[str, Any]
+    pid: int | None
+    argv: list[str]
+    env: dict[str, str]
+    key: str
+    shown: str
+    secrets: list[str | None]
+
+
+def _slot(node: Node, cfg: FleetConfig, spec: ServerSpec) -> _Slot:
+    ensure_workdir(node, spec.workdir, create=False)   # checked once per node; never trust another's records
+    profile = get_profile(cfg.engine.kind)
+    argv = [str(a) for a in profile.argv(cfg, spec)]
+    env = dict(profile.env(cfg, spec))
+    secrets = [spec.api_key, *cfg.secrets()]
     record = read_record(node, server_paths(spec.workdir, cfg.name, spec.index))
-    if not _same_launch(record, _launch_key(cfg, spec), spec):
-        return False
-    return recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index}) is not None
+    pid = recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index})
+    return _Slot(record, pid, argv, env, launch_hash(argv, env), describe(redact(argv, secrets)), secrets)
+
+
+def _adoption(cfg: FleetConfig, spec: ServerSpec, slot: _Slot, t0: float) -> LaunchResult | None:
+    if slot.pid is None or not _same_launch(slot.record, slot.key, spec):
+        return None
+    return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), slot.pid, True, None, slot.shown,
+                        server_paths(spec.workdir, cfg.name, spec.index).log, time.monotonic() - t0)
+
+
+def adopted(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult | None:
+    """What `launch` returns when it adopts: the live server of this slot started with this very spec;
+    None where `launch` would start or replace one. It only reads (the adopt-only bring-up's launch:
+    one look at the slot, where asking `launch` after a check looked twice — three node round trips
+    per server, each an SSH exchange on a remote node)."""
+    t0 = time.monotonic()
+    return _adoption(cfg, spec, _slot(node, cfg, spec), t0)
 
 
 def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
@@ -244,20 +277,15 @@ def launch(node: Node, cfg: FleetConfig, spec: ServerSpec) -> LaunchResult:
     t0 = time.monotonic()
     ensure_workdir(node, spec.workdir)
     profile = get_profile(cfg.engine.kind)
-    argv = [str(a) for a in profile.argv(cfg, spec)]
-    env = dict(profile.env(cfg, spec))
-    key = launch_hash(argv, env)
     paths = server_paths(spec.workdir, cfg.name, spec.index)
-    secrets = [spec.api_key, *cfg.secrets()]
-    shown = describe(redact(argv, secrets))
-
-    record = read_record(node, paths)
-    pid = recorded_pid(node, spec.workdir, cfg.name, record | {"index": spec.index})
+    slot = _slot(node, cfg, spec)
+    found = _adoption(cfg, spec, slot, t0)
+    if found is not None:
+        return found
+    argv, env, key, shown, secrets, record, pid = (slot.argv, slot.env, slot.key, slot.shown, slot.secrets,
+                                                  slot.record, slot.pid)
     replaced = replaced_port = None
     if pid is not None:
-        if _same_launch(record, key, spec):
-            return LaunchResult(spec.node, spec.index, spec.port, list(spec.gpus), pid, True, None, shown,
-                                paths.log, time.monotonic() - t0)
         # Same slot, different spec (config changed): replace it rather than run two on one GPU —
         # unless a generation job is using it: pulling a server from under a live runner makes the
         # two fight over the slot (the runner relaunches its own spec).

@@ -96,21 +96,31 @@ def time_import(node: Node, python: str, module: str) -> float:
         return -1.0
 
 
-def venv_adoptable(node: Node, cfg: FleetConfig, import_module: str) -> bool:
-    """Would `ensure_venv` adopt what is there (nothing built, nothing removed)?"""
+def adopted_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_module: str) -> VenvResult | None:
+    """What `ensure_venv` returns when it adopts the venv in place — its stamp matches this request (or
+    venv.use_existing and its python exists) — with the engine's import timed; None where it would build
+    (or refuse). One look at the stamp: the adopt-only bring-up asked whether the venv was adoptable,
+    then `ensure_venv` looked again (two more node round trips, each an SSH exchange on a remote node)."""
+    t0 = time.monotonic()
     path = cfg.venv.path.rstrip("/")
-    if cfg.venv.use_existing:
-        return node.exists(f"{path}/bin/python")
-    return _stamp_matches(node, path, request_hash(request_of(cfg, import_module)))
-
-
-def _stamp_matches(node: Node, path: str, key: str) -> bool:
-    stamp = node.read_text(f"{path}/{STAMP}")
-    try:
-        old = json.loads(stamp) if stamp else {}
-    except json.JSONDecodeError:
-        old = {}
-    return isinstance(old, dict) and old.get("hash") == key and node.exists(f"{path}/bin/python")
+    python = f"{path}/bin/python"
+    req = request_of(cfg, import_module)
+    key = request_hash(req)
+    uv: str | None = None
+    if not cfg.venv.use_existing:
+        stamp = node.read_text(f"{path}/{STAMP}")
+        try:
+            old = json.loads(stamp) if stamp else {}
+        except json.JSONDecodeError:
+            old = {}
+        if not isinstance(old, dict) or old.get("hash") != key:
+            return None
+        uv = old.get("uv")
+    if not node.exists(python):
+        return None
+    secs = time_import(node, python, import_module)
+    return VenvResult(node_cfg.name, path, python, True, key, req["packages"], import_module, secs,
+                      secs > cfg.venv.slow_import_s, uv, time.monotonic() - t0)
 
 
 def ensure_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_module: str,
@@ -123,26 +133,19 @@ def ensure_venv(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, import_modul
     key = request_hash(req)
 
     if cfg.venv.use_existing:
-        if not node.exists(python):
+        found = adopted_venv(node, cfg, node_cfg, import_module)
+        if found is None:
             raise PreflightFailed(f"venv.use_existing is set but {python} does not exist", host=node.host,
                                   remedy="create the venv there, or set venv.use_existing = false to let fleet build it")
-        secs = time_import(node, python, import_module)
-        return VenvResult(node_cfg.name, path, python, True, key, req["packages"], import_module, secs,
-                          secs > cfg.venv.slow_import_s, None, time.monotonic() - t0)
+        return found
 
     if network_fs:
         raise PreflightFailed(f"venv path {path} is on a network filesystem", host=node.host,
                               remedy="set venv.path to a local disk (e.g. /opt/fleet/venv)")
 
-    stamp = node.read_text(f"{path}/{STAMP}")
-    try:
-        old = json.loads(stamp) if stamp else {}
-    except json.JSONDecodeError:
-        old = {}
-    if old.get("hash") == key and node.exists(python):
-        secs = time_import(node, python, import_module)
-        return VenvResult(node_cfg.name, path, python, True, key, req["packages"], import_module, secs,
-                          secs > cfg.venv.slow_import_s, old.get("uv"), time.monotonic() - t0)
+    found = adopted_venv(node, cfg, node_cfg, import_module)
+    if found is not None:
+        return found
 
     uv = find_or_install_uv(node, node_cfg.workdir)
     # A stale or half-built venv is rebuilt from scratch: cheaper than reasoning about its state.
