@@ -85,6 +85,7 @@ EXIT_GRACE_S = 20.0  # after the idle SIGTERM, uvicorn's graceful exit; then os.
 REPLAY_S = 10.0      # how long the server runs a request refused with 503 again before sending the 503
 REPLAY_PAUSE_S = (0.005, 0.2)  # the first pause between two runs of it, and the longest (doubling)
 READS = ("GET", "HEAD", "OPTIONS")  # the methods `ReplayBusy` does not queue behind the writes
+QUEUE_S = 30.0       # the longest a write waits for the one ahead of it; then it runs beside it
 READ_POSTS = ("filter", "count", "paginate", "history", "lateness", "counts")   # POSTs that only read (…/filter)
 REMEDY = ("set PREFECT_API_URL to a running server (`prefect server start`, then "
           "PREFECT_API_URL=http://127.0.0.1:4200/api), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
@@ -464,13 +465,14 @@ class ReplayBusy:
     nothing of a replayed run's response is sent.
 
     Writes (POST, PUT, PATCH, DELETE) run one at a time, in the order their bodies arrived; reads
-    (GET, HEAD, OPTIONS, and the POSTs that read: `…/filter`, `…/count`) run beside them as they come. SQLite takes one writer at a time anyway, but
-    Prefect's transactions read first and then write, and two at once meet as a refusal the second
-    one gets at once (no busy wait helps a reader that must become a writer): the eight task runs
-    an adopt-only `fleet up` posts from four threads were run again 63 times in three commands,
-    ≈ a third of the server's CPU for them (bench/RESULTS.md). Queued, each runs once. No endpoint
-    of Prefect's API waits on anything but its database, so a write holds the queue for
-    milliseconds."""
+    (GET, HEAD, OPTIONS, and the POSTs that read: `…/filter`, `…/count`) run beside them as they
+    come. SQLite takes one writer at a time anyway, but Prefect's transactions read first and then
+    write, and two at once meet as a refusal the second one gets at once (no busy wait helps a
+    reader that must become a writer): the eight task runs an adopt-only `fleet up` posts from four
+    threads were run again 63 times in three commands, ≈ a third of the server's CPU for them
+    (bench/RESULTS.md). Queued, each runs once. No endpoint of Prefect's API waits on anything but
+    its database, so a write holds the queue for milliseconds; one that holds it `QUEUE_S` (its
+    database held that long) has the next one run beside it, as before the queue."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], budget_s: float = REPLAY_S) -> None:
         self.app, self.budget_s = app, budget_s
@@ -495,8 +497,11 @@ class ReplayBusy:
             if _writes(scope):   # one at a time, in the order they came
                 if self._writes is None:
                     self._writes = asyncio.Lock()   # made in the server's loop, on its first write
-                await self._writes.acquire()
-                queue = self._writes
+                try:
+                    await asyncio.wait_for(self._writes.acquire(), QUEUE_S)  # bounded: the wait_for
+                    queue = self._writes
+                except asyncio.TimeoutError:
+                    pass   # a write ahead that does not end (a database held for long): run beside it, as before
             loop = asyncio.get_running_loop()
             deadline, pause = loop.time() + self.budget_s, REPLAY_PAUSE_S[0]
             while not await self._run(scope, b"".join(body), gone, send, last=loop.time() >= deadline):

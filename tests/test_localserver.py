@@ -323,6 +323,55 @@ def test_writes_run_one_at_a_time_while_reads_run_beside_them() -> None:
     assert order == list(range(8)), f"writes ran out of the order they came: {order}"
 
 
+def test_a_write_that_does_not_end_holds_the_queue_only_queue_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue's own wait is bounded (issue 23's rule: no wait without a timeout): a write ahead that
+    does not end (its database held for long) keeps the next write waiting `QUEUE_S`, then that one runs
+    beside it, as every write did before the queue. Here the first write waits until the second has
+    been answered: without the bound the two would wait on each other forever (the test's own
+    30 s limit would end it)."""
+    import asyncio
+
+    import flows.localserver as ls
+
+    monkeypatch.setattr(ls, "QUEUE_S", 0.05)
+    second_done, first_in = asyncio.Event(), asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if scope["path"].endswith("/first"):
+            first_in.set()   # inside the app: it holds the queue
+            await asyncio.wait_for(second_done.wait(), 30)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def post(wrapper: ls.ReplayBusy, path: str) -> int:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+        stay = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await stay.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: Any) -> None:
+            sent.append(dict(msg))
+
+        await wrapper({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+        if path.endswith("/second"):
+            second_done.set()
+        return int(sent[0]["status"])
+
+    async def go() -> list[int]:
+        wrapper = ls.ReplayBusy(app)
+        first = asyncio.ensure_future(post(wrapper, "/api/x/first"))
+        await asyncio.wait_for(first_in.wait(), 30)
+        return [await asyncio.wait_for(post(wrapper, "/api/x/second"), 30), await asyncio.wait_for(first, 30)]
+
+    assert asyncio.run(go()) == [200, 200]
+
+
 def test_a_record_delete_refused_by_a_locked_database_is_not_backed_off(home: Path) -> None:
     """Protects against the 2 s stall of a flow command in about half the runs on an idle machine:
     the node lock's holder-record DELETE (tasks/locks.py) met the server's SQLite database locked by
