@@ -160,6 +160,29 @@ class ClientRetries(logging.Handler):
             self.seen.append(record.getMessage())
 
 
+async def asgi_request(app: Any, method: str = "POST", path: str = "/api/x", gone: Any = None,
+                       sent: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One request through an ASGI app as uvicorn hands it over: the body, then the client's disconnect
+    once `gone` (an asyncio.Event) is set — never, without one; what the app sent (also into `sent`)."""
+    import asyncio
+
+    stays = gone if gone is not None else asyncio.Event()
+    out = [] if sent is None else sent
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await stays.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: Any) -> None:
+        out.append(dict(msg))
+
+    await app({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+    return out
+
+
 def replay_once(app: Any, client_gone: bool = False) -> tuple[list[dict[str, Any]], BaseException | None]:
     """One POST through `ReplayBusy(app)` as uvicorn hands it over: the body, then (only when the
     client is gone) its disconnect; what was sent to the client, and what the wrapper raised."""
@@ -173,20 +196,8 @@ def replay_once(app: Any, client_gone: bool = False) -> tuple[list[dict[str, Any
         gone = asyncio.Event()
         if client_gone:
             gone.set()
-        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop(0)
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg: Any) -> None:
-            sent.append(dict(msg))
-
-        scope = {"type": "http", "method": "POST", "path": "/api/x", "headers": []}
         try:
-            await ReplayBusy(app, budget_s=2)(scope, receive, send)  # old code: 2 s of replays
+            await asgi_request(ReplayBusy(app, budget_s=2), gone=gone, sent=sent)  # old code: 2 s of replays
         except Exception as exc:
             return exc
         return None
@@ -260,6 +271,11 @@ def sqlalchemy_operational(orig: Exception) -> Exception:
     return sqlalchemy.exc.OperationalError("DELETE FROM variable", {}, orig)
 
 
+async def asgi_status(app: Any, method: str, path: str) -> int:
+    """`asgi_request` with a client that stays: the status the app answered."""
+    return int((await asgi_request(app, method, path))[0]["status"])
+
+
 def test_writes_run_one_at_a_time_while_reads_run_beside_them() -> None:
     """Fault: the writes of one command (an adopt-only `fleet up` posts its eight task runs, their
     artifacts and states from four threads; the flow's task runner does the same) met each other in
@@ -294,28 +310,11 @@ def test_writes_run_one_at_a_time_while_reads_run_beside_them() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    async def one(wrapper: ReplayBusy, method: str, n: int | str) -> int:
-        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
-        never = asyncio.Event()   # the client stays
-        sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop(0)
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg: Any) -> None:
-            sent.append(dict(msg))
-
-        await wrapper({"type": "http", "method": method, "path": f"/api/x/{n}", "headers": []}, receive, send)
-        return int(sent[0]["status"])
-
     async def go() -> list[int]:
         wrapper = ReplayBusy(app)
-        return await asyncio.gather(*[one(wrapper, "POST", n) for n in range(8)],
-                                    *[one(wrapper, "GET", n) for n in range(3)],
-                                    *[one(wrapper, "POST", f"{n}/filter") for n in range(2)])
+        return await asyncio.gather(*[asgi_status(wrapper, "POST", f"/api/x/{n}") for n in range(8)],
+                                    *[asgi_status(wrapper, "GET", f"/api/x/{n}") for n in range(3)],
+                                    *[asgi_status(wrapper, "POST", f"/api/x/{n}/filter") for n in range(2)])
 
     statuses = asyncio.run(go())
     assert statuses == [200] * 13
@@ -345,23 +344,10 @@ def test_a_write_that_does_not_end_holds_the_queue_only_queue_s(monkeypatch: pyt
         await send({"type": "http.response.body", "body": b"{}"})
 
     async def post(wrapper: ls.ReplayBusy, path: str) -> int:
-        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
-        stay = asyncio.Event()
-        sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop(0)
-            await stay.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg: Any) -> None:
-            sent.append(dict(msg))
-
-        await wrapper({"type": "http", "method": "POST", "path": path, "headers": []}, receive, send)
+        status = await asgi_status(wrapper, "POST", path)
         if path.endswith("/second"):
             second_done.set()
-        return int(sent[0]["status"])
+        return status
 
     async def go() -> list[int]:
         wrapper = ls.ReplayBusy(app)
