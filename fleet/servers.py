@@ -217,11 +217,6 @@ def retire_unplanned(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, planned
     return out
 
 
-def _launch_key(cfg: FleetConfig, spec: ServerSpec) -> str:
-    profile = get_profile(cfg.engine.kind)
-    return launch_hash([str(a) for a in profile.argv(cfg, spec)], dict(profile.env(cfg, spec)))
-
-
 def _same_launch(record: dict[str, Any], key: str, spec: ServerSpec) -> bool:
     """The recorded server was started with this very spec (command, env, port): `launch` adopts it."""
     return record.get("hash") == key and _record_port(record) == spec.port

@@ -494,7 +494,7 @@ class ReplayBusy:
         gone = asyncio.ensure_future(receive())  # the next message after the body: the client's disconnect
         queue: asyncio.Lock | None = None
         try:
-            if _writes(scope):   # one at a time, in the order they came
+            if _may_write(scope):   # one at a time, in the order they came
                 if self._writes is None:
                     self._writes = asyncio.Lock()   # made in the server's loop, on its first write
                 try:
@@ -547,7 +547,7 @@ class ReplayBusy:
         return True
 
 
-def _writes(scope: Scope) -> bool:
+def _may_write(scope: Scope) -> bool:
     """Might this request write? Not a GET, nor one of the API's POSTs that read (`…/filter`, `…/count`)."""
     method = scope.get("method")
     if method in READS:
