@@ -83,12 +83,9 @@ def bounded_request(chan: paramiko.Channel, request: Callable[[], object], secon
     return not fired.is_set()
 
 
-def send_input(chan: paramiko.Channel, data: str | None) -> None:
-    """Send stdin then EOF. In a thread when there is data: the command may fill its stdout
-    (and our window) before it reads all its input."""
-    if data is None:
-        quietly(chan.shutdown_write)  # a dropped connection shows up in collect / _exit_code
-        return
+def send_input(chan: paramiko.Channel, data: str) -> None:
+    """Send stdin then EOF, in a thread: the command may fill its stdout (and our window) before it
+    reads all its input. (A command run without input has /dev/null for stdin: SSHNode._start.)"""
 
     def feed() -> None:
         try:

@@ -42,6 +42,15 @@ from fleet.node.ssh.target import SSHTarget
 
 log = logging.getLogger("fleet.node.ssh")
 
+
+def _not_a_refused_channel(record: logging.LogRecord) -> bool:
+    """paramiko logs every refused channel at ERROR ("Secsh channel 7 open FAILED: …"); the seam asks
+    again (SSHNode._open_session) and says it in its own error when it gives up."""
+    return "open FAILED" not in record.getMessage()
+
+
+logging.getLogger("paramiko.transport").addFilter(_not_a_refused_channel)
+
 __all__ = ["CONNECT_ATTEMPTS", "dead", "open_transport"]
 
 CONNECT_ATTEMPTS = 3
@@ -52,7 +61,13 @@ _DEFAULT_KEY_FILES = ("id_ed25519", "id_ecdsa", "id_rsa")
 def dead(transport: paramiko.Transport | None) -> bool:
     # paramiko closes the channels of a dying transport before it clears `active`, so a
     # channel can look closed while the transport still looks alive: saved_exception tells.
-    return transport is None or not transport.is_active() or transport.saved_exception is not None
+    # Except a ChannelException: paramiko saves one there too when the node refuses a channel
+    # (sshd's MaxSessions), and leaves it when another thread's open took the wake-up; the
+    # connection is fine, and taking it for dead dropped every command running on it.
+    if transport is None or not transport.is_active():
+        return True
+    saved = transport.saved_exception
+    return saved is not None and not isinstance(saved, paramiko.ChannelException)
 
 
 # -- exit-signal (see the module docstring) -----------------------------------------------------

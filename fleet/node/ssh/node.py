@@ -49,6 +49,7 @@ __all__ = ["MAX_SESSIONS", "SSHNode"]
 
 # OpenSSH's default MaxSessions is 10 per connection; past it sshd refuses new channels.
 MAX_SESSIONS = 8
+SESSION_REFUSED_S = 10.0   # how long a refused channel (on a live connection) is asked for again
 
 
 class SSHNode(Node):
@@ -108,21 +109,37 @@ class SSHNode(Node):
             self._sessions.release()
 
     def _open_session(self, argv: Sequence[str]) -> paramiko.Channel:
-        for attempt in range(2):
+        """A new session channel. Nothing has run yet, so a transport that died since the check is
+        replaced once, and a channel the node refused on a live connection is asked for again for up
+        to SESSION_REFUSED_S: sshd counts a session against MaxSessions until it has finished closing
+        it, so quick commands back to back are refused now and then ("no more sessions" in its log;
+        paramiko's ChannelException, or "Unable to open channel." when another thread's open took it)."""
+        replaced = False
+        give_up = time.monotonic() + max(SESSION_REFUSED_S, self.target.connect_timeout_s)
+        delay = 0.02
+        while True:
             transport = self.connect()
             try:
                 return transport.open_session(timeout=self.target.connect_timeout_s)
             except (paramiko.SSHException, EOFError, OSError) as exc:
-                # Nothing ran yet, so a transport that died since the check may be replaced once.
-                if dead(transport) and attempt == 0:
+                if dead(transport):
+                    if not replaced:
+                        replaced = True
+                        continue
+                elif time.monotonic() + delay < give_up:
+                    time.sleep(delay)   # bounded: give_up
+                    delay = min(delay * 2, 0.5)
                     continue
                 raise ConnectionLost(f"cannot open an SSH session: {exc or type(exc).__name__}", host=self.host,
                                      command=argv,
                                      remedy="the node refused a new channel (sshd MaxSessions?); fleet retries this") from exc
-        raise AssertionError("unreachable")
 
-    def _start(self, chan: paramiko.Channel, command: list[str], argv: Sequence[str]) -> None:
-        line = shlex.join(command)
+    def _start(self, chan: paramiko.Channel, command: list[str], argv: Sequence[str], *, stdin: bool = False) -> None:
+        """Run `command` on `chan`. Without `stdin` its standard input is /dev/null on the node and no
+        EOF is sent: a lone EOF from this thread can reach sshd after the CLOSE paramiko's thread sends
+        for a command that already ended, and sshd then drops the whole connection ("ieof packet
+        referred to nonexistent channel"), every command on it with it."""
+        line = shlex.join(command) + ("" if stdin else " </dev/null")
         log.debug("[%s] $ %s", self.host, line)
         try:
             # bounded: bounded_request closes the channel past connect_timeout_s
@@ -154,8 +171,9 @@ class SSHNode(Node):
         deadline = None if timeout is None else time.monotonic() + timeout + CLIENT_GRACE_S
         t0 = time.monotonic()
         with self._session(argv, timeout) as chan:
-            self._start(chan, command, argv)
-            send_input(chan, input)
+            self._start(chan, command, argv, stdin=input is not None)
+            if input is not None:
+                send_input(chan, input)
             out, err = collect(chan, deadline)
             if out is None:
                 raise self._timeout(argv, timeout, stderr=err.decode("utf-8", "replace"))
@@ -191,7 +209,6 @@ class SSHNode(Node):
         with self._session(argv, timeout) as chan:
             chan.set_combine_stderr(True)
             self._start(chan, command, argv)
-            quietly(chan.shutdown_write)  # a dropped connection shows up in read_lines / _exit_code
             for line in read_lines(chan, deadline):
                 if line is None:
                     raise self._timeout(argv, timeout, stderr="\n".join(tail))
