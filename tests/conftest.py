@@ -36,6 +36,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", f"{har
 # outlives them by design; the session stops its own at the end (`_local_prefect_servers_stop`),
 # and one left by a killed run stops itself after this many idle seconds instead of ten minutes.
 os.environ.setdefault("FLEET_PREFECT_SERVER_IDLE_S", "120")
+# Local nodes run `python3` from PATH (the staging helper, probes). Where that is a pyenv shim (a bash
+# script that asks pyenv which Python to run: ≈ 0.1 s of CPU per start, against ≈ 0.06 s for the whole
+# `python3 -c pass`), the interpreter it resolves to goes first on PATH: the same Python, without the shim.
+_python3 = shutil.which("python3") or ""
+if "/shims/" in _python3:
+    _resolved = subprocess.run([_python3, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    if _resolved.returncode == 0 and _resolved.stdout.strip():
+        os.environ["PATH"] = f"{Path(_resolved.stdout.strip()).parent}{os.pathsep}{os.environ['PATH']}"
 # This test process's RAM disk (nodes.ramdisk). Copies are per user, fleet and source state
 # (<ramdisk>/fleet-<uid>/<fleet>/<name>-<key>), but tests of one uid reuse fleet names ("t") and
 # freeing one test's copies must not race another process's: the default /dev/shm is shared by
@@ -280,6 +288,50 @@ class Sshd:
         return {p.pid for p in processes() if p.ppid == self.pid}
 
 
+def start_sshd(d: Path, host_key_file: Path, authorized_keys: Path, log: Path, limit: float,
+               started: list[subprocess.Popen[bytes]], setenv: str = "SHLVL=1") -> tuple[subprocess.Popen[bytes], int]:
+    """An sshd on a free 127.0.0.1 port (config and pid file in `d`), listening within `limit` s; added to
+    `started` at once (the caller stops it). `setenv`: the SetEnv of its sessions."""
+    port = free_port()   # a new one per attempt: the last one may have been taken meanwhile
+    config = d / "sshd_config"
+    config.write_text("\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {host_key_file}",
+        f"PidFile {d / 'sshd.pid'}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",  # keys under /tmp would be refused otherwise
+        "PermitRootLogin prohibit-password",
+        "Subsystem sftp internal-sftp",
+        "AllowTcpForwarding yes",
+        "MaxStartups 100",
+        "LogLevel VERBOSE",
+        # bash started by sshd for a command reads ~/.bashrc unless it is a nested shell (SHLVL=1); this
+        # machine's runs `pyenv init` (≈ 150 ms of CPU and 0.4 s at load on every command of every test,
+        # against ≈ 7 ms without). A real node's shell profile is its own; the tests measure fleet, not this one.
+        f"SetEnv {setenv}",
+    ]) + "\n")
+    proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    started.append(proc)
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"sshd exited with {proc.returncode}: {err.strip()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
+    wait_until(listening, timeout=limit, scale=False, what=f"sshd on 127.0.0.1:{port}")
+    return proc, port
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     if not os.path.exists(SSHD):
@@ -301,44 +353,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(limit: float) -> tuple[subprocess.Popen[bytes], int]:
-        port = free_port()   # a new one per attempt: the last one may have been taken meanwhile
-        config = d / "sshd_config"
-        config.write_text("\n".join([
-            f"Port {port}",
-            "ListenAddress 127.0.0.1",
-            f"HostKey {host_key_file}",
-            f"PidFile {d / 'sshd.pid'}",
-            f"AuthorizedKeysFile {d / 'authorized_keys'}",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "UsePAM no",
-            "StrictModes no",  # keys under /tmp would be refused otherwise
-            "PermitRootLogin prohibit-password",
-            "Subsystem sftp internal-sftp",
-            "AllowTcpForwarding yes",
-            "MaxStartups 100",
-            "LogLevel VERBOSE",
-            # bash started by sshd for a command reads ~/.bashrc unless it is a nested shell; this machine's
-            # runs `pyenv init` (≈ 150 ms of CPU and 0.4 s at load on every command of every test, against
-            # ≈ 7 ms without). A real node's shell profile is its own; the tests measure fleet, not this one.
-            "SetEnv SHLVL=1",
-        ]) + "\n")
-        proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        started.append(proc)
-
-        def listening() -> bool:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"sshd exited with {proc.returncode}: {err.strip()}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                return True
-            except OSError:
-                return False
-
-        wait_until(listening, timeout=limit, scale=False, what=f"sshd on 127.0.0.1:{port}")
-        return proc, port
+        return start_sshd(d, host_key_file, d / "authorized_keys", log, limit, started)
 
     def stop_started() -> None:
         for p in started:
