@@ -94,6 +94,7 @@ class NodeReport:
     listening: set[int] = field(default_factory=set, repr=False)   # every port listening on the node
     python: str | None = None
     uv: str | None = None
+    command_s: float | None = None   # the quickest of a few no-op commands: a round trip plus the shell's start
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -344,6 +345,7 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
         ))
     report.python = sec.get("python", "").strip() or None
     report.uv = sec.get("uv", "").strip() or None
+    report.command_s = _command_s(node)
     gpu_ids = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
     n = servers_on_node(cfg, len(gpu_ids), node_cfg)
     for i in range(n):
@@ -357,9 +359,33 @@ def gather(node: Node, cfg: FleetConfig, node_cfg: NodeConfig) -> NodeReport:
     return report
 
 
+SLOW_COMMAND_S = 0.25   # a no-op command slower than this on the node: warn (fleet sends hundreds)
+
+
+def _command_s(node: Node, tries: int = 3) -> float | None:
+    """The quickest of `tries` no-op commands on the node, in seconds (None if one failed)."""
+    times = []
+    for _ in range(tries):
+        t0 = time.monotonic()
+        try:
+            node.run(["true"], timeout=30)
+        except FleetError:
+            return None
+        times.append(time.monotonic() - t0)
+    return round(min(times), 3)
+
+
 def evaluate(report: NodeReport, cfg: FleetConfig, node_cfg: NodeConfig) -> list[Check]:
     """The checks, hard (stop this node) and soft (warn), from a gathered report."""
     checks: list[Check] = []
+    if report.command_s is not None:
+        checks.append(Check(
+            "command-latency", report.command_s <= SLOW_COMMAND_S, False,
+            f"a no-op command takes {report.command_s * 1000:.0f} ms on the node",
+            "fleet runs hundreds of commands on a node (about 40 for a bring-up, one every few seconds while a "
+            "job runs); besides the network, each pays the login shell's start, and bash reads ~/.bashrc for "
+            "every SSH command: make it return at once when not interactive (`case $- in *i*) ;; *) return;; "
+            "esac` at its top, above conda, pyenv or module setup)"))
     gpu_ids = [g.index for g in report.gpus if node_cfg.gpus is None or g.index in node_cfg.gpus]
     if node_cfg.gpus is not None:
         missing = sorted(set(node_cfg.gpus) - {g.index for g in report.gpus})

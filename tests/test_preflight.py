@@ -218,6 +218,47 @@ def test_cli_preflight_over_ssh(tmp_path: Path, sshd, fake_nvidia_smi: Path) -> 
     assert {pi["role"] for pi in node["paths"]} >= {"workdir", "ramdisk", "venv"}
 
 
+@pytest.mark.ssh
+def test_cli_preflight_warns_when_every_command_pays_a_slow_shell_start(tmp_path: Path, sshd,
+                                                                        fake_nvidia_smi: Path) -> None:
+    """A node whose login shell runs slow startup files for every SSH command (bash reads ~/.bashrc
+    for them: conda or pyenv init there) makes each of fleet's hundreds of commands that much slower:
+    `fleet preflight` says so, softly, with the guard that fixes it (the same node without it is quicker)."""
+    from conftest import start_sshd
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("sleep 0.6\n")   # what a slow `conda init` block costs each command
+    started: list = []
+    try:
+        reports = {}
+        for label, setenv in (("slow", f"HOME={home}"), ("guarded", "SHLVL=1")):
+            d = tmp_path / label
+            d.mkdir()
+            _, port = start_sshd(d, sshd.dir / "host_ed25519", sshd.dir / "authorized_keys", d / "log", 30, started,
+                                 setenv=setenv)
+            p = tmp_path / f"{label}.toml"
+            p.write_text(f'[[nodes]]\nname = "remote"\nkind = "ssh"\nhost = "127.0.0.1"\nport = {port}\n'
+                         f'user = "{sshd.user}"\nkey_file = "{sshd.key_file}"\nhost_key = "{sshd.host_key}"\n'
+                         f'workdir = "{tmp_path}/w"\n[venv]\npath = "{tmp_path}/v"\n[servers]\ncount = 1\n'
+                         'base_port = 39200\n')
+            r = _fleet("preflight", "-c", str(p), "--json")
+            assert r.returncode == 0, r.stderr
+            reports[label] = json.loads(r.stdout)["nodes"][0]
+            text = _fleet("preflight", "-c", str(p)).stdout
+            if label == "slow":
+                assert "[warn] command-latency: a no-op command takes" in text and "~/.bashrc" in text, text
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+    assert reports["slow"]["command_s"] >= 0.6
+    latency = {k: next(c for c in r["checks"] if c["name"] == "command-latency") for k, r in reports.items()}
+    assert not latency["slow"]["ok"] and not latency["slow"]["hard"] and "return" in latency["slow"]["remedy"]
+    # (no bound on the guarded node's time: a busy machine may make any command slow; only the order)
+    assert reports["guarded"]["command_s"] < reports["slow"]["command_s"]
+
+
 def test_cli_preflight_unreachable_node_is_one_line_exit_2(tmp_path: Path) -> None:
     from conftest import free_port
 
