@@ -252,7 +252,18 @@ def _claim_start(node: Node, jdir: str) -> str:
 
 
 def read_progress(node: Node, output: str) -> dict[str, Any] | None:
-    text = node.read_text(f"{output.rstrip('/')}/progress.json")
+    return _progress(node.read_text(f"{output.rstrip('/')}/progress.json"))
+
+
+def look_at_runner(node: Node, output: str, pid: int) -> tuple[dict[str, Any] | None, bool]:
+    """The runner's progress and whether its process lives, in one round trip (`Node.watch`: a
+    multi-node controller asks this of every running chunk every second; two commands each were
+    most of its CPU on a real SSH seam, bench/RESULTS.md)."""
+    state, text = node.watch(pid, f"{output.rstrip('/')}/progress.json", 0)
+    return _progress(text), state != "dead"
+
+
+def _progress(text: str | None) -> dict[str, Any] | None:
     try:
         return json.loads(text) if text else None
     except json.JSONDecodeError:

@@ -195,7 +195,7 @@ class ChunkRuns:
         progress read every `poll_s`, shards gathered every `fetch_every_s`, the next chunk started
         while this one drains. NodeLost when the node, the runner or all its servers stop answering
         for `node_lost_s`, or the runner writes no first progress within `runner_start_s`."""
-        from fleet.generation.job.remote import read_progress
+        from fleet.generation.job.remote import look_at_runner
 
         work = self.nodes[name]
         last_contact = last_fetch = time.monotonic()
@@ -204,8 +204,7 @@ class ChunkRuns:
         while True:
             now = time.monotonic()
             try:
-                prog = read_progress(node, out)
-                alive = node.is_alive(pid)
+                prog, alive = look_at_runner(node, out, pid)
                 last_contact = now
             except Exception as exc:
                 if now - last_contact > self.node_lost_s:
