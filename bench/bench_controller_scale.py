@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_controller_scale.py --nodes 100 [--rows 902087 --speed 20 --losses 0.1]
     .venv/bin/python bench/bench_controller_scale.py --nodes 1000 --rows 9000000 --speed 4 --max-wall-s 420
     .venv/bin/python bench/bench_controller_scale.py --nodes 100 --speed 4 --store s3   # a real store server
+    .venv/bin/python bench/bench_controller_scale.py --nodes 100 --speed 4 --store s3 --ssh 20   # + real SSH
 
 Prints one JSON line per pass, then a Markdown table (one column per pass); `--compare-state` adds
 a pass with the whole state written on every change (as before the log), `--compare` one with
@@ -13,7 +14,10 @@ run_chunk per chunk attempt; next_size/claim/cuts/prestart; `Assignments` append
 state.jsonl, compacting into state.json, and putting both in the store's `_control/`) and
 the flow's progress writer (`write_progress` every 5 s). What is fake: the node transport at the
 seam — `connect` hands out a FakeNode, and `start_job` starts a FakeRunner on it instead of the
-detached runner. A runner reports progress.json at its node's drawn rate (7–8 servers per node,
+detached runner. With `--ssh K` every node operation also makes the real SSH round trip fleet's seam
+makes for it (fleet.node's SSHNode, an exec channel each, on a connection to one of K sshd on loopback;
+each connect a real handshake), and file reads return what SSH read: the controller's CPU then includes
+paramiko's and the seam's, and the sshd side's CPU is reported apart. A runner reports progress.json at its node's drawn rate (7–8 servers per node,
 ≈ 1 row/s per server: the seed's job, 902,087 rows in 1.5 days on one node), after a runner start of
 8 s; two runners on one node (one started while the other drains) share its capacity, the older
 first. A node loss: every operation raises ConnectionLost (what the SSH seam raises) for a drawn while and its runners die; it
@@ -251,10 +255,20 @@ class FakeNode:
 
     @FAKE_CPU.timed
     def is_alive(self, pid: int) -> bool:
-        now = self._op("is_alive")
+        return self._alive(pid, self._op("is_alive"))
+
+    def _alive(self, pid: int, now: float) -> bool:
         r = self.host.runners.get(pid)
         # a runner exits a moment after its last rows (its final commit and publish)
         return r is not None and not r.dead and (r.ended_at is None or now - r.ended_at < 1.0)
+
+    @FAKE_CPU.timed
+    def watch(self, pid: int, log_path: str, offset: int) -> tuple[str, str]:
+        """The process's state and a file's text in one operation (the controller's look at a runner)."""
+        now = self._op("watch")
+        out, _, leaf = log_path.rpartition("/")
+        p = self.host.progress(out, now) if leaf == "progress.json" else None
+        return ("alive" if self._alive(pid, now) else "dead"), (json.dumps(p) if p is not None else "")
 
     @FAKE_CPU.timed
     def stop(self, pid: int, grace_s: float = 5.0) -> None:
@@ -265,6 +279,74 @@ class FakeNode:
 
     def close(self) -> None:
         pass
+
+
+class SeamNode(FakeNode):
+    """A FakeNode whose every operation also makes the real SSH round trip fleet's seam makes for it
+    (`--ssh K`): an exec channel on a real connection to one of K sshd on loopback, running the same
+    shell snippet (`[ -e ]`, the pid check, `cat`) on real files. The fake host still decides the answers,
+    except that a file read returns what SSH read (the fake's progress and manifests are written as files
+    first, as a runner writes them). The real calls are not in FAKE_CPU: their client side (paramiko's
+    crypto, fleet's seam) counts as the controller's CPU, as it would on a real job; sshd's is read apart."""
+
+    def __init__(self, host: FakeHost, counters: Counters, ssh: Any) -> None:
+        super().__init__(host, counters)
+        self.ssh = ssh
+
+    def _real(self) -> None:
+        self.counters.add("ssh_ops")
+
+    def run(self, argv: list[str], **kw: Any) -> Any:
+        res = super().run(argv, **kw)
+        self._real()
+        self.ssh.run(["sh", "-c", ":"], check=False)
+        return res
+
+    def exists(self, path: str) -> bool:
+        ans = super().exists(path)
+        self._real()
+        self.ssh.exists(path)
+        return ans
+
+    def read_text(self, path: str, tail_bytes: int | None = None) -> str | None:
+        text = super().read_text(path, tail_bytes)
+        if text is not None:
+            _materialize(path, text)
+        self._real()
+        real = self.ssh.read_text(path, tail_bytes=tail_bytes)
+        return real if text is not None else None
+
+    def is_alive(self, pid: int) -> bool:
+        ans = super().is_alive(pid)
+        self._real()
+        self.ssh.is_alive(os.getpid())   # the same check on a real pid: one exec round trip
+        return ans
+
+    def watch(self, pid: int, log_path: str, offset: int) -> tuple[str, str]:
+        state, text = super().watch(pid, log_path, offset)
+        if text:
+            _materialize(log_path, text)
+        self._real()
+        _, real = self.ssh.watch(os.getpid(), log_path, offset)   # the state of a real pid, the file read
+        return state, real if text else ""
+
+    def stop(self, pid: int, grace_s: float = 5.0) -> None:
+        super().stop(pid, grace_s)
+        self._real()
+        self.ssh.is_alive(os.getpid())
+
+    def close(self) -> None:
+        self.ssh.close()
+
+
+@FAKE_CPU.timed
+def _materialize(path: str, text: str) -> None:
+    """The fake runner's file, written whole (a temp file, then a rename) for the real read."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{threading.get_ident()}")
+    tmp.write_text(text)
+    tmp.replace(p)
 
 
 def fake_start_job(hosts: dict[str, FakeHost], counters: Counters) -> Callable[..., Any]:
@@ -356,17 +438,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             state["max"] = max(state["max"], size)
 
     @FAKE_CPU.timed
-    def connect(node_cfg: Any) -> FakeNode:
+    def fake_connect(node_cfg: Any) -> FakeNode:
         counters.add("connect")
         node = FakeNode(hosts[node_cfg.name], counters)
         node._op("connect")
         return node
 
+    sshds = getattr(args, "sshds", None)
+    index = {h: i for i, h in enumerate(sorted(hosts))}
+
+    def connect(node_cfg: Any) -> FakeNode:
+        node = fake_connect(node_cfg)   # raises ConnectionLost while the fake host is down
+        if sshds is None:
+            return node
+        from fleet.node.ssh.node import SSHNode
+
+        ssh = SSHNode.from_config(sshds.node_config(index[node_cfg.name], name=node_cfg.name,
+                                                    workdir=str(tmp / node_cfg.name)))
+        ssh.connect()   # the handshake and key exchange, in the controller's process as on a real job
+        counters.add("ssh_connects")
+        return SeamNode(hosts[node_cfg.name], counters, ssh)
+
     for m in timed_mods:
         m.time = clock  # type: ignore[attr-defined]
     for m in connect_mods:
         m.connect = connect  # type: ignore[attr-defined]
-    remote_mod.start_job = fake_start_job(hosts, counters)  # type: ignore[assignment]
+    fake_start = fake_start_job(hosts, counters)
+
+    def start_job(node: Any, *a: Any, **kw: Any) -> Any:
+        handle = fake_start(node, *a, **kw)
+        if isinstance(node, SeamNode):   # a real start_job's round trips (START_JOB_OPS), each an exec channel
+            for _ in range(START_JOB_OPS):
+                node._real()
+                node.ssh.run(["sh", "-c", ":"], check=False)
+        return handle
+
+    remote_mod.start_job = start_job  # type: ignore[assignment]
     # plan.json is written by the plan's cut (planning.py) and the state's compaction (assignments.py)
     assign_mod.write_json_atomic = planning_mod.write_json_atomic = counted_write  # type: ignore[assignment]
     if args.whole_state:   # the state before the log: the whole of it written on every change
@@ -592,7 +699,11 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
         "plan_writes": state["writes"], "plan_kb_per_min": round(state["bytes"] / 1024 / minutes, 1),
         "plan_kb_final": round(state["max"] / 1024, 1),
         "ops_per_node_per_min": round(c.get("ops", 0) / n / minutes, 1),
+        "op_counts": {k[3:]: int(v) for k, v in sorted(c.items()) if k.startswith("op:")},
         "connects_per_node_per_min": round(c.get("connect", 0) / n / minutes, 2),
+        "ssh": f"{len(args.sshds.ports)} sshd on loopback" if getattr(args, "sshds", None) else "none",
+        "ssh_ops": int(c.get("ssh_ops", 0)), "ssh_connects": int(c.get("ssh_connects", 0)),
+        "ssh_ops_per_wall_s": round(c.get("ssh_ops", 0) / wall, 1),
         "start_jobs": int(c.get("start_job", 0)),
         "task_runs": int(c.get("task_runs", 0)) + n,
         "task_runs_per_min": round((c.get("task_runs", 0) + n) / minutes, 1),
@@ -741,6 +852,11 @@ def main() -> None:
     ap.add_argument("--store", choices=("memory", "s3"), default="memory",
                     help="where the job's input, output and control files are: fsspec's memory:// (free) or "
                          "moto's S3 server on loopback (a real server: HTTP, botocore, its latency)")
+    ap.add_argument("--ssh", type=int, default=0, metavar="K",
+                    help="a second pass of the same job where every node operation also makes its real SSH round "
+                         "trip, on a connection to one of K sshd on loopback (openssh-server), each connect a real "
+                         "handshake; use --speed 1 with it (an SSH round trip's wall time is not compressed)")
+    ap.add_argument("--ssh-only", action="store_true", help="with --ssh: only the pass with the real SSH seam")
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--rows", type=int, default=902_087)
     ap.add_argument("--speed", type=float, default=20.0, help="job seconds per wall second")
@@ -769,34 +885,50 @@ def main() -> None:
 
     logging.basicConfig(level=logging.ERROR)
     moto = start_moto()[0] if args.store == "s3" else None
+    sshds = None
+    if args.ssh:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from sshds import Sshds
+
+        sshds = Sshds(args.ssh)
     prefect_pid = start_prefect() if args.prefect else None
-    passes = [(False, False)]
-    if args.compare:
-        passes.insert(0, (True, False))
-    if args.compare_state:
-        passes.insert(0, (False, True))
-    rows = []
-    for uncached, whole in passes:
-        args.uncached, args.whole_state = uncached, whole
-        label = "scans per question (before)" if uncached else \
-            "state rewritten whole per change (before)" if whole else "now"
-        load = os.getloadavg()[0]
-        store_cpu0 = _proc_cpu_s(moto.pid) if moto else 0.0
-        prefect_cpu0 = _proc_cpu_s(prefect_pid) if prefect_pid else 0.0
-        task_runs0 = count_task_runs() if prefect_pid else 0
-        r = {"pass": label, "store": args.store, "prefect": "real server" if args.prefect else "none",
-             **(run_in_flow(args) if args.prefect else run(args)), "load_before": round(load, 1),
-             "load_after": round(os.getloadavg()[0], 1)}
+    try:
+        passes = [(False, False, False)]
+        if args.compare:
+            passes.insert(0, (True, False, False))
+        if args.compare_state:
+            passes.insert(0, (False, True, False))
+        if sshds:   # the same job again, each node operation also its real SSH round trip
+            passes = [p for p in passes if not args.ssh_only] + [(False, False, True)]
+        rows = []
+        for uncached, whole, ssh in passes:
+            args.uncached, args.whole_state = uncached, whole
+            args.sshds = sshds if ssh else None
+            label = "scans per question (before)" if uncached else \
+                "state rewritten whole per change (before)" if whole else "now, real SSH" if ssh else "now"
+            load = os.getloadavg()[0]
+            store_cpu0 = _proc_cpu_s(moto.pid) if moto else 0.0
+            prefect_cpu0 = _proc_cpu_s(prefect_pid) if prefect_pid else 0.0
+            task_runs0 = count_task_runs() if prefect_pid else 0
+            sshd_cpu0 = args.sshds.cpu_s() if args.sshds else 0.0
+            r = {"pass": label, "store": args.store, "prefect": "real server" if args.prefect else "none",
+                 **(run_in_flow(args) if args.prefect else run(args)), "load_before": round(load, 1),
+                 "load_after": round(os.getloadavg()[0], 1)}
+            if moto:
+                r["store_server_cpu_s"] = round(_proc_cpu_s(moto.pid) - store_cpu0, 1)
+            if args.sshds:
+                r["sshd_cpu_s"] = round(args.sshds.cpu_s() - sshd_cpu0, 1)
+            if prefect_pid:
+                r["prefect_server_cpu_s"] = round(_proc_cpu_s(prefect_pid) - prefect_cpu0, 1)
+                r["prefect_task_runs"] = count_task_runs() - task_runs0
+            print(json.dumps(r), flush=True)
+            rows.append(r)
         if moto:
-            r["store_server_cpu_s"] = round(_proc_cpu_s(moto.pid) - store_cpu0, 1)
-        if prefect_pid:
-            r["prefect_server_cpu_s"] = round(_proc_cpu_s(prefect_pid) - prefect_cpu0, 1)
-            r["prefect_task_runs"] = count_task_runs() - task_runs0
-        print(json.dumps(r), flush=True)
-        rows.append(r)
-    if moto:
-        moto.kill()
-        moto.wait()
+            moto.kill()
+            moto.wait()
+    finally:
+        if sshds:
+            sshds.close()
     print_table(rows)
 
 
@@ -823,6 +955,10 @@ TABLE = [   # (column, key or function of the result)
     ("plan.json KB / min (final KB)", lambda r: f"{r['plan_kb_per_min']:,} ({r['plan_kb_final']:,})"),
     ("task runs / min", "task_runs_per_min"),
     ("node ops / node / min", "ops_per_node_per_min"), ("SSH connects / node / min", "connects_per_node_per_min"),
+    ("node seam", lambda r: r.get("ssh", "none")),
+    ("real SSH round trips (per wall s); handshakes", lambda r: f"{r.get('ssh_ops', 0):,} "
+                                                                f"({r.get('ssh_ops_per_wall_s', 0)}); {r.get('ssh_connects', 0)}"),
+    ("sshd CPU s (every session)", lambda r: r.get("sshd_cpu_s", "-")),
     ("wall s", "wall_s"), ("gil_busy", "gil_busy"), ("load", lambda r: f"{r['load_before']}–{r['load_after']}"),
     ("errors", lambda r: "; ".join(r["errors"]) or "none"),
 ]
