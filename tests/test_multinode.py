@@ -349,6 +349,53 @@ def test_a_local_and_an_ssh_node_one_job(tmp_path: Path, state_home: Path, sshd,
     assert list((tmp_path / "rwork" / "inputs").rglob("chunk-*.jsonl")), "the chunk files were not uploaded"
 
 
+def test_an_ssh_nodes_chunks_share_one_connection_and_one_runner_install(tmp_path: Path, state_home: Path, sshd,
+                                                                       stop_everything, monkeypatch) -> None:
+    """Cost: a node's chunk attempts, one after another, run on one SSH connection, and the runner's venv
+    and zip are checked and put once. Before, each attempt connected again (a handshake), checked the
+    workdir and the runner venv (its stamp, an import of pyarrow on the node) and put fleet's 1.3 MB zip
+    again: at 100 nodes, most of the controller's CPU. Counted: the connections the test sshd accepted
+    during the job (its own log), and the zips put (SSHNode.put, wrapped to count and call through)."""
+    from fleet.node.ssh.node import SSHNode
+    from flows.fleet import fleet
+
+    cfg = two_nodes(tmp_path, generation={"max_tokens": 8, "chunk_rows": 100})
+    data = cfg.model_dump(mode="json")
+    # two SSH nodes (one sshd: the test's log sees both), each a workdir and a server of its own
+    data["nodes"] = [sshd.node_config(name=f"remote-{i}", workdir=str(tmp_path / f"rwork{i}"), servers=1,
+                                      base_port=n["base_port"], ramdisk=n["ramdisk"]).model_dump(mode="json")
+                     for i, n in enumerate(data["nodes"])]
+    cfg = FleetConfig(**data)
+    stop_everything(cfg)
+    inp = prompts(tmp_path / "in.jsonl", 800)   # 8 chunks over the two nodes
+    zips: list[str] = []
+    put = SSHNode.put
+
+    def counted(self: SSHNode, local: Any, remote: str) -> None:
+        if remote.endswith("/fleet-runner.pyz"):
+            zips.append(remote)
+        put(self, local, remote)
+
+    monkeypatch.setattr(SSHNode, "put", counted)
+    log = sshd.dir / "sshd.log"
+    start = log.stat().st_size
+    state = fleet(config=cfg, action="generate", input=str(inp), output=str(tmp_path / "out"), return_state=True)
+    res = state.result(raise_on_failure=False)
+    assert state.is_completed(), (state.message, res)
+    ids = ids_of(Path(res["output"]))
+    assert len(ids) == len(set(ids)) == 800
+    found = plan_state(state_home)
+    assert found is not None
+    attempts = [a for c in found[1]["chunks"].values() for a in c["attempts"]]
+    assert len(attempts) >= 8, attempts
+    with open(log, "rb") as f:
+        f.seek(start)
+        accepted = [x for x in f.read().decode(errors="replace").splitlines() if "Accepted publickey" in x]
+    assert sorted(zips) == sorted(f"{tmp_path}/rwork{i}/bin/fleet-runner.pyz" for i in range(2)), zips
+    # the bring-up's own connections and the controller's one per node: fewer than the attempts (one each before)
+    assert len(accepted) < len(attempts), (len(accepted), accepted)
+
+
 def test_a_second_job_over_several_nodes_into_one_output_exits_2(tmp_path: Path, state_home: Path, stop_everything,
                                                                 capsys) -> None:
     """Fault (issue 23): a second `fleet generate` over several nodes into the output of a job whose

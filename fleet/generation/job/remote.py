@@ -13,6 +13,7 @@ doubled, and the store's lock refuses a second writer even if someone tries by h
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -68,24 +69,35 @@ def build_pyz() -> bytes:
 def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, urls: Sequence[str] = ()) -> list[str]:
     """The argv prefix that runs the runner on this node, installing it there when needed (`urls`: the
     job's locations on object storage; the venv adds the fsspec package of each protocol they use, and
-    only those: `store_packages`)."""
+    only those: `store_packages`).
+
+    What it proved stays known on the connection (`node`): the same venv request and the same zip are
+    not checked and put again. A multi-node controller starts a chunk after chunk on one connection, and
+    each start read the venv's stamp, timed its import and put the 1.3 MB zip again (the controller's
+    CPU, the node's too). A new connection (a lost node's next attempt) checks afresh."""
     if isinstance(node, LocalNode):
         return [sys.executable, "-m", "fleet.generation.job.runner"]
-    from fleet.venv import ensure_venv
+    from fleet.venv import ensure_venv, request_hash, request_of
 
     runner_cfg = cfg.model_copy(deep=True)
     runner_cfg.venv.path = f"{node_cfg.workdir.rstrip('/')}/runner-venv"
     runner_cfg.venv.use_existing = False
     runner_cfg.engine.packages = list(RUNNER_PACKAGES) + store_packages(urls)
-    venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
     pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
+    data = build_pyz()
+    key = (runner_cfg.venv.path, request_hash(request_of(runner_cfg, "pyarrow")), pyz, hashlib.sha256(data).hexdigest())
+    known: dict[tuple[str, ...], list[str]] = node.__dict__.setdefault("_runner_commands", {})
+    if key in known:
+        return list(known[key])
+    venv = ensure_venv(node, runner_cfg, node_cfg, "pyarrow")
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".pyz") as tmp:
-        tmp.write(build_pyz())
+        tmp.write(data)
         tmp.flush()
         node.put(tmp.name, pyz)
-    return [venv.python, pyz]
+    known[key] = [venv.python, pyz]
+    return list(known[key])
 
 
 def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, dict[str, Any]] | None = None

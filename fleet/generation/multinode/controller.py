@@ -62,7 +62,7 @@ from fleet.generation.multinode.nodework import (  # noqa: F401
 from fleet.generation.multinode.progress import job_eta
 from fleet.generation.multinode.quarantine import Quarantine, set_aside, wait_and_check
 from fleet.generation.multinode.runchunk import LOG_KEPT_BYTES, LOGS_DIR, ChunkRuns  # noqa: F401
-from fleet.node import connect
+from fleet.node import Node, connect
 
 log = logging.getLogger("fleet.generation.multinode.controller")
 
@@ -100,6 +100,8 @@ class Controller(ChunkRuns):
         self.assign: Assignments | None = None
         self.started = time.monotonic()
         self._stop = threading.Event()
+        self._connections: dict[str, Node] = {}   # each node's connection, kept across its chunk attempts
+        self._conn_lock = threading.Lock()
         # what ended the job before its chunks were done, when it is not a chunk's own failure: the input
         # changed under it, the store refused; one line with its remedy (flows/multinode.py says it)
         self.failure: FleetError | None = None
@@ -289,6 +291,7 @@ class Controller(ChunkRuns):
             except (InputChanged, StoreError) as exc:   # the job's own (its input, the controller's store): it ends
                 self.fail_job(exc)
                 break
+        self.drop_connection(name)
         if work.state not in ("gone", "quarantined"):
             work.state = "finished"
         return {"node": name, "rows": work.rows_done, "tokens": work.tokens, "busy_s": round(work.busy_s, 2),
