@@ -62,8 +62,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RUNNER_START_S = 8.0     # job seconds from a runner's start to its first rows (the seed's runner)
-START_JOB_OPS = 12       # node operations of one real start_job (ensure_workdir 3, read_pid, is_alive, claim,
-#                          read_pid, is_alive, write job.json, rm exit file, start_detached, unclaim)
+START_JOB_OPS = 5        # node round trips of a real start_job on a connection that knows the node: the pid
+#                          look, the input's, job.json (+ the exit file's removal), the launch, the pid read
+#                          (tests/test_gen_job_edges.py::test_a_runner_start_on_a_known_node_is_five_round_trips)
+OLD_START_JOB_OPS = 10   # the same before 42a37ca's successor (--old-starts: that test's count on the old code)
+FIRST_START_OPS = 4      # a start's first on a connection: the workdir's check, the runner venv's stamp, its
+#                          python, its import timed; and the runner's zip put (a real SFTP put of its bytes)
 SLOTS_PER_SERVER = 64
 
 
@@ -465,13 +469,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m.connect = connect  # type: ignore[attr-defined]
     fake_start = fake_start_job(hosts, counters)
 
+    zip_file = tmp / "fleet-runner.pyz"
+    if sshds is not None:
+        zip_file.write_bytes(remote_mod.build_pyz())
+    old_starts = bool(getattr(args, "old_starts", False))
+
     def start_job(node: Any, *a: Any, **kw: Any) -> Any:
         handle = fake_start(node, *a, **kw)
-        if isinstance(node, SeamNode):   # a real start_job's round trips (START_JOB_OPS), each an exec channel
-            for _ in range(START_JOB_OPS):
+        if isinstance(node, SeamNode):   # a real start_job's round trips, each an exec channel, and its first's zip
+            first = old_starts or not node.__dict__.get("_proved")
+            for _ in range((OLD_START_JOB_OPS if old_starts else START_JOB_OPS) + (FIRST_START_OPS if first else 0)):
                 node._real()
                 node.ssh.run(["sh", "-c", ":"], check=False)
+            if first:
+                node._real()
+                node.ssh.put(zip_file, f"{tmp}/{node.host.name}/bin/fleet-runner.pyz")
+                counters.add("zip_puts")
+                node.__dict__["_proved"] = True
         return handle
+
+    if old_starts:   # the controller before: a connection of its own for each chunk attempt
+        real_run_chunk = runchunk_mod.ChunkRuns.run_chunk
+
+        def run_chunk_alone(self: Any, name: str, index: int) -> Any:
+            try:
+                return real_run_chunk(self, name, index)
+            finally:
+                self.drop_connection(name)
+
+        runchunk_mod.ChunkRuns.run_chunk = run_chunk_alone  # type: ignore[method-assign]
+    saved_run_chunk = real_run_chunk if old_starts else None
 
     remote_mod.start_job = start_job  # type: ignore[assignment]
     # plan.json is written by the plan's cut (planning.py) and the state's compaction (assignments.py)
@@ -488,6 +515,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m.time = t  # type: ignore[attr-defined]
         for m, c in zip(connect_mods, connects):
             m.connect = c  # type: ignore[attr-defined]
+        if saved_run_chunk is not None:
+            runchunk_mod.ChunkRuns.run_chunk = saved_run_chunk  # type: ignore[method-assign]
 
 
 def _uncached(ctl: Any) -> None:
@@ -589,6 +618,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
     plan = ctl.prepare(f"{root}/input.jsonl")
 
     def lines_of(name: str) -> int:
+        name = name.split(".")[0]   # a node's nth attempt at a chunk: "chunk-00002.2" (fence.attempt_name)
         return next(c.lines for c in ctl.assign.plan.chunks if c.name == name)
 
     class Lines(dict):   # chunk name -> lines, looked up in the (growing) plan when asked
@@ -629,7 +659,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
             else:
                 ctl.node_loop(name, run_chunk=run_chunk)
         except Exception as exc:
-            errors.append(f"{name}: {exc}")
+            errors.append(f"{name}: {exc!r}")
             ctl.stop()
 
     cpu0, v0, w0 = _time.process_time(), clock.monotonic(), _time.monotonic()
@@ -703,6 +733,7 @@ def _drive(args: argparse.Namespace, cfg: Any, tmp: Path, hosts: dict[str, FakeH
         "connects_per_node_per_min": round(c.get("connect", 0) / n / minutes, 2),
         "ssh": f"{len(args.sshds.ports)} sshd on loopback" if getattr(args, "sshds", None) else "none",
         "ssh_ops": int(c.get("ssh_ops", 0)), "ssh_connects": int(c.get("ssh_connects", 0)),
+        "zip_puts": int(c.get("zip_puts", 0)),
         "ssh_ops_per_wall_s": round(c.get("ssh_ops", 0) / wall, 1),
         "start_jobs": int(c.get("start_job", 0)),
         "task_runs": int(c.get("task_runs", 0)) + n,
@@ -857,6 +888,9 @@ def main() -> None:
                          "trip, on a connection to one of K sshd on loopback (openssh-server), each connect a real "
                          "handshake; use --speed 1 with it (an SSH round trip's wall time is not compressed)")
     ap.add_argument("--ssh-only", action="store_true", help="with --ssh: only the pass with the real SSH seam")
+    ap.add_argument("--old-starts", action="store_true",
+                    help="with --ssh: first the same pass as the controller started chunks before: a connection "
+                         "per chunk attempt, each start proving the node again (venv, zip put) in 10 round trips")
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--rows", type=int, default=902_087)
     ap.add_argument("--speed", type=float, default=20.0, help="job seconds per wall second")
@@ -898,14 +932,18 @@ def main() -> None:
             passes.insert(0, (True, False, False))
         if args.compare_state:
             passes.insert(0, (False, True, False))
+        passes4 = [(u, w, ssh, False) for u, w, ssh in passes]
         if sshds:   # the same job again, each node operation also its real SSH round trip
-            passes = [p for p in passes if not args.ssh_only] + [(False, False, True)]
+            passes4 = [p for p in passes4 if not args.ssh_only] + \
+                ([(False, False, True, True)] if args.old_starts else []) + [(False, False, True, False)]
         rows = []
-        for uncached, whole, ssh in passes:
-            args.uncached, args.whole_state = uncached, whole
+        for uncached, whole, ssh, old in passes4:
+            args.uncached, args.whole_state, args.old_starts = uncached, whole, old
             args.sshds = sshds if ssh else None
             label = "scans per question (before)" if uncached else \
-                "state rewritten whole per change (before)" if whole else "now, real SSH" if ssh else "now"
+                "state rewritten whole per change (before)" if whole else \
+                "real SSH, a connection and a whole start per attempt (before)" if old else \
+                "now, real SSH" if ssh else "now"
             load = os.getloadavg()[0]
             store_cpu0 = _proc_cpu_s(moto.pid) if moto else 0.0
             prefect_cpu0 = _proc_cpu_s(prefect_pid) if prefect_pid else 0.0
@@ -956,8 +994,8 @@ TABLE = [   # (column, key or function of the result)
     ("task runs / min", "task_runs_per_min"),
     ("node ops / node / min", "ops_per_node_per_min"), ("SSH connects / node / min", "connects_per_node_per_min"),
     ("node seam", lambda r: r.get("ssh", "none")),
-    ("real SSH round trips (per wall s); handshakes", lambda r: f"{r.get('ssh_ops', 0):,} "
-                                                                f"({r.get('ssh_ops_per_wall_s', 0)}); {r.get('ssh_connects', 0)}"),
+    ("real SSH round trips (per wall s); handshakes; zips put", lambda r: f"{r.get('ssh_ops', 0):,} "
+     f"({r.get('ssh_ops_per_wall_s', 0)}); {r.get('ssh_connects', 0)}; {r.get('zip_puts', 0)}"),
     ("sshd CPU s (every session)", lambda r: r.get("sshd_cpu_s", "-")),
     ("wall s", "wall_s"), ("gil_busy", "gil_busy"), ("load", lambda r: f"{r['load_before']}–{r['load_after']}"),
     ("errors", lambda r: "; ".join(r["errors"]) or "none"),

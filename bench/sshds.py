@@ -65,6 +65,7 @@ class Sshds:
                 f"PidFile {self.dir / f'sshd_{i}.pid'}", f"AuthorizedKeysFile {self.dir / 'authorized_keys'}",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
                 "PermitRootLogin prohibit-password", "MaxStartups 200", "MaxSessions 20", "LogLevel ERROR",
+                "Subsystem sftp internal-sftp",   # the runner zip put on a start (FIRST_START_OPS)
                 "SetEnv SHLVL=1",   # no ~/.bashrc per command (tests/conftest.py says why): sshd's own cost
             ]) + "\n")
             self.procs.append(subprocess.Popen([SSHD, "-D", "-f", str(conf), "-E", str(self.dir / f"sshd_{i}.log")],

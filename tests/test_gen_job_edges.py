@@ -296,6 +296,46 @@ def test_a_claim_left_by_a_killed_controller_does_not_refuse_its_successor(tmp_p
         node.stop(h.pid, grace_s=2)
 
 
+def test_a_runner_start_on_a_known_node_is_five_round_trips(tmp_path: Path) -> None:
+    """Cost: the multi-node controller starts chunk after chunk on a kept connection; each start's node
+    commands are round trips (an SSH exec each on a remote node, ≈ 3 ms of the controller's CPU and a
+    few of the node's). Ten before: the runner's pid file read twice (again after a claim that an
+    exclusive start does not take), the input's existence, job.json written, the last exit file
+    removed, the env file written, the pid file removed, the launch, the new pid file read (twice: not
+    yet there at the first look). Now five: the look, the input, job.json with the exit file's
+    removal, the launch with the env file, the old pid file's removal and a bounded wait for the new
+    one, and the read of it."""
+    from fleet.generation.job.remote import start_job
+    from fleet.node import LocalNode
+    from fleet.servers import plan_servers
+    from test_bringup import port_block, sim_config
+
+    cfg = sim_config(tmp_path, port_block(1), n=1, generation={"max_tokens": 16})
+    node, node_cfg = LocalNode(), cfg.nodes[0]
+    spec = plan_servers(cfg, node_cfg, [], model_path=cfg.model.source, python=sys.executable)[0]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(rows_jsonl(5))
+    calls: list[list[str]] = []
+    real = node._exec
+
+    def counted(argv: Any, **kw: Any) -> Any:
+        calls.append(list(argv))
+        return real(argv, **kw)
+
+    handles = []
+    try:
+        handles.append(start_job(node, cfg, node_cfg, input_path=str(inp), output=str(tmp_path / "out0"),
+                                 specs=[spec], exclusive=True))
+        node._exec = counted   # type: ignore[method-assign]
+        handles.append(start_job(node, cfg, node_cfg, input_path=str(inp), output=str(tmp_path / "out1"),
+                                 specs=[spec], exclusive=True))
+        assert not handles[1].attached and handles[1].pid != handles[0].pid
+        assert len(calls) == 5, [c[3] if c[:2] == ["sh", "-c"] else c[:3] for c in calls]
+    finally:
+        for h in handles:
+            node.stop(h.pid, grace_s=2)
+
+
 def test_a_long_end_of_a_run_keeps_its_progress_moving_and_never_reverts_it(tmp_path: Path) -> None:
     """Fault (fresh-clone CI): a chunk's runner, its rows done, spent over 20 s in its end (the data
     checks, the upload of its shards to the store on a busy machine) with progress.json untouched —

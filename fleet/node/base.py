@@ -153,17 +153,18 @@ class Node(abc.ABC):
         """Start argv in a new session with its own log and pid file; return once the pid is known.
 
         `env` reaches the process through a 0600 file, never through any command line."""
-        env_file = ""
+        env_file, env_text = "", None
         if env:
             bad = [k for k in env if not ENV_NAME.match(k)]
             if bad:
                 raise CommandFailed(f"invalid environment variable names: {bad}", host=self.host,
                                     remedy="use letters, digits and _ only")
             env_file = f"{pid_path}.env"
-            self.write_text(env_file, "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()))
-        launch = ["sh", "-c", DETACH, LAUNCH, pid_path, log_path, cwd, env_file, "--", *[str(a) for a in argv]]
-        self.run(["rm", "-f", "--", pid_path], timeout=30)
-        started = self.run(launch, timeout=30).stdout.split()
+            env_text = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
+        nbytes = len(env_text.encode(self.input_encoding)) if env_text is not None else 0
+        launch = ["sh", "-c", DETACH, LAUNCH, pid_path, log_path, cwd, env_file, str(nbytes), "--",
+                  *[str(a) for a in argv]]
+        started = self.run(launch, timeout=30, input=env_text).stdout.split()
         deadline = time.monotonic() + PID_FILE_TIMEOUT_S
         while True:
             pid = self.read_pid(pid_path)
@@ -242,12 +243,13 @@ class Node(abc.ABC):
         res = self.run(argv, check=False, timeout=60)
         return res.stdout if res.ok else ""
 
-    def write_text(self, path: str, text: str) -> None:
+    def write_text(self, path: str, text: str, *, remove: Sequence[str] = ()) -> None:
         """Write a file atomically on the node: mode 0600 (directories 0700), through a fresh temp
         file (mktemp: O_EXCL, so never through a symlink someone planted), then a rename (which
-        replaces a link at `path` rather than following it). The text travels on stdin."""
+        replaces a link at `path` rather than following it). The text travels on stdin. `remove`:
+        files removed once it is in place, in the same round trip."""
         nbytes = len(text.encode(self.input_encoding))
-        self.run(["sh", "-c", WRITE, "fleet-write", path, str(nbytes)], input=text, timeout=60)
+        self.run(["sh", "-c", WRITE, "fleet-write", path, str(nbytes), *remove], input=text, timeout=60)
 
     def exists(self, path: str) -> bool:
         return self.run(["sh", "-c", '[ -e "$1" ]', "fleet-exists", path], check=False, timeout=30).ok

@@ -169,9 +169,10 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
     prefix = runner_command(node, cfg, node_cfg, urls=urls)
     token = None if exclusive else _claim_start(node, jdir)
     try:
-        attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)  # one that won meanwhile
-        if attached is not None:
-            return attached
+        if token is not None:   # one that won meanwhile (under the caller's lock none can)
+            attached = _attach(node, cfg, node_cfg, jdir, output, input_path, retry_errors)
+            if attached is not None:
+                return attached
         if not is_url(input_path) and not node.exists(input_path):
             raise CommandFailed(f"input {input_path} does not exist on node {node_cfg.name}", host=node.host,
                                 remedy="give --input a path that exists (it is uploaded to SSH nodes when it is local)")
@@ -182,8 +183,8 @@ def start_job(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, input_path:
             "retry_errors": retry_errors, "relaunch": True, "store": store, "seed": list(seed or []),
             "input_span": input_span, "input_rows": input_rows, "input_pin": input_pin,
         }
-        node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2))
-        node.run(["rm", "-f", f"{jdir}/{EXIT_FILE}"], timeout=30)   # a previous run's last word is not this one's
+        # a previous run's last word (its exit file) is not this one's: removed with the write
+        node.write_text(f"{jdir}/job.json", json.dumps(job, indent=2), remove=[f"{jdir}/{EXIT_FILE}"])
         env = runner_secret_env(cfg, endpoint_keys)
         env.update(store_vars)
         env["PYTHONUNBUFFERED"] = "1"
