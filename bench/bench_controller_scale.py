@@ -499,6 +499,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         runchunk_mod.ChunkRuns.run_chunk = run_chunk_alone  # type: ignore[method-assign]
     saved_run_chunk = real_run_chunk if old_starts else None
+    saved_look = runchunk_mod.look_every
+    if getattr(args, "old_looks", False):   # before: every running chunk looked at every poll_s
+        runchunk_mod.look_every = lambda poll_s, prog, **kw: poll_s  # type: ignore[assignment]
 
     remote_mod.start_job = start_job  # type: ignore[assignment]
     # plan.json is written by the plan's cut (planning.py) and the state's compaction (assignments.py)
@@ -517,6 +520,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m.connect = c  # type: ignore[attr-defined]
         if saved_run_chunk is not None:
             runchunk_mod.ChunkRuns.run_chunk = saved_run_chunk  # type: ignore[method-assign]
+        runchunk_mod.look_every = saved_look  # type: ignore[assignment]
 
 
 def _uncached(ctl: Any) -> None:
@@ -888,6 +892,8 @@ def main() -> None:
                          "trip, on a connection to one of K sshd on loopback (openssh-server), each connect a real "
                          "handshake; use --speed 1 with it (an SSH round trip's wall time is not compressed)")
     ap.add_argument("--ssh-only", action="store_true", help="with --ssh: only the pass with the real SSH seam")
+    ap.add_argument("--old-looks", action="store_true",
+                    help="with --ssh: first the same pass with every running chunk looked at every poll_s")
     ap.add_argument("--old-starts", action="store_true",
                     help="with --ssh: first the same pass as the controller started chunks before: a connection "
                          "per chunk attempt, each start proving the node again (venv, zip put) in 10 round trips")
@@ -932,17 +938,20 @@ def main() -> None:
             passes.insert(0, (True, False, False))
         if args.compare_state:
             passes.insert(0, (False, True, False))
-        passes4 = [(u, w, ssh, False) for u, w, ssh in passes]
+        passes4 = [(u, w, ssh, "") for u, w, ssh in passes]
         if sshds:   # the same job again, each node operation also its real SSH round trip
             passes4 = [p for p in passes4 if not args.ssh_only] + \
-                ([(False, False, True, True)] if args.old_starts else []) + [(False, False, True, False)]
+                ([(False, False, True, "starts")] if args.old_starts else []) + \
+                ([(False, False, True, "looks")] if args.old_looks else []) + [(False, False, True, "")]
         rows = []
         for uncached, whole, ssh, old in passes4:
-            args.uncached, args.whole_state, args.old_starts = uncached, whole, old
+            args.uncached, args.whole_state = uncached, whole
+            args.old_starts, args.old_looks = old == "starts", old == "looks"
             args.sshds = sshds if ssh else None
             label = "scans per question (before)" if uncached else \
                 "state rewritten whole per change (before)" if whole else \
-                "real SSH, a connection and a whole start per attempt (before)" if old else \
+                "real SSH, a connection and a whole start per attempt (before)" if old == "starts" else \
+                "real SSH, every running chunk looked at every poll (before)" if old == "looks" else \
                 "now, real SSH" if ssh else "now"
             load = os.getloadavg()[0]
             store_cpu0 = _proc_cpu_s(moto.pid) if moto else 0.0

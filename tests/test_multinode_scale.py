@@ -57,6 +57,36 @@ def test_a_running_chunk_costs_its_node_one_round_trip_a_poll() -> None:
     assert ops.get("is_alive", 0) + ops.get("read_text", 0) < ops["watch"], ops
 
 
+def test_a_running_chunk_is_looked_at_often_near_its_start_and_end_and_rarely_in_between() -> None:
+    """Cost: at 100 nodes over a real SSH seam, looking at every running chunk every second was two thirds
+    of the controller's round trips. Now the wait between looks is poll_s until the first progress and
+    near the end, a tenth of the time left (at most LOOK_MAX_S) in between, and never past the moment
+    the drain (which starts the next chunk) begins."""
+    from fleet.generation.multinode.nodework import LOOK_MAX_S, PRESTART_LEAD_S, _draining, look_every
+
+    def prog(done: int, total: int = 3000, rate: float = 10.0, in_flight: int = 64) -> dict[str, object]:
+        return {"state": "running", "rows_total": total, "rows_done": done, "rows_per_s": rate, "in_flight": in_flight}
+
+    assert look_every(1.0, None) == 1.0                                   # no progress yet: its start
+    assert look_every(1.0, {"state": "done"}) == 1.0
+    assert look_every(1.0, prog(0)) == LOOK_MAX_S                         # 300 s left: the longest wait
+    assert look_every(1.0, prog(2700)) == pytest.approx(3.0)             # 30 s left: a tenth of it
+    assert look_every(1.0, prog(2990, in_flight=10)) == 1.0               # in its drain: every poll
+    assert look_every(1.0, prog(0, rate=0.0)) == 1.0                      # no rate yet
+    # all of it in flight from its start (more slots than rows): it drains at once, and once the next
+    # chunk is started nothing waits on the drain — a tenth of the time left, at most LOOK_MAX_S
+    assert look_every(1.0, prog(0, total=300, in_flight=300)) == 1.0
+    assert look_every(1.0, prog(0, total=300, in_flight=300), next_started=True) == pytest.approx(3.0)
+    assert look_every(1.0, prog(290, total=300, in_flight=10), next_started=True) == 1.0   # its end
+    # never past the drain's start: the look after the wait still sees the chunk before it drains, or at it
+    for done in range(0, 3000, 7):
+        p = prog(done)
+        wait = look_every(1.0, p)
+        later = prog(min(3000, done + int(wait * 10)))
+        before_drain = (3000 - done - 64) / 10.0 - PRESTART_LEAD_S
+        assert wait <= max(1.0, before_drain) + 1e-9 and (wait == 1.0 or not _draining(p)), (done, wait, later)
+
+
 def test_controller_scans_state_once_per_change_not_per_node_per_decision() -> None:
     """The first limit the scale bench found: every decision (next_size, min_rest) asked each
     node's rate, and each answer scanned every chunk's attempts — O(nodes × chunks) per decision,

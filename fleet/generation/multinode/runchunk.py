@@ -25,7 +25,8 @@ from fleet.generation.data.objstore import Store
 from fleet.generation.job.progress import PROGRESS_FILE
 from fleet.generation.multinode.chunks import Assignments, Chunk, Plan
 from fleet.generation.multinode.nodecheck import last_words
-from fleet.generation.multinode.nodework import NodeLost, ChunkFailed, NodeWork, RunnerLiveness, _Asking, _draining, _unreachable, _retry
+from fleet.generation.multinode.nodework import (NodeLost, ChunkFailed, NodeWork, RunnerLiveness, _Asking, _draining,
+                                                 _unreachable, _retry, look_every)
 from fleet.node import LocalNode, Node, connect
 
 if TYPE_CHECKING:
@@ -261,7 +262,8 @@ class ChunkRuns:
             if now - last_fetch > self.fetch_every_s:
                 last_fetch = now
                 self._gather_partial(node, index, out, dest)
-            if self._stop.wait(self.poll_s):
+            wait = look_every(self.poll_s, prog, next_started=prestarted)
+            if self._stop.wait(min(wait, self.fetch_every_s)):
                 return False
 
     def _collect(self, node: Node, name: str, index: int, handle: JobHandle, out: str, dest: Path,
