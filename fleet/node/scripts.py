@@ -35,25 +35,44 @@ umask "$um"   # the command's own files (a job's output) follow the user's umask
 exec "$@" >>"$log" 2>&1 </dev/null
 """
 
+# atomic_write PATH NBYTES < text: PATH written whole or not at all, 0600 (directories 0700): through a
+# fresh temp file (mktemp: O_EXCL, never through a planted symlink), then a rename. The byte count
+# matters: when the writer dies mid-send (Ctrl-C ends fleet with os._exit, kill -9, a dropped SSH
+# connection) `cat` sees EOF early, and a cut-short launch record used to replace the good one
+# (`fleet down` then missed that server). Shared by WRITE and DETACH (its env file).
+_ATOMIC_WRITE = r"""
+atomic_write() (
+  umask 077
+  mkdir -p -- "$(dirname -- "$1")" || exit 1
+  tmp=$(mktemp "$1.XXXXXX") || exit 1
+  if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$2" ] && mv -f -- "$tmp" "$1"; then exit 0; fi
+  rm -f -- "$tmp"; exit 1
+)
+"""
+
+# sh -c WRITE fleet-write PATH NBYTES [REMOVE...] < text: atomic_write, then the REMOVE files are
+# removed (a start's job.json and its last run's exit file in one round trip).
+WRITE = _ATOMIC_WRITE + r"""
+atomic_write "$1" "$2" || exit 1
+shift 2; [ $# -eq 0 ] || rm -f -- "$@" || exit 2
+exit 0
+"""
+
 # sh -c DETACH LAUNCH PIDFILE LOGFILE CWD ENVFILE NBYTES -- ARGV...: remove PIDFILE, write ENVFILE
-# (when not empty) from stdin, start LAUNCH in a new session and print "PID STARTTIME" of that
-# session's leader at once (one round trip, not three: the multi-node controller starts a runner
-# per chunk) (LAUNCH execs the command, so it is the
-# very process the pid file will name). Its stdio is the log from the first instruction: a launch
+# (when not empty) from stdin with atomic_write, start LAUNCH in a new session and print "PID
+# STARTTIME" of that session's leader (one round trip, not three: the multi-node controller starts a
+# runner per chunk). LAUNCH execs the command, so that leader is the
+# very process the pid file will name. Its stdio is the log from the first instruction: a launch
 # shell that hangs or is stopped before its exec never holds the caller's pipes (which left
 # `fleet`'s own wait on them unbounded, issue 23), and the caller knows what to kill when the
 # pid file does not come in time. Not `setsid --fork`: its child's pid is unknown. A background
 # job of a non-interactive shell is not a process-group leader, so `setsid` does not fork.
-DETACH = r"""
+DETACH = _ATOMIC_WRITE + r"""
 launch=$0; pidfile=$1; log=$2; cwd=$3; envfile=$4; nbytes=$5; shift 5
 [ "$1" = "--" ] && shift
 rm -f -- "$pidfile" || exit 95   # an old one is not taken for this start's
 ( umask 077; mkdir -p -- "$(dirname -- "$log")" && : >>"$log" ) || exit 95
-if [ -n "$envfile" ]; then   # the env file from stdin, NBYTES bytes, 0600: whole or not at all
-  ( umask 077; mkdir -p -- "$(dirname -- "$envfile")" && tmp=$(mktemp "$envfile.XXXXXX") || exit 1
-    if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$nbytes" ] && mv -f -- "$tmp" "$envfile"; then exit 0; fi
-    rm -f -- "$tmp"; exit 1 ) || exit 96
-fi
+if [ -n "$envfile" ]; then atomic_write "$envfile" "$nbytes" || exit 96; fi
 setsid sh -c "$launch" fleet-launch "$pidfile" "$log" "$cwd" "$envfile" -- "$@" </dev/null >>"$log" 2>&1 &
 pid=$!
 start=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f20)
@@ -98,22 +117,6 @@ while running; do
   sleep 0.1
 done
 echo stopped
-"""
-
-# sh -c WRITE fleet-write PATH < TEXT
-# sh -c WRITE fleet-write PATH NBYTES [REMOVE...] < text (once PATH is in place, the REMOVE files
-# are removed: a start's job.json and its last run's exit file in one round trip). The byte count matters: when the writer dies
-# mid-send (Ctrl-C ends fleet with os._exit, kill -9, a dropped SSH connection) `cat` sees
-# EOF early, and a cut-short launch record used to replace the good one (`fleet down` then
-# missed that server).
-WRITE = r"""
-umask 077
-mkdir -p -- "$(dirname -- "$1")" || exit 1
-tmp=$(mktemp "$1.XXXXXX") || exit 1
-if cat > "$tmp" && [ "$(wc -c < "$tmp")" -eq "$2" ] && mv -f -- "$tmp" "$1"; then
-  shift 2; [ $# -eq 0 ] || rm -f -- "$@" || exit 2; exit 0
-fi
-rm -f -- "$tmp"; exit 1
 """
 
 # sh -c READ_PID fleet-pid PIDFILE EXPECT: the pid, when the process it names is the one that

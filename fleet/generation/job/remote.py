@@ -13,6 +13,7 @@ doubled, and the store's lock refuses a second writer even if someone tries by h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -54,8 +55,11 @@ class JobHandle:
         return dataclasses.asdict(self)
 
 
+@functools.lru_cache(maxsize=1)
 def build_pyz() -> bytes:
-    """fleet's source as a zip that `python fleet-runner.pyz --job …` runs (deterministic bytes)."""
+    """fleet's source as a zip that `python fleet-runner.pyz --job …` runs (deterministic bytes). Built
+    once per process (≈ 8 ms of CPU, at every chunk start of a multi-node controller before): the code a
+    process ships is the code it runs."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in sorted(FLEET_ROOT.rglob("*.py")):
@@ -85,7 +89,7 @@ def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, urls: 
     runner_cfg.engine.packages = list(RUNNER_PACKAGES) + store_packages(urls)
     pyz = f"{node_cfg.workdir.rstrip('/')}/bin/fleet-runner.pyz"
     data = build_pyz()
-    key = (runner_cfg.venv.path, request_hash(request_of(runner_cfg, "pyarrow")), pyz, hashlib.sha256(data).hexdigest())
+    key = (runner_cfg.venv.path, request_hash(request_of(runner_cfg, "pyarrow")), pyz, _digest(data))
     known: dict[tuple[str, ...], list[str]] = node.__dict__.setdefault("_runner_commands", {})
     if key in known:
         return list(known[key])
@@ -98,6 +102,11 @@ def runner_command(node: Node, cfg: FleetConfig, node_cfg: NodeConfig, *, urls: 
         node.put(tmp.name, pyz)
     known[key] = [venv.python, pyz]
     return list(known[key])
+
+
+@functools.lru_cache(maxsize=1)
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def server_entries(cfg: FleetConfig, specs: list[ServerSpec], facts: dict[int, dict[str, Any]] | None = None
